@@ -45,7 +45,7 @@ def chain_hash(parent_chain_hash: str | None, token_ids_delta: IdsLike) -> str:
     link = b"\x00" if parent_chain_hash is None else b"\x01" + bytes.fromhex(parent_chain_hash)
     header, body = canonical.ids_parts(token_ids_delta, "token_ids_delta")
     digest = hashlib.sha256(CHAIN_DOMAIN + link + header)
-    digest.update(body)
+    digest.update(body.data)
     return digest.hexdigest()
 
 
@@ -53,7 +53,7 @@ def cumulative_hash(token_ids: IdsLike) -> str:
     """Hash of every token id of the conversation through this call."""
     header, body = canonical.ids_parts(token_ids, "token_ids")
     digest = hashlib.sha256(PREFIX_DOMAIN + header)
-    digest.update(body)
+    digest.update(body.data)
     return digest.hexdigest()
 
 
@@ -132,6 +132,9 @@ def build_delta(
         )
     if not np.isfinite(logprobs).all():
         raise InvalidDelta("generated_logprobs", "must be finite (no NaN or Inf)")
+    # Rows store logprobs as float32 and the digest encodes float32, so round here once:
+    # the record then equals what the data plane returns.
+    logprobs = logprobs.astype(np.float32).astype(np.float64)
     carry = prompt.size - prev_len
     token_ids = np.concatenate((prompt[prev_len:], generated)).astype(np.int64).tolist()
     mask = [0.0] * carry + [1.0] * generated.size

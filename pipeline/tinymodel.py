@@ -1,0 +1,459 @@
+"""A tiny causal language model built offline, for tests, demos and benchmarks.
+
+The pipeline needs a real engine (vLLM CPU) and a real tokenizer with a chat template to
+exercise token-in generation, prefix splicing and logprob capture end to end, but CI has
+no model hub. So the model is made here from nothing: a Qwen2-architecture network with
+seeded random fp32 weights and a byte-level BPE tokenizer trained on a corpus generated
+in code. Everything is deterministic for a given seed, so two machines that build the
+same model get byte-identical files, and a Hugging Face forward can serve as the oracle
+for the engine's logprobs.
+
+The shape is chosen for vLLM's CPU attention backend, which only supports some head
+sizes (32 is the smallest): hidden 128 = 4 query heads x 32, with 2 key/value heads so
+grouped-query attention is exercised too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+TemplateName = Literal["chatml", "strip_reasoning"]
+TEMPLATES: tuple[TemplateName, ...] = ("chatml", "strip_reasoning")
+
+# Special tokens: never produced by ordinary text, skipped when decoding for display.
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
+# Ordinary added tokens: single ids, but kept in decoded text so that reasoning and tool
+# calls survive a decode -> re-render round trip.
+ADDED_TOKENS: tuple[str, ...] = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+
+# Written last, so its presence means the directory is complete; it also records the
+# parameters, so a directory built with other parameters is never silently reused.
+MANIFEST_NAME = "tinymodel.json"
+MANIFEST_FORMAT = 1
+REQUIRED_FILES: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    MANIFEST_NAME,
+)
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """The parameters that fully determine a tiny model's files."""
+
+    seed: int = 0
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 8192
+    template: TemplateName = "chatml"
+
+
+# --------------------------------------------------------------------------- templates
+
+_CONTENT_MACRO = """\
+{%- macro text_of(content) -%}
+  {%- if content is none -%}
+  {%- elif content is string -%}{{ content }}
+  {%- else -%}{%- for part in content -%}{%- if part.text is defined -%}{{ part.text }}{%- endif -%}{%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+"""
+
+_SYSTEM_BLOCK = (
+    """\
+{%- if messages and messages[0].role == 'system' -%}
+  {%- set system_text = text_of(messages[0].content) -%}
+  {%- set turns = messages[1:] -%}
+{%- else -%}
+  {%- set system_text = none -%}
+  {%- set turns = messages -%}
+{%- endif -%}
+{%- if system_text is not none or tools -%}
+"""
+    + IM_START
+    + """system\n{{ system_text if system_text is not none else '"""
+    + DEFAULT_SYSTEM_PROMPT
+    + """' }}
+  {%- if tools %}\n\n# Tools\nTo call a tool, reply with <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>.\n<tools>
+    {%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>
+  {%- endif -%}
+"""
+    + IM_END
+    + "\n"
+    + """\
+{%- endif -%}
+"""
+)
+
+_TOOL_CALLS = """\
+    {%- for call in message.tool_calls or [] -%}
+      {%- set fn = call.function if call.function is defined else call -%}
+      {%- if loop.first and (body or reasoning) %}\n{% elif not loop.first %}\n{% endif -%}
+      <tool_call>\n{"name": {{ fn.name | tojson }}, "arguments": {% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}}\n</tool_call>
+    {%- endfor -%}
+"""
+
+_TURN_LOOP = (
+    """\
+{%- for message in turns -%}
+  {%- if message.role == 'assistant' -%}
+    {%- set body = text_of(message.content) -%}
+    {%- set reasoning = message.reasoning_content if message.reasoning_content is defined
+        and message.reasoning_content else '' -%}
+    __STRIP__
+"""
+    + IM_START
+    + """assistant\n
+    {%- if reasoning %}<think>\n{{ reasoning }}\n</think>\n\n{% endif -%}
+    {{ body }}
+"""
+    + _TOOL_CALLS
+    + IM_END
+    + "\n"
+    + """\
+  {%- else -%}
+"""
+    + IM_START
+    + """{{ message.role }}\n{{ text_of(message.content) }}"""
+    + IM_END
+    + "\n"
+    + """\
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+"""
+    + IM_START
+    + """assistant\n
+{%- endif -%}
+"""
+)
+
+# Qwen3-style history rewriting: assistant turns before the latest user message lose
+# their reasoning, whether it came as `reasoning_content` or inline <think> text.
+_STRIP_OLD_REASONING = """\
+{%- if loop.index0 < ns.last_user -%}
+      {%- set reasoning = '' -%}
+      {%- if '</think>' in body -%}{%- set body = body.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}
+    {%- endif -%}"""
+
+_LAST_USER_INDEX = """\
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in turns -%}{%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+"""
+
+
+def chatml_template() -> str:
+    """ChatML with tools: every turn is re-rendered verbatim, reasoning included.
+
+    Each message ends with exactly one ``<|im_end|>``, which is what prefix splicing counts.
+    """
+    return _CONTENT_MACRO + _SYSTEM_BLOCK + _TURN_LOOP.replace("__STRIP__", "")
+
+
+def reasoning_stripping_template() -> str:
+    """ChatML that drops ``<think>`` blocks from assistant turns before the last user turn.
+
+    Real reasoning models' templates do this, so the re-rendered history differs from
+    the tokens the model actually produced; tests use it to prove the splice keeps the
+    exact prefix anyway (the EOS count per turn is unchanged, only positions shift).
+    """
+    body = _TURN_LOOP.replace("__STRIP__", _STRIP_OLD_REASONING)
+    return _CONTENT_MACRO + _SYSTEM_BLOCK + _LAST_USER_INDEX + body
+
+
+def chat_template(name: TemplateName) -> str:
+    """The template text for ``name``."""
+    if name == "chatml":
+        return chatml_template()
+    if name == "strip_reasoning":
+        return reasoning_stripping_template()
+    raise ValueError(f"unknown template {name!r}; expected one of {TEMPLATES}")
+
+
+# ---------------------------------------------------------------------------- corpus
+
+_WORDS = (
+    "the model reads a question and answers it step by step with care . "
+    "we add two numbers then check the sum before we reply to the user . "
+    "a tool can look up the weather , search the web , or run a small program . "
+    "tokens are captured exactly so that training sees what the policy sampled . "
+    "each rollout has turns ; each turn is one call to the engine with a prompt . "
+    "please think about the problem first , then write the final answer clearly ."
+).split()
+_TOOLS = ("add", "multiply", "search", "get_weather", "run_python", "lookup")
+_CITIES = ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Austin", "Delhi", "Quito")
+
+
+def build_corpus(seed: int = 0) -> list[str]:
+    """Deterministic training text covering prose, arithmetic, JSON tool calls and chat.
+
+    The tokenizer is trained on this, so merges exist for what tests and demos send
+    (numbers, JSON punctuation, tool names); anything else still encodes byte by byte.
+    """
+    rng = random.Random(seed)
+    lines: list[str] = []
+    for _ in range(400):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(6, 16))]
+        lines.append(" ".join(words).capitalize())
+    for _ in range(600):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        result = a + b if op == "+" else a - b if op == "-" else a * b
+        lines.append(f"What is {a} {op} {b}? {a} {op} {b} = {result}.")
+    for _ in range(200):
+        name = rng.choice(_TOOLS)
+        args: dict[str, Any] = (
+            {"city": rng.choice(_CITIES)}
+            if name == "get_weather"
+            else {"a": rng.randint(0, 99), "b": rng.randint(0, 99)}
+        )
+        call = json.dumps({"name": name, "arguments": args})
+        lines.append(f"<tool_call>\n{call}\n</tool_call>")
+        lines.append(f"<tool_response>\n{json.dumps({'result': rng.randint(0, 9999)})}\n</tool_response>")
+    for _ in range(100):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        lines.append(
+            f"{IM_START}user\nAdd {a} and {b}.{IM_END}\n{IM_START}assistant\n"
+            f"<think>\nI need {a} + {b}.\n</think>\n\nThe answer is {a + b}.{IM_END}\n"
+        )
+    return lines
+
+
+# ------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
+    """Train a byte-level BPE ``tokenizers.Tokenizer`` with the chat tokens as added tokens.
+
+    Byte level means every string encodes (no unknown token) and decodes back exactly.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        show_progress=False,
+        special_tokens=[*SPECIAL_TOKENS, *ADDED_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(build_corpus(seed), trainer=trainer)
+    # The trainer put all of them in the vocabulary; mark which ones are special.
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    return tokenizer
+
+
+def _save_tokenizer(out_dir: Path, spec: TinyModelSpec) -> dict[str, int]:
+    """Save the wrapped tokenizer; return the ids of the special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = train_tokenizer(spec.vocab_size, spec.seed)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        clean_up_tokenization_spaces=False,
+        model_max_length=spec.max_position_embeddings,
+        chat_template=chat_template(spec.template),
+    )
+    wrapped.save_pretrained(str(out_dir))
+    return {token: int(backend.token_to_id(token)) for token in SPECIAL_TOKENS} | {
+        "vocab": int(backend.get_vocab_size(with_added_tokens=True))
+    }
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def _init_weights(model: Any, seed: int) -> None:
+    """Overwrite every parameter from one seeded generator, in sorted name order.
+
+    Independent of the library's own initializers (which change between versions), so
+    the same seed gives the same bytes. The output head is scaled so logits spread over
+    a few nats: near-uniform distributions would make greedy decoding hinge on ties.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            if name.endswith("bias"):
+                std = 0.02
+            elif "embed_tokens" in name:
+                std = 1.0
+            elif name.startswith("lm_head"):
+                std = 0.4
+            else:
+                std = param.shape[-1] ** -0.5
+            sample = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_(sample * std)
+
+
+def _save_model(out_dir: Path, spec: TinyModelSpec, ids: dict[str, int]) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=ids["vocab"],
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+        dtype="float32",
+        architectures=["Qwen2ForCausalLM"],
+    )
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    _init_weights(model, spec.seed)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
+        pad_token_id=ids[ENDOFTEXT],
+    )
+    with _quiet_progress():
+        model.save_pretrained(str(out_dir))
+
+
+@contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """Silence the library's progress bar: ``--json`` callers parse our output."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def read_manifest(model_dir: Path) -> dict[str, Any] | None:
+    """The manifest of a complete tiny model in ``model_dir``, else None."""
+    if not all((model_dir / name).is_file() for name in REQUIRED_FILES):
+        return None
+    try:
+        manifest = json.loads((model_dir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _expected_manifest(spec: TinyModelSpec) -> dict[str, Any]:
+    return {"format": MANIFEST_FORMAT, "spec": asdict(spec)}
+
+
+def _existing(out_dir: Path, spec: TinyModelSpec) -> bool:
+    """True if ``out_dir`` already holds this model; raise if it holds something else."""
+    if not out_dir.exists():
+        return False
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        if out_dir.is_dir() and not any(out_dir.iterdir()):
+            return False
+        raise FileExistsError(f"{out_dir} exists and is not a complete tiny model; refusing to overwrite")
+    expected = _expected_manifest(spec)
+    if {key: manifest.get(key) for key in expected} != expected:
+        raise FileExistsError(f"{out_dir} holds a tiny model built with other parameters: {manifest.get('spec')}")
+    return True
+
+
+def make_tiny_model(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = TinyModelSpec.vocab_size,
+    template: TemplateName = "chatml",
+) -> Path:
+    """Create the tiny model in ``out_dir`` (idempotent) and return the directory.
+
+    If ``out_dir`` already holds a complete model built with the same parameters this
+    does nothing; if it holds anything else it raises ``FileExistsError``. The files are
+    built in a sibling temporary directory and renamed into place, so concurrent callers
+    and interrupted builds never leave a half-written model behind. Offline only.
+    """
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}")
+    if vocab_size < 512:
+        raise ValueError("vocab_size must be at least 512 (256 bytes, chat tokens and merges)")
+    spec = TinyModelSpec(seed=seed, vocab_size=vocab_size, template=template)
+    out_dir = Path(out_dir)
+    if _existing(out_dir, spec):
+        return out_dir
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        ids = _save_tokenizer(staging, spec)
+        _save_model(staging, spec, ids)
+        manifest = _expected_manifest(spec) | {"token_ids": ids}
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _relax_permissions(staging)
+        _install(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if not _existing(out_dir, spec):
+        raise RuntimeError(f"tiny model in {out_dir} is incomplete after building it")
+    return out_dir
+
+
+def _relax_permissions(directory: Path) -> None:
+    """Give the build ordinary umask permissions (mkdtemp and some writers use 0700/0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def _install(staging: Path, out_dir: Path) -> None:
+    """Move the finished build into place; losing a race to an identical build is fine."""
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+    try:
+        staging.rename(out_dir)
+    except OSError:
+        if read_manifest(out_dir) is None:
+            raise

@@ -1,0 +1,281 @@
+"""Every invariant of DESIGN §4.2 is rejected with an error that names the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from topics import digest
+from topics.records import (
+    CaptureAdmission,
+    CommitCoords,
+    FinalizedEvent,
+    RolloutReceipt,
+    RolloutSeal,
+    StagedCall,
+    TrainingSample,
+)
+from topics.rows import stage_row
+
+HASH = "ab" * 32
+
+
+def admission(**changes: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "rollout_id": "r1",
+        "call_id": "c2",
+        "parent_call_id": "c1",
+        "prev_len": 7,
+        "mode": "token_in",
+        "staging_chain": ["r1/c1"],
+        "parent_chain_hash": HASH,
+        "admitted_at": 1.0,
+    }
+    base.update(changes)
+    return base
+
+
+def row(**changes: Any) -> dict[str, Any]:
+    delta = digest.build_delta([1, 2, 3], [7, 8], [-0.5, -0.25], 0)
+    base = stage_row(
+        rollout_id="r1",
+        call_id="c1",
+        parent_call_id=None,
+        parent_chain_hash=None,
+        prefix_ids=[],
+        delta=delta,
+        weight_version=0,
+    ).model_dump()
+    base.update(changes)
+    return base
+
+
+def rejects(model: type, data: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(data)
+    assert field in str(info.value), str(info.value)
+
+
+def test_valid_admissions() -> None:
+    CaptureAdmission.model_validate(admission())
+    CaptureAdmission.model_validate(
+        admission(parent_call_id=None, prev_len=0, mode="text", staging_chain=None, parent_chain_hash=None)
+    )
+
+
+def test_text_mode_with_parent() -> None:
+    rejects(
+        CaptureAdmission,
+        admission(mode="text", prev_len=0, staging_chain=None, parent_chain_hash=None),
+        "parent_call_id",
+    )
+
+
+def test_token_in_without_chain_hash() -> None:
+    rejects(CaptureAdmission, admission(parent_chain_hash=None), "parent_chain_hash")
+
+
+def test_token_in_without_chain() -> None:
+    rejects(CaptureAdmission, admission(staging_chain=None), "staging_chain")
+
+
+def test_token_in_without_prev_len() -> None:
+    rejects(CaptureAdmission, admission(prev_len=0), "prev_len")
+
+
+def test_empty_list_standing_in_for_absent_prefix() -> None:
+    rejects(
+        CaptureAdmission,
+        admission(parent_call_id=None, prev_len=0, mode="text", staging_chain=[], parent_chain_hash=None),
+        "staging_chain",
+    )
+
+
+def test_chain_must_end_with_parent() -> None:
+    rejects(CaptureAdmission, admission(staging_chain=["r1/c0"]), "staging_chain")
+
+
+def test_chain_key_of_other_rollout() -> None:
+    rejects(CaptureAdmission, admission(staging_chain=["r9/c0", "r1/c1"]), "staging_chain")
+
+
+def test_cyclic_chain() -> None:
+    rejects(CaptureAdmission, admission(staging_chain=["r1/c2", "r1/c1"]), "staging_chain")
+
+
+@pytest.mark.parametrize("bad", ["", "-r", "r/1", "r 1", "r:1", "é"])
+def test_bad_rollout_id_characters(bad: str) -> None:
+    rejects(CaptureAdmission, admission(rollout_id=bad), "rollout_id")
+
+
+def test_unknown_field() -> None:
+    rejects(CaptureAdmission, admission(surprise=1), "surprise")
+
+
+def test_unknown_schema_version() -> None:
+    rejects(CaptureAdmission, admission(schema_version=4), "schema_version")
+
+
+def test_strict_types_no_coercion() -> None:
+    rejects(CaptureAdmission, admission(prev_len="7"), "prev_len")
+
+
+def test_valid_row() -> None:
+    StagedCall.model_validate(row())
+
+
+def test_prev_len_cum_len_mismatch() -> None:
+    rejects(StagedCall, row(cum_len=6), "cum_len")
+
+
+def test_delta_len_mismatch() -> None:
+    rejects(StagedCall, row(delta_len=4, cum_len=4), "token_ids_delta")
+
+
+def test_mask_not_zeros_then_ones() -> None:
+    rejects(
+        StagedCall,
+        row(token_mask_delta=[0.0, 1.0, 0.0, 1.0, 1.0], logprobs_delta=[0.0, -1.0, 0.0, -1.0, -1.0]),
+        "token_mask_delta",
+    )
+
+
+def test_mask_values_other_than_zero_one() -> None:
+    rejects(StagedCall, row(token_mask_delta=[0.0, 0.0, 0.0, 0.5, 1.0]), "token_mask_delta")
+
+
+def test_nonzero_logprob_under_mask_zero() -> None:
+    rejects(StagedCall, row(logprobs_delta=[0.0, -0.1, 0.0, -0.5, -0.25]), "logprobs_delta")
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_logprob(value: float) -> None:
+    rejects(StagedCall, row(logprobs_delta=[0.0, 0.0, 0.0, value, -0.25]), "logprobs_delta")
+
+
+@pytest.mark.parametrize("value", [-1, 1.0, True, "1"])
+def test_negative_or_non_int_token_id(value: Any) -> None:
+    rejects(StagedCall, row(token_ids_delta=[value, 2, 3, 7, 8]), "token_ids_delta")
+
+
+def test_empty_generation() -> None:
+    rejects(StagedCall, row(token_mask_delta=[0.0] * 5, logprobs_delta=[0.0] * 5), "token_mask_delta")
+
+
+def test_empty_delta() -> None:
+    rejects(
+        StagedCall,
+        row(token_ids_delta=[], token_mask_delta=[], logprobs_delta=[], delta_len=0, cum_len=0),
+        "delta_len",
+    )
+
+
+def test_row_text_mode_with_parent() -> None:
+    rejects(StagedCall, row(parent_call_id="c0"), "parent_call_id")
+
+
+def test_row_bad_hash() -> None:
+    rejects(StagedCall, row(digest="XYZ"), "digest")
+
+
+def test_row_extras_not_json_like() -> None:
+    rejects(StagedCall, row(extras={"a": float("nan")}), "extras")
+
+
+def coords(**changes: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "rollout_id": "r1",
+        "call_id": "c1",
+        "mode": "text",
+        "prev_len": 0,
+        "delta_len": 5,
+        "cum_len": 5,
+        "weight_version": 0,
+        "staging_key": "r1/c1",
+        "staging_chain": ["r1/c1"],
+        "chain_hash": HASH,
+        "cumulative_hash": HASH,
+        "digest": HASH,
+        "extras_digest": HASH,
+        "disposition": "staged",
+    }
+    base.update(changes)
+    return base
+
+
+def test_coords_rules() -> None:
+    CommitCoords.model_validate(coords())
+    CommitCoords.model_validate(
+        coords(
+            disposition="capture_failed",
+            failure_reason="prefix_unavailable",
+            chain_hash=None,
+            delta_len=0,
+            cum_len=0,
+        )
+    )
+    rejects(CommitCoords, coords(staging_key="r1/c2"), "staging_key")
+    rejects(CommitCoords, coords(staging_chain=["r1/c0"]), "staging_chain")
+    rejects(CommitCoords, coords(digest=None), "digest")
+    rejects(CommitCoords, coords(disposition="capture_failed"), "failure_reason")
+    rejects(CommitCoords, coords(failure_reason="prefix_unavailable"), "failure_reason")
+    rejects(CommitCoords, coords(disposition="capture_failed", failure_reason="not_a_code"), "failure_reason")
+
+
+def test_seal_rules() -> None:
+    seal = {"rollout_id": "r1", "status": "completed", "sealed_at": 2.0}
+    RolloutSeal.model_validate(seal)
+    rejects(RolloutSeal, {**seal, "status": "failed"}, "failure_reason")
+    rejects(RolloutSeal, {**seal, "terminal_call_id": "c1", "terminal_response_id": "x"}, "terminal_call_id")
+    rejects(RolloutSeal, {**seal, "reward": math.inf}, "reward")
+
+
+def test_receipt_rules() -> None:
+    base = {
+        "rollout_id": "r1",
+        "manifest": [],
+        "failed_calls": [],
+        "capture_poisoned": False,
+        "sealed_at": 1.0,
+    }
+    rejects(RolloutReceipt, base, "terminal_call_id")
+    RolloutReceipt.model_validate({**base, "capture_poisoned": True, "failure_reason": "no_calls"})
+    rejects(RolloutReceipt, {**base, "capture_poisoned": True}, "failure_reason")
+
+
+def test_finalized_rules() -> None:
+    base = {
+        "rollout_id": "r1",
+        "status": "accepted",
+        "prompt_len": 1,
+        "total_len": 3,
+        "generated_tokens": 2,
+        "call_count": 1,
+        "finalized_at": 1.0,
+    }
+    rejects(FinalizedEvent, base, "sample_key")
+    FinalizedEvent.model_validate({**base, "sample_key": "r1"})
+    rejects(FinalizedEvent, {**base, "status": "rejected"}, "rejection_reason")
+    FinalizedEvent.model_validate({**base, "status": "rejected", "rejection_reason": "digest_mismatch"})
+
+
+def test_sample_spans_cover_tokens() -> None:
+    base = {
+        "rollout_id": "r1",
+        "token_ids": [1, 2, 3],
+        "token_mask": [0.0, 1.0, 1.0],
+        "logprobs": [0.0, -1.0, -1.0],
+        "weight_versions": [0, 0, 0],
+        "cumulative_hash": HASH,
+        "spans": [{"call_id": "c1", "start": 0, "carry_len": 1, "gen_len": 2}],
+    }
+    TrainingSample.model_validate(base)
+    rejects(
+        TrainingSample,
+        {**base, "spans": [{"call_id": "c1", "start": 0, "carry_len": 1, "gen_len": 1}]},
+        "spans",
+    )
+    rejects(TrainingSample, {**base, "weight_versions": [0]}, "weight_versions")
