@@ -1,0 +1,210 @@
+"""The engine-agnostic capture core used by the vLLM and Megatron adapters.
+
+``prepare`` runs before the engine admits a request (async: it may read the data
+plane). ``complete`` runs when the engine finishes one: synchronous, no I/O, no
+waiting. It builds the delta, every hash and the digest, caches the row for children
+on this worker, hands it to the background writer and returns ``CommitCoords``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from stages.capture.cache import ChainCache, ChainLink
+from stages.capture.errors import CaptureFailure
+from stages.capture.resolve import PrefixResolver
+from stages.capture.writer import PendingCall, StagingWriter
+from topics.canonical import EncodingError, FloatsLike, IdsLike
+from topics.digest import InvalidDelta, build_delta
+from topics.failures import WorkerFailure
+from topics.records import CaptureAdmission, CommitCoords, StagedCall, staging_key
+from topics.rows import stage_row
+
+
+class AckPolicy(StrEnum):
+    """When the worker replies: after the row is staged, or as soon as it is queued."""
+
+    STAGED = "staged"
+    ENQUEUED = "enqueued"
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCall:
+    """An admission with its resolved prefix, or the reason capture already failed."""
+
+    admission: CaptureAdmission
+    prefix_ids: npt.NDArray[np.int64]
+    parent_chain_hash: str | None
+    failure: CaptureFailure | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What ``complete`` hands back: coords now, and (policy ``staged``) a future of the final coords."""
+
+    coords: CommitCoords
+    staged: asyncio.Future[CommitCoords] | None
+
+    async def final_coords(self) -> CommitCoords:
+        return self.coords if self.staged is None else await self.staged
+
+
+class CaptureCore:
+    """Prefix resolution before the engine, capture after it; one per worker."""
+
+    def __init__(
+        self,
+        resolver: PrefixResolver,
+        writer: StagingWriter,
+        cache: ChainCache,
+        *,
+        ack_policy: AckPolicy = AckPolicy.STAGED,
+    ) -> None:
+        self.resolver = resolver
+        self.writer = writer
+        self.cache = cache
+        self.ack_policy = ack_policy
+        writer.on_failed = cache.discard
+
+    async def prepare(self, admission: CaptureAdmission) -> PreparedCall:
+        """Resolve the admission's prefix; a failure is recorded, never raised, so the call is still served."""
+        try:
+            resolved = await self.resolver.resolve(admission)
+        except CaptureFailure as failure:
+            return PreparedCall(admission, _EMPTY, None, failure)
+        if resolved is None:
+            return PreparedCall(admission, _EMPTY, None)
+        return PreparedCall(admission, resolved.ids, resolved.chain_hash)
+
+    def complete(
+        self,
+        prepared: PreparedCall,
+        prompt_ids: IdsLike,
+        generated_ids: IdsLike,
+        generated_logprobs: FloatsLike,
+        *,
+        weight_version: int,
+        extras: dict[str, Any] | None = None,
+        response_id: str | None = None,
+    ) -> Completion:
+        """Capture a finished call. Synchronous and I/O-free: safe inside an engine step."""
+        if prepared.failure is not None:
+            return self.fail(prepared, prepared.failure.code, weight_version, response_id)
+        try:
+            row = self._row(prepared, prompt_ids, generated_ids, generated_logprobs, weight_version, extras)
+        except CaptureFailure as failure:
+            return self.fail(prepared, failure.code, weight_version, response_id)
+        delta = np.asarray(row.token_ids_delta, dtype=np.int64)
+        self.cache.put(ChainLink(row.staging_key, delta, row.chain_hash, row.cum_len))
+        coords = _coords(prepared.admission, row)
+        done = self._future()
+        if not self.writer.submit(PendingCall(coords, row, response_id, done)):
+            self.cache.discard(row.staging_key)
+            return self.fail(prepared, WorkerFailure.STAGING_WRITE_FAILED, weight_version, response_id, row)
+        return Completion(coords, done)
+
+    def fail(
+        self,
+        prepared: PreparedCall,
+        code: WorkerFailure,
+        weight_version: int,
+        response_id: str | None = None,
+        row: StagedCall | None = None,
+    ) -> Completion:
+        """Report a served call whose capture failed; the driver still gets coords."""
+        admission = prepared.admission
+        key = staging_key(admission.rollout_id, admission.call_id)
+        coords = CommitCoords(
+            rollout_id=admission.rollout_id,
+            call_id=admission.call_id,
+            parent_call_id=admission.parent_call_id,
+            mode=admission.mode,
+            prev_len=admission.prev_len,
+            delta_len=0 if row is None else row.delta_len,
+            cum_len=admission.prev_len if row is None else row.cum_len,
+            weight_version=weight_version,
+            staging_key=key,
+            staging_chain=[*(admission.staging_chain or []), key],
+            disposition="capture_failed",
+            failure_reason=code,
+        )
+        done = self._future()
+        self.writer.submit_failure(PendingCall(coords, None, response_id, done))
+        return Completion(coords, done)
+
+    def _future(self) -> asyncio.Future[CommitCoords] | None:
+        if self.ack_policy is AckPolicy.ENQUEUED:
+            return None
+        return asyncio.get_running_loop().create_future()
+
+    def _row(
+        self,
+        prepared: PreparedCall,
+        prompt_ids: IdsLike,
+        generated_ids: IdsLike,
+        generated_logprobs: FloatsLike,
+        weight_version: int,
+        extras: dict[str, Any] | None,
+    ) -> StagedCall:
+        admission = prepared.admission
+        prefix = prepared.prefix_ids
+        if not _starts_with(prompt_ids, prefix):
+            raise CaptureFailure(
+                WorkerFailure.PREFIX_SPLICE_FAILED, "prompt does not start with the exact prefix"
+            )
+        try:
+            delta = build_delta(prompt_ids, generated_ids, generated_logprobs, admission.prev_len)
+            return stage_row(
+                rollout_id=admission.rollout_id,
+                call_id=admission.call_id,
+                parent_call_id=admission.parent_call_id,
+                parent_chain_hash=prepared.parent_chain_hash,
+                prefix_ids=prefix,
+                delta=delta,
+                weight_version=weight_version,
+                extras=extras,
+            )
+        except (InvalidDelta, EncodingError, ValueError) as exc:
+            raise CaptureFailure(WorkerFailure.INVALID_DELTA, str(exc)) from None
+
+
+_EMPTY: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+
+def _starts_with(prompt_ids: IdsLike, prefix: npt.NDArray[np.int64]) -> bool:
+    if prefix.size == 0:
+        return True
+    if len(prompt_ids) < prefix.size:
+        return False
+    head = prompt_ids[: prefix.size]
+    return bool(np.array_equal(np.asarray(head, dtype=np.int64), prefix))
+
+
+def _coords(admission: CaptureAdmission, row: StagedCall) -> CommitCoords:
+    key = row.staging_key
+    return CommitCoords(
+        rollout_id=row.rollout_id,
+        call_id=row.call_id,
+        parent_call_id=row.parent_call_id,
+        mode=row.mode,
+        prev_len=row.prev_len,
+        delta_len=row.delta_len,
+        cum_len=row.cum_len,
+        weight_version=row.weight_version,
+        staging_key=key,
+        staging_chain=[*(admission.staging_chain or []), key],
+        chain_hash=row.chain_hash,
+        cumulative_hash=row.cumulative_hash,
+        digest=row.digest,
+        extras_digest=row.extras_digest,
+        disposition="staged",
+    )
+
+
+__all__ = ["AckPolicy", "CaptureCore", "Completion", "PreparedCall"]

@@ -1,0 +1,64 @@
+"""Prefix splice (DESIGN §5): put the exact earlier tokens back under a re-rendered prompt.
+
+A chat template re-renders earlier assistant turns from text, which can change their
+tokens (reasoning stripped, different merges). The EOS tokens that close each turn
+survive re-rendering, so the boundary is found by counting EOS tokens, not by
+position: everything up to the last earlier turn's EOS is replaced by the exact ids
+the model saw and produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from topics.failures import WorkerFailure
+
+
+class SpliceError(ValueError):
+    """The splice cannot be made; ``code`` is always ``prefix_splice_failed``."""
+
+    code = WorkerFailure.PREFIX_SPLICE_FAILED
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{self.code.value}: {reason}")
+        self.reason = reason
+
+
+def splice_prefix(
+    exact_prefix_ids: Sequence[int],
+    template_prefix_ids: Sequence[int],
+    template_ids: Sequence[int],
+    eos_token_ids: Collection[int],
+) -> list[int]:
+    """The prompt to send: exact prefix, one boundary EOS, then the new template tail.
+
+    ``template_prefix_ids`` is the render of the conversation through the last assistant
+    turn without a generation prompt; ``template_ids`` is the full render being sent.
+    """
+    if not eos_token_ids:
+        raise SpliceError("no EOS token ids given")
+    if not exact_prefix_ids:
+        raise SpliceError("the exact prefix is empty")
+    eos = frozenset(eos_token_ids)
+    turns = sum(1 for token in template_prefix_ids if token in eos)
+    if turns == 0:
+        raise SpliceError("the partial render has no EOS, so no turn boundary can be found")
+    boundary = _nth_eos_position(template_ids, eos, turns)
+    if boundary is None:
+        raise SpliceError(f"the full render has fewer than {turns} EOS tokens")
+    ended_on_eos = exact_prefix_ids[-1] in eos
+    body = list(exact_prefix_ids[:-1] if ended_on_eos else exact_prefix_ids)
+    boundary_eos = exact_prefix_ids[-1] if ended_on_eos else template_ids[boundary]
+    # By construction the result starts with the exact prefix: body + boundary EOS is
+    # the prefix itself when the model ended on EOS, and the prefix + one EOS otherwise.
+    return [*body, boundary_eos, *template_ids[boundary + 1 :]]
+
+
+def _nth_eos_position(ids: Sequence[int], eos: frozenset[int], n: int) -> int | None:
+    seen = 0
+    for position, token in enumerate(ids):
+        if token in eos:
+            seen += 1
+            if seen == n:
+                return position
+    return None

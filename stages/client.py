@@ -1,0 +1,122 @@
+"""The rollout driver's side of capture: admissions, seals and clean replies.
+
+A driver never handles token ids. It mints a call id, builds the admission from the
+parent's ``ng_commit_coords``, publishes it, sends the same admission inside the
+request as ``ng_capture``, and seals the rollout when the episode ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from stages.ports import EventSink
+from topics.records import CaptureAdmission, CommitCoords, RolloutSeal
+
+CAPTURE_FIELD = "ng_capture"
+COORDS_FIELD = "ng_commit_coords"
+# Reply fields that carry tokens; the agent must never see them.
+TOKEN_FIELDS = frozenset(
+    {"prompt_token_ids", "token_ids", "logprobs", "generated_token_ids", "prompt_logprobs"}
+)
+
+
+class RolloutClient:
+    """Builds and publishes the driver's events for many concurrent rollouts."""
+
+    def __init__(self, sink: EventSink, *, clock: Callable[[], float] = time.time) -> None:
+        self.sink = sink
+        self.clock = clock
+        self._counter = itertools.count(1)
+        self._nonce = uuid.uuid4().hex[:8]
+
+    def new_call_id(self) -> str:
+        """Unique per rollout and per driver process, and readable in logs."""
+        return f"c{next(self._counter)}-{self._nonce}"
+
+    def admit(
+        self,
+        rollout_id: str,
+        parent: CommitCoords | None = None,
+        *,
+        group_id: str | None = None,
+        logical_call_id: str | None = None,
+        call_id: str | None = None,
+    ) -> CaptureAdmission:
+        """A root admission, or a token-in child of ``parent``.
+
+        A parent whose capture failed cannot anchor exact tokens, so its child starts a
+        new root: the failed call then lies off the terminal chain.
+        """
+        call_id = call_id or self.new_call_id()
+        if parent is None or parent.disposition != "staged":
+            return CaptureAdmission(
+                rollout_id=rollout_id,
+                call_id=call_id,
+                mode="text",
+                prev_len=0,
+                logical_call_id=logical_call_id,
+                group_id=group_id,
+                admitted_at=self.clock(),
+            )
+        if parent.rollout_id != rollout_id:
+            raise ValueError(f"parent: call {parent.call_id} belongs to rollout {parent.rollout_id}")
+        return CaptureAdmission(
+            rollout_id=rollout_id,
+            call_id=call_id,
+            parent_call_id=parent.call_id,
+            mode="token_in",
+            prev_len=parent.cum_len,
+            staging_chain=list(parent.staging_chain),
+            parent_chain_hash=parent.chain_hash,
+            logical_call_id=logical_call_id,
+            group_id=group_id,
+            admitted_at=self.clock(),
+        )
+
+    async def publish_admission(self, admission: CaptureAdmission) -> None:
+        await self.sink.publish([admission])
+
+    async def seal(
+        self,
+        rollout_id: str,
+        *,
+        group_id: str | None = None,
+        reward: float | None = None,
+        terminal_call_id: str | None = None,
+        failed: str | None = None,
+    ) -> RolloutSeal:
+        """Close a rollout; ``failed`` (a reason) marks an episode that broke."""
+        seal = RolloutSeal(
+            rollout_id=rollout_id,
+            group_id=group_id,
+            reward=reward,
+            terminal_call_id=terminal_call_id,
+            status="failed" if failed else "completed",
+            failure_reason=failed,
+            sealed_at=self.clock(),
+        )
+        await self.sink.publish([seal])
+        return seal
+
+    @staticmethod
+    def request_body(body: Mapping[str, Any], admission: CaptureAdmission) -> dict[str, Any]:
+        """A chat request with the admission riding along as ``ng_capture``."""
+        return {**body, CAPTURE_FIELD: admission.model_dump(mode="json")}
+
+    @staticmethod
+    def coords_from_reply(reply: Mapping[str, Any]) -> CommitCoords | None:
+        raw = reply.get(COORDS_FIELD)
+        return None if raw is None else CommitCoords.model_validate(raw)
+
+
+def strip_token_fields(value: Any) -> Any:
+    """A reply with every token-carrying field removed, at any depth."""
+    if isinstance(value, dict):
+        return {k: strip_token_fields(v) for k, v in value.items() if k not in TOKEN_FIELDS}
+    if isinstance(value, list):
+        return [strip_token_fields(item) for item in value]
+    return value
