@@ -2,15 +2,20 @@
 
 The pipeline needs a real engine (vLLM CPU) and a real tokenizer with a chat template to
 exercise token-in generation, prefix splicing and logprob capture end to end, but CI has
-no model hub. So the model is made here from nothing: a Qwen2-architecture network with
+no model hub. So the model is made here from nothing: a Llama-architecture network with
 seeded random fp32 weights and a byte-level BPE tokenizer trained on a corpus generated
-in code. Everything is deterministic for a given seed, so two machines that build the
-same model get byte-identical files, and a Hugging Face forward can serve as the oracle
-for the engine's logprobs.
+in code, with a ChatML chat template. Everything is deterministic for a given seed, so
+two machines that build the same model get byte-identical files, and a Hugging Face
+forward can serve as the oracle for the engine's logprobs.
 
-The shape is chosen for vLLM's CPU attention backend, which only supports some head
-sizes (32 is the smallest): hidden 128 = 4 query heads x 32, with 2 key/value heads so
-grouped-query attention is exercised too.
+Why these choices:
+- Llama, not Qwen2: for ``model_type`` qwen2, transformers 5 ignores the saved tokenizer
+  class and rebuilds the tokenizer as ``Qwen2Tokenizer`` (its own pre-tokenizer regex and
+  NFC normalization), so the trained ``tokenizer.json`` would not be what runs. For
+  llama, ``AutoTokenizer`` (and therefore vLLM) loads ``tokenizer.json`` as saved.
+- hidden 128 = 4 query heads x 32: vLLM's CPU attention backend supports only some head
+  sizes, 32 being the smallest; 2 key/value heads so grouped-query attention is used.
+- fp32 weights, so engine logprobs can be compared with a reference forward to ~1e-6.
 """
 
 from __future__ import annotations
@@ -78,96 +83,84 @@ class TinyModelSpec:
 
 # --------------------------------------------------------------------------- templates
 
-_CONTENT_MACRO = """\
+# Every literal is emitted through an expression and every tag trims whitespace, so the
+# rendered text contains exactly the newlines spelled out in the strings, nothing more.
+_TEMPLATE = r"""
 {%- macro text_of(content) -%}
-  {%- if content is none -%}
-  {%- elif content is string -%}{{ content }}
-  {%- else -%}{%- for part in content -%}{%- if part.text is defined -%}{{ part.text }}{%- endif -%}{%- endfor -%}
-  {%- endif -%}
+    {%- if content is none -%}
+    {%- elif content is string -%}{{- content -}}
+    {%- else -%}
+        {%- for part in content -%}{%- if part.text is defined -%}{{- part.text -}}{%- endif -%}{%- endfor -%}
+    {%- endif -%}
 {%- endmacro -%}
-"""
-
-_SYSTEM_BLOCK = (
-    """\
 {%- if messages and messages[0].role == 'system' -%}
-  {%- set system_text = text_of(messages[0].content) -%}
-  {%- set turns = messages[1:] -%}
+    {%- set system_text = text_of(messages[0].content) -%}
+    {%- set turns = messages[1:] -%}
 {%- else -%}
-  {%- set system_text = none -%}
-  {%- set turns = messages -%}
+    {%- set system_text = none -%}
+    {%- set turns = messages -%}
 {%- endif -%}
 {%- if system_text is not none or tools -%}
-"""
-    + IM_START
-    + """system\n{{ system_text if system_text is not none else '"""
-    + DEFAULT_SYSTEM_PROMPT
-    + """' }}
-  {%- if tools %}\n\n# Tools\nTo call a tool, reply with <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>.\n<tools>
-    {%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>
-  {%- endif -%}
-"""
-    + IM_END
-    + "\n"
-    + """\
+    {{- '<|im_start|>system\n' + (system_text if system_text is not none else '@DEFAULT_SYSTEM@') -}}
+    {%- if tools -%}
+        {{- '\n\n# Tools\n\nTo call a tool, reply with <tool_call>\n{"name": <name>, "arguments": <object>}\n'
+            + '</tool_call>\n\n<tools>' -}}
+        {%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+        {{- '\n</tools>' -}}
+    {%- endif -%}
+    {{- '<|im_end|>\n' -}}
 {%- endif -%}
-"""
-)
-
-_TOOL_CALLS = """\
-    {%- for call in message.tool_calls or [] -%}
-      {%- set fn = call.function if call.function is defined else call -%}
-      {%- if loop.first and (body or reasoning) %}\n{% elif not loop.first %}\n{% endif -%}
-      <tool_call>\n{"name": {{ fn.name | tojson }}, "arguments": {% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}}\n</tool_call>
-    {%- endfor -%}
-"""
-
-_TURN_LOOP = (
-    """\
+@LAST_USER@
 {%- for message in turns -%}
-  {%- if message.role == 'assistant' -%}
-    {%- set body = text_of(message.content) -%}
-    {%- set reasoning = message.reasoning_content if message.reasoning_content is defined
-        and message.reasoning_content else '' -%}
-    __STRIP__
-"""
-    + IM_START
-    + """assistant\n
-    {%- if reasoning %}<think>\n{{ reasoning }}\n</think>\n\n{% endif -%}
-    {{ body }}
-"""
-    + _TOOL_CALLS
-    + IM_END
-    + "\n"
-    + """\
-  {%- else -%}
-"""
-    + IM_START
-    + """{{ message.role }}\n{{ text_of(message.content) }}"""
-    + IM_END
-    + "\n"
-    + """\
-  {%- endif -%}
+    {%- if message.role == 'assistant' -%}
+        {%- set body = text_of(message.content) -%}
+        {%- if message.reasoning_content is defined and message.reasoning_content -%}
+            {%- set reasoning = message.reasoning_content -%}
+        {%- elif message.reasoning is defined and message.reasoning -%}
+            {%- set reasoning = message.reasoning -%}
+        {%- else -%}
+            {%- set reasoning = '' -%}
+        {%- endif -%}
+@STRIP@
+        {{- '<|im_start|>assistant\n' -}}
+        {%- if reasoning -%}{{- '<think>\n' + reasoning + '\n</think>\n\n' -}}{%- endif -%}
+        {{- body -}}
+        {%- for call in message.tool_calls or [] -%}
+            {%- set fn = call.function if call.function is defined else call -%}
+            {%- if body or reasoning or not loop.first -%}{{- '\n' -}}{%- endif -%}
+            {{- '<tool_call>\n{"name": ' + (fn.name | tojson) + ', "arguments": ' -}}
+            {%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}
+            {{- '}\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\n' -}}
+    {%- else -%}
+        {{- '<|im_start|>' + message.role + '\n' + text_of(message.content) + '<|im_end|>\n' -}}
+    {%- endif -%}
 {%- endfor -%}
-{%- if add_generation_prompt -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """
-    + IM_START
-    + """assistant\n
-{%- endif -%}
-"""
-)
 
 # Qwen3-style history rewriting: assistant turns before the latest user message lose
-# their reasoning, whether it came as `reasoning_content` or inline <think> text.
-_STRIP_OLD_REASONING = """\
-{%- if loop.index0 < ns.last_user -%}
-      {%- set reasoning = '' -%}
-      {%- if '</think>' in body -%}{%- set body = body.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}
-    {%- endif -%}"""
-
-_LAST_USER_INDEX = """\
+# their reasoning, whether it came as a reasoning field or as inline <think> text.
+_LAST_USER_INDEX = r"""
 {%- set ns = namespace(last_user=-1) -%}
-{%- for message in turns -%}{%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for message in turns -%}
+    {%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
 """
+_STRIP_OLD_REASONING = r"""
+        {%- if loop.index0 < ns.last_user -%}
+            {%- set reasoning = '' -%}
+            {%- if '</think>' in body -%}{%- set body = body.split('</think>')[-1].lstrip('\n') -%}{%- endif -%}
+        {%- endif -%}
+"""
+
+
+def _render_template(*, strip_reasoning: bool) -> str:
+    text = _TEMPLATE.replace("@DEFAULT_SYSTEM@", DEFAULT_SYSTEM_PROMPT)
+    text = text.replace("@LAST_USER@", _LAST_USER_INDEX.strip() if strip_reasoning else "")
+    text = text.replace("@STRIP@", _STRIP_OLD_REASONING.strip() if strip_reasoning else "")
+    return text.strip() + "\n"
 
 
 def chatml_template() -> str:
@@ -175,7 +168,7 @@ def chatml_template() -> str:
 
     Each message ends with exactly one ``<|im_end|>``, which is what prefix splicing counts.
     """
-    return _CONTENT_MACRO + _SYSTEM_BLOCK + _TURN_LOOP.replace("__STRIP__", "")
+    return _render_template(strip_reasoning=False)
 
 
 def reasoning_stripping_template() -> str:
@@ -185,8 +178,7 @@ def reasoning_stripping_template() -> str:
     the tokens the model actually produced; tests use it to prove the splice keeps the
     exact prefix anyway (the EOS count per turn is unchanged, only positions shift).
     """
-    body = _TURN_LOOP.replace("__STRIP__", _STRIP_OLD_REASONING)
-    return _CONTENT_MACRO + _SYSTEM_BLOCK + _LAST_USER_INDEX + body
+    return _render_template(strip_reasoning=True)
 
 
 def chat_template(name: TemplateName) -> str:
@@ -212,13 +204,15 @@ _TOOLS = ("add", "multiply", "search", "get_weather", "run_python", "lookup")
 _CITIES = ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Austin", "Delhi", "Quito")
 
 
-def build_corpus(seed: int = 0) -> list[str]:
+def build_corpus() -> list[str]:
     """Deterministic training text covering prose, arithmetic, JSON tool calls and chat.
 
     The tokenizer is trained on this, so merges exist for what tests and demos send
     (numbers, JSON punctuation, tool names); anything else still encodes byte by byte.
+    It does not depend on the weight seed: models that differ only in seed share one
+    tokenizer, so one can stand in as a refit checkpoint for another.
     """
-    rng = random.Random(seed)
+    rng = random.Random(20240601)
     lines: list[str] = []
     for _ in range(400):
         words = [rng.choice(_WORDS) for _ in range(rng.randint(6, 16))]
@@ -250,7 +244,7 @@ def build_corpus(seed: int = 0) -> list[str]:
 # ------------------------------------------------------------------------- tokenizer
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
+def train_tokenizer(vocab_size: int) -> Any:
     """Train a byte-level BPE ``tokenizers.Tokenizer`` with the chat tokens as added tokens.
 
     Byte level means every string encodes (no unknown token) and decodes back exactly.
@@ -266,7 +260,7 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
         special_tokens=[*SPECIAL_TOKENS, *ADDED_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(build_corpus(seed), trainer=trainer)
+    tokenizer.train_from_iterator(build_corpus(), trainer=trainer)
     # The trainer put all of them in the vocabulary; mark which ones are special.
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
@@ -277,7 +271,7 @@ def _save_tokenizer(out_dir: Path, spec: TinyModelSpec) -> dict[str, int]:
     """Save the wrapped tokenizer; return the ids of the special tokens."""
     from transformers import PreTrainedTokenizerFast
 
-    backend = train_tokenizer(spec.vocab_size, spec.seed)
+    backend = train_tokenizer(spec.vocab_size)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=IM_END,
@@ -324,15 +318,16 @@ def _init_weights(model: Any, seed: int) -> None:
 
 def _save_model(out_dir: Path, spec: TinyModelSpec, ids: dict[str, int]) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=ids["vocab"],
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.hidden_size // spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
@@ -340,10 +335,10 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, ids: dict[str, int]) -> None
         eos_token_id=ids[IM_END],
         pad_token_id=ids[ENDOFTEXT],
         dtype="float32",
-        architectures=["Qwen2ForCausalLM"],
+        architectures=["LlamaForCausalLM"],
     )
     with torch.device("cpu"):
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).to(torch.float32)
     _init_weights(model, spec.seed)
     model.generation_config = GenerationConfig(
         eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],

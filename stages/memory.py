@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stages.ports import STAGING_PARTITION, SAMPLES_PARTITION, DataPlaneError, MissingRows
+from stages.ports import SAMPLES_PARTITION, STAGING_PARTITION, DataPlaneError, MissingRows
 from topics.events import Envelope, envelope
 from topics.records import Record, StagedCall, TrainingSample
 

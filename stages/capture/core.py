@@ -73,7 +73,7 @@ class CaptureCore:
         writer.on_failed = cache.discard
 
     async def prepare(self, admission: CaptureAdmission) -> PreparedCall:
-        """Resolve the admission's prefix; a failure is recorded, never raised, so the call is still served."""
+        """Resolve the prefix; a failure is recorded, not raised: the call is still served."""
         try:
             resolved = await self.resolver.resolve(admission)
         except CaptureFailure as failure:

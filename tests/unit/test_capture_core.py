@@ -66,7 +66,7 @@ def test_three_turn_rows_concatenate_to_engine_ids() -> None:
     data_plane, sink = MemoryDataPlane(), RecordingSink()
     seen, coords = run(three_turns(Worker(data_plane, sink), RolloutClient(sink)))
     rows = [data_plane.calls[c.staging_key] for c in coords]
-    assert sum((r.token_ids_delta for r in rows), []) == seen
+    assert [t for r in rows for t in r.token_ids_delta] == seen
     assert [r.prev_len for r in rows] == [0, 5, 10]
     assert rows[1].token_mask_delta == [0.0, 0.0, 0.0, 1.0, 1.0]
     assert rows[2].cumulative_hash == digest.cumulative_hash(seen)
