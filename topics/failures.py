@@ -26,7 +26,9 @@ class LedgerFailure(StrEnum):
     AMBIGUOUS_TERMINAL = "ambiguous_terminal"
     DECLARED_TERMINAL_MISSING = "declared_terminal_missing"
     NO_CALLS = "no_calls"
-    ROLLOUT_FAILED = "rollout_failed"
+    # Not in DESIGN §6, needed so that every admitted rollout still gets its one outcome:
+    ROLLOUT_FAILED = "rollout_failed"  # the driver sealed the rollout as failed
+    NEVER_SEALED = "never_sealed"  # admitted calls, but no seal within the open limit
 
 
 class FinalizerFailure(StrEnum):

@@ -1,0 +1,192 @@
+"""One open rollout in the ledger: its admissions, staged events and seal, and the
+rules that turn them into call records and, once sealed, a receipt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stages.ledger.terminal import NoTerminal, select_terminal, terminal_chain
+from topics.failures import LedgerFailure, WorkerFailure
+from topics.records import (
+    CallRecord,
+    CaptureAdmission,
+    FailedCall,
+    RolloutReceipt,
+    RolloutSeal,
+    StagedEvent,
+    staging_key,
+)
+
+FailureReason = WorkerFailure | LedgerFailure
+
+
+@dataclass(slots=True)
+class OpenRollout:
+    """Everything the ledger holds for one rollout until its receipt is out."""
+
+    rollout_id: str
+    admissions: dict[str, CaptureAdmission] = field(default_factory=dict)
+    staged: dict[str, StagedEvent] = field(default_factory=dict)
+    committed: dict[str, CallRecord] = field(default_factory=dict)
+    failed: dict[str, FailedCall] = field(default_factory=dict)
+    seal: RolloutSeal | None = None
+    sealed_monotonic: float = 0.0
+    opened_monotonic: float = 0.0
+    applied: set[str] = field(default_factory=set)
+
+    def join(self, call_id: str) -> CallRecord | FailedCall | None:
+        """Join the admission and staged event of ``call_id`` once both are here."""
+        admission = self.admissions.get(call_id)
+        staged = self.staged.get(call_id)
+        if admission is None or staged is None or call_id in self.committed or call_id in self.failed:
+            return None
+        coords = staged.coords
+        if coords.disposition == "capture_failed":
+            assert coords.failure_reason is not None
+            return self._fail(admission, coords.failure_reason, "capture failed on the worker")
+        mismatch = _coords_mismatch(admission, staged)
+        if mismatch is not None:
+            return self._fail(admission, LedgerFailure.COORDS_MISMATCH, mismatch)
+        record = CallRecord(
+            **coords.model_dump(exclude={"schema_version"}),
+            response_id=staged.response_id,
+            logical_call_id=admission.logical_call_id,
+            admitted_at=admission.admitted_at,
+            staged_at=staged.staged_at,
+        )
+        self.committed[call_id] = record
+        return record
+
+    def _fail(self, admission: CaptureAdmission, reason: FailureReason, detail: str) -> FailedCall:
+        failed = FailedCall(
+            rollout_id=admission.rollout_id,
+            call_id=admission.call_id,
+            parent_call_id=admission.parent_call_id,
+            reason=reason,
+            detail=detail,
+        )
+        self.failed[admission.call_id] = failed
+        return failed
+
+    def settled(self) -> bool:
+        """Every admitted call is committed or failed, and no staged event waits for an admission."""
+        return all(c in self.committed or c in self.failed for c in self.admissions) and all(
+            c in self.admissions for c in self.staged
+        )
+
+    def close(self, forced: LedgerFailure | None = None) -> tuple[list[FailedCall], RolloutReceipt]:
+        """Fail what never settled, check lineage, select the terminal, build the receipt.
+
+        ``forced`` poisons the receipt with that code (a rollout that was never sealed).
+        """
+        assert self.seal is not None
+        late: list[FailedCall] = []
+        for call_id, admission in self.admissions.items():
+            if call_id not in self.committed and call_id not in self.failed:
+                late.append(self._fail(admission, LedgerFailure.NEVER_STAGED, "no staged event within grace"))
+        for call_id, staged in self.staged.items():
+            if call_id not in self.admissions:
+                coords = staged.coords
+                failed = FailedCall(
+                    rollout_id=self.rollout_id,
+                    call_id=call_id,
+                    parent_call_id=coords.parent_call_id,
+                    reason=LedgerFailure.UNKNOWN_ADMISSION,
+                    detail="staged event without an admission",
+                )
+                self.failed[call_id] = failed
+                late.append(failed)
+        late += self._demote_broken_lineage()
+        return late, self._receipt(forced)
+
+    def _demote_broken_lineage(self) -> list[FailedCall]:
+        """A child must continue its parent exactly: chain, length and chain hash."""
+        demoted: list[FailedCall] = []
+        changed = True
+        while changed:
+            changed = False
+            for call_id, record in list(self.committed.items()):
+                parent = self.committed.get(record.parent_call_id or "")
+                if parent is None:
+                    continue
+                admission = self.admissions[call_id]
+                if (
+                    record.staging_chain[:-1] != parent.staging_chain
+                    or record.prev_len != parent.cum_len
+                    or admission.parent_chain_hash != parent.chain_hash
+                ):
+                    del self.committed[call_id]
+                    demoted.append(
+                        self._fail(admission, LedgerFailure.COORDS_MISMATCH, "does not continue parent")
+                    )
+                    changed = True
+        return demoted
+
+    def _receipt(self, forced: LedgerFailure | None) -> RolloutReceipt:
+        assert self.seal is not None
+        seal = self.seal
+        terminal: str | None = None
+        selection = None
+        reason: FailureReason | None = forced
+        if reason is not None:
+            pass
+        elif seal.status == "failed":
+            reason = LedgerFailure.ROLLOUT_FAILED
+        elif not self.admissions:
+            reason = LedgerFailure.NO_CALLS
+        else:
+            try:
+                parents = {c: f.parent_call_id for c, f in self.failed.items()}
+                for record in self.committed.values():  # parents nobody admitted are nodes too
+                    if record.parent_call_id is not None and record.parent_call_id not in self.admissions:
+                        parents.setdefault(record.parent_call_id, None)
+                chosen = select_terminal(self.committed, seal, parents)
+                terminal, selection = chosen.call_id, chosen.selection
+                reason = self._chain_failure(chosen.call_id)
+            except NoTerminal as exc:
+                reason = exc.code
+        return RolloutReceipt(
+            rollout_id=self.rollout_id,
+            group_id=seal.group_id,
+            reward=seal.reward,
+            manifest=sorted(self.committed.values(), key=lambda r: (r.prev_len, r.call_id)),
+            failed_calls=sorted(self.failed.values(), key=lambda f: f.call_id),
+            terminal_call_id=terminal if reason is None else None,
+            terminal_selection=selection if reason is None else None,
+            capture_poisoned=reason is not None,
+            failure_reason=reason,
+            sealed_at=seal.sealed_at,
+        )
+
+    def _chain_failure(self, terminal: str) -> FailureReason | None:
+        """A failed or missing call on the terminal chain poisons the rollout."""
+        if terminal in self.failed:
+            return self.failed[terminal].reason
+        if terminal not in self.committed:
+            return LedgerFailure.UNKNOWN_ADMISSION
+        record = self.committed[terminal]
+        for key in record.staging_chain[:-1]:
+            call_id = key.split("/", 1)[1]
+            if call_id in self.failed:
+                return self.failed[call_id].reason
+        try:
+            terminal_chain(self.committed, terminal)
+        except NoTerminal as exc:
+            return exc.code
+        return None
+
+
+def _coords_mismatch(admission: CaptureAdmission, staged: StagedEvent) -> str | None:
+    coords = staged.coords
+    expected_chain = [*(admission.staging_chain or []), staging_key(admission.rollout_id, admission.call_id)]
+    checks = (
+        ("rollout_id", coords.rollout_id, admission.rollout_id),
+        ("parent_call_id", coords.parent_call_id, admission.parent_call_id),
+        ("mode", coords.mode, admission.mode),
+        ("prev_len", coords.prev_len, admission.prev_len),
+        ("staging_chain", coords.staging_chain, expected_chain),
+    )
+    for name, got, want in checks:
+        if got != want:
+            return f"{name}: staged {got!r}, admitted {want!r}"
+    return None

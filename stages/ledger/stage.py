@@ -1,0 +1,218 @@
+"""The ledger stage: a long-lived consumer of admissions and staged events.
+
+Per rollout it joins each admission with its staged event into a ``CallRecord`` (or a
+``FailedCall``), and on the seal publishes one ``RolloutReceipt``. Events may arrive
+in any order and more than once; outputs carry deterministic ids, so replays are
+harmless downstream.
+
+Offsets: per partition it commits the lowest offset any open rollout still needs. A
+closed rollout is remembered (offsets only) while any of its events lie above that
+point, and the point is pulled down to its first event: a restart then replays each
+rollout whole or not at all, and rebuilds the same receipts.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from stages.ledger.rollout import OpenRollout
+from stages.ports import Consumed, EventSink, TopicPartition
+from topics.codec import encode_payload
+from topics.failures import LedgerFailure
+from topics.records import CallRecord, CaptureAdmission, DeadLetter, Record, RolloutSeal, StagedEvent
+
+log = logging.getLogger(__name__)
+
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerConfig:
+    seal_grace_s: float = 10.0
+    """How long a sealed rollout waits for staged events still in flight."""
+    max_open_s: float = 3600.0
+    """A rollout with admissions but no seal after this long is closed as never sealed."""
+
+
+@dataclass(slots=True)
+class LedgerStats:
+    receipts: int = 0
+    poisoned: Counter[str] = field(default_factory=Counter)
+    calls_committed: int = 0
+    calls_failed: int = 0
+    duplicates: int = 0
+    late: int = 0
+    dead_letters: int = 0
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Where a rollout's events lie: first and last offset per topic-partition."""
+
+    spans: dict[TopicPartition, Span] = field(default_factory=dict)
+
+    def add(self, tp: TopicPartition, offset: int) -> None:
+        first, last = self.spans.get(tp, (offset, offset))
+        self.spans[tp] = (min(first, offset), max(last, offset))
+
+
+class LedgerStage:
+    """StageHandler for ``tokentrail.admission`` + ``tokentrail.staged``."""
+
+    name = "ledger"
+
+    def __init__(
+        self,
+        sink: EventSink,
+        config: LedgerConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sink = sink
+        self.config = config or LedgerConfig()
+        self.clock = clock
+        self.stats = LedgerStats()
+        self.open: dict[str, OpenRollout] = {}
+        self._open_spans: dict[str, _Tracked] = {}
+        self._closed_spans: dict[str, _Tracked] = {}
+
+    async def handle(self, batch: Sequence[Consumed]) -> None:
+        outputs: list[Record] = []
+        now = self.clock()
+        touched: set[str] = set()
+        for item in batch:
+            rollout_id = item.event.key
+            closed = self._closed_spans.get(rollout_id)
+            if closed is not None:  # a late or replayed event of a rollout already receipted
+                closed.add((item.topic, item.partition), item.offset)
+                self.stats.late += 1
+                continue
+            state = self.open.get(rollout_id)
+            if state is None:
+                state = self.open[rollout_id] = OpenRollout(rollout_id, opened_monotonic=now)
+                self._open_spans[rollout_id] = _Tracked()
+            self._open_spans[rollout_id].add((item.topic, item.partition), item.offset)
+            if item.event.event_id in state.applied:
+                self.stats.duplicates += 1
+                continue
+            outputs += self._apply(state, item, now)
+            touched.add(rollout_id)
+        for rollout_id in touched:
+            state = self.open[rollout_id]
+            if state.seal is not None and state.settled():
+                outputs += self._close(state)
+        await self._publish(outputs)
+
+    def _apply(self, state: OpenRollout, item: Consumed, now: float) -> list[Record]:
+        payload = item.event.payload
+        if isinstance(payload, CaptureAdmission):
+            known = state.admissions.get(payload.call_id)
+            if known is not None and known != payload:
+                return [self._dead_letter(item, "conflicting admission for the same call id")]
+            state.admissions[payload.call_id] = payload
+            joined = state.join(payload.call_id)
+        elif isinstance(payload, StagedEvent):
+            call_id = payload.coords.call_id
+            if call_id in state.staged:
+                self.stats.duplicates += 1
+                return []
+            state.staged[call_id] = payload
+            joined = state.join(call_id)
+        elif isinstance(payload, RolloutSeal):
+            if state.seal is not None and state.seal != payload:
+                return [self._dead_letter(item, "conflicting seal for the same rollout")]
+            state.seal = payload
+            state.sealed_monotonic = now
+            joined = None
+        else:
+            return [
+                self._dead_letter(item, f"event type {item.event.event_type} does not belong on this topic")
+            ]
+        state.applied.add(item.event.event_id)
+        if joined is None:
+            return []
+        if isinstance(joined, CallRecord):
+            self.stats.calls_committed += 1
+        else:
+            self.stats.calls_failed += 1
+        return [joined]
+
+    def _close(self, state: OpenRollout, forced: LedgerFailure | None = None) -> list[Record]:
+        late, receipt = state.close(forced)
+        self.stats.calls_failed += len(late)
+        self.stats.receipts += 1
+        if receipt.failure_reason is not None:
+            self.stats.poisoned[str(receipt.failure_reason)] += 1
+        del self.open[state.rollout_id]
+        self._closed_spans[state.rollout_id] = self._open_spans.pop(state.rollout_id)
+        return [*late, receipt]
+
+    async def tick(self, now: float) -> None:
+        del now  # the stage keeps its own monotonic clock
+        current = self.clock()
+        outputs: list[Record] = []
+        for state in list(self.open.values()):
+            if state.seal is not None and current - state.sealed_monotonic >= self.config.seal_grace_s:
+                outputs += self._close(state)
+            elif state.seal is None and current - state.opened_monotonic >= self.config.max_open_s:
+                state.seal = RolloutSeal(
+                    rollout_id=state.rollout_id,
+                    status="failed",
+                    failure_reason=LedgerFailure.NEVER_SEALED.value,
+                    sealed_at=time.time(),
+                )
+                outputs += self._close(state, LedgerFailure.NEVER_SEALED)
+        await self._publish(outputs)
+
+    async def _publish(self, outputs: list[Record]) -> None:
+        if outputs:
+            await self.sink.publish(outputs)
+
+    def committable(self, positions: Mapping[TopicPartition, int]) -> Mapping[TopicPartition, int]:
+        commit = dict(positions)
+        for tracked in self._open_spans.values():
+            for tp, (first, _) in tracked.spans.items():
+                if tp in commit and first < commit[tp]:
+                    commit[tp] = first
+        changed = True
+        while changed:  # a closed rollout partly above the point is pulled in whole
+            changed = False
+            for tracked in self._closed_spans.values():
+                if any(tp in commit and last >= commit[tp] for tp, (_, last) in tracked.spans.items()):
+                    for tp, (first, _) in tracked.spans.items():
+                        if tp in commit and first < commit[tp]:
+                            commit[tp] = first
+                            changed = True
+        self._closed_spans = {
+            r: t
+            for r, t in self._closed_spans.items()
+            if any(tp in commit and last >= commit[tp] for tp, (_, last) in t.spans.items())
+        }
+        return commit
+
+    def on_revoked(self, partitions: Sequence[TopicPartition]) -> None:
+        lost = set(partitions)
+        for rollout_id, tracked in list(self._open_spans.items()):
+            if lost & tracked.spans.keys():
+                del self._open_spans[rollout_id]
+                self.open.pop(rollout_id, None)
+        self._closed_spans = {r: t for r, t in self._closed_spans.items() if not lost & t.spans.keys()}
+
+    def _dead_letter(self, item: Consumed, reason: str) -> DeadLetter:
+        self.stats.dead_letters += 1
+        log.warning("dead-lettering %s@%d:%d: %s", item.topic, item.partition, item.offset, reason)
+        return DeadLetter(
+            source_topic=item.topic,
+            source_partition=item.partition,
+            source_offset=item.offset,
+            reason=reason,
+            key=item.event.key,
+            headers={"tt-type": item.event.event_type.value, "tt-event-id": item.event.event_id},
+            value_b64=base64.b64encode(encode_payload(item.event.payload)).decode(),
+            stage=self.name,
+        )

@@ -1,0 +1,130 @@
+"""Terminal selection (DESIGN §4.4) and the terminal chain.
+
+Given the committed calls of a rollout, pick the call whose chain becomes the sample:
+the one the seal declares, or else the unique leaf once failed calls, abandoned
+retries (childless siblings of an extended call) and superseded attempts of one
+logical call are set aside.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from topics.failures import LedgerFailure
+from topics.records import CallRecord, RolloutSeal
+
+Selection = Literal["declared", "unique_leaf"]
+
+
+@dataclass(frozen=True, slots=True)
+class Terminal:
+    call_id: str
+    selection: Selection
+
+
+class NoTerminal(Exception):
+    def __init__(self, code: LedgerFailure, detail: str) -> None:
+        super().__init__(f"{code.value}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+def select_terminal(
+    records: Mapping[str, CallRecord], seal: RolloutSeal, parents: Mapping[str, str | None] | None = None
+) -> Terminal:
+    """The terminal call of a rollout; ``records`` are its committed calls by id.
+
+    ``parents`` gives the parent of every other known call (failed ones, and parents
+    nobody admitted), so the tree keeps its shape where such a call was extended. A
+    failed leaf drops only when a sibling survives (it was retried); otherwise it is
+    the real end of the episode and may be returned, for the caller to reject.
+    """
+    if seal.terminal_call_id is not None or seal.terminal_response_id is not None:
+        return _declared(records, seal)
+    if not records:
+        raise NoTerminal(LedgerFailure.NO_CALLS, "no committed call")
+    parent_of: dict[str, str | None] = {
+        **(parents or {}),
+        **{c: r.parent_call_id for c, r in records.items()},
+    }
+    children: dict[str | None, list[str]] = defaultdict(list)
+    for call_id, parent in parent_of.items():
+        children[parent].append(call_id)
+    dropped = _abandoned(children) | _superseded(records, children)
+    while True:  # a failed leaf that was retried drops, which can expose its failed parent
+        alive = set(parent_of) - dropped
+        retried_failures = {
+            c
+            for c in alive
+            if c not in records
+            and not any(k in alive for k in children.get(c, ()))
+            and any(s in alive and s != c for s in children[parent_of[c]])
+        }
+        if not retried_failures:
+            break
+        dropped |= retried_failures
+    leaves = sorted(c for c in alive if not any(k in alive for k in children.get(c, ())))
+    if len(leaves) == 1:
+        return Terminal(leaves[0], "unique_leaf")
+    if not leaves:
+        raise NoTerminal(LedgerFailure.COORDS_MISMATCH, "no leaf survives (cyclic parents)")
+    raise NoTerminal(LedgerFailure.AMBIGUOUS_TERMINAL, f"{len(leaves)} leaves: {', '.join(leaves[:5])}")
+
+
+def _declared(records: Mapping[str, CallRecord], seal: RolloutSeal) -> Terminal:
+    if seal.terminal_call_id is not None:
+        if seal.terminal_call_id in records:
+            return Terminal(seal.terminal_call_id, "declared")
+        raise NoTerminal(
+            LedgerFailure.DECLARED_TERMINAL_MISSING, f"call {seal.terminal_call_id} not committed"
+        )
+    matches = [r.call_id for r in records.values() if r.response_id == seal.terminal_response_id]
+    if len(matches) == 1:
+        return Terminal(matches[0], "declared")
+    raise NoTerminal(
+        LedgerFailure.DECLARED_TERMINAL_MISSING,
+        f"response {seal.terminal_response_id} matches {len(matches)} calls",
+    )
+
+
+def _abandoned(children: Mapping[str | None, list[str]]) -> set[str]:
+    """Childless siblings of a call that was extended: retries the driver gave up on."""
+    abandoned: set[str] = set()
+    for siblings in children.values():
+        if any(children.get(s) for s in siblings):
+            abandoned.update(s for s in siblings if not children.get(s))
+    return abandoned
+
+
+def _superseded(records: Mapping[str, CallRecord], children: Mapping[str | None, list[str]]) -> set[str]:
+    """Childless attempts of one logical call, except the last one staged."""
+    attempts: dict[str, list[CallRecord]] = defaultdict(list)
+    for record in records.values():
+        if record.logical_call_id is not None:
+            attempts[record.logical_call_id].append(record)
+    superseded: set[str] = set()
+    for group in attempts.values():
+        last = max(group, key=lambda r: (r.staged_at, r.call_id))
+        superseded.update(r.call_id for r in group if r is not last and not children.get(r.call_id))
+    return superseded
+
+
+def terminal_chain(records: Mapping[str, CallRecord], terminal: str) -> list[str]:
+    """Call ids from the root to ``terminal``; raises when an ancestor is missing or a cycle appears."""
+    chain: list[str] = []
+    seen: set[str] = set()
+    current: str | None = terminal
+    while current is not None:
+        if current in seen:
+            raise NoTerminal(LedgerFailure.COORDS_MISMATCH, f"cyclic parents through {current}")
+        record = records.get(current)
+        if record is None:
+            raise NoTerminal(LedgerFailure.UNKNOWN_ADMISSION, f"ancestor {current} was never admitted")
+        seen.add(current)
+        chain.append(current)
+        current = record.parent_call_id
+    chain.reverse()
+    return chain

@@ -1,0 +1,352 @@
+"""Ledger logic: joins, terminal selection table, poisoning, offsets, memory."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.memory import RecordingSink
+from stages.ports import Consumed
+from topics.events import envelope
+from topics.records import (
+    CallRecord,
+    CaptureAdmission,
+    CommitCoords,
+    FailedCall,
+    Record,
+    RolloutReceipt,
+    RolloutSeal,
+    StagedEvent,
+)
+
+H = ["%064x" % i for i in range(1, 50)]
+
+
+class Rollout:
+    """Builds the events of one rollout: calls are (call_id, parent, logical id)."""
+
+    def __init__(self, rollout_id: str = "r") -> None:
+        self.rollout_id = rollout_id
+        self.coords: dict[str, CommitCoords] = {}
+        self.events: list[Record] = []
+        self.clock = 1.0
+
+    def call(
+        self,
+        call_id: str,
+        parent: str | None = None,
+        *,
+        logical: str | None = None,
+        failed: str | None = None,
+        staged: bool = True,
+        response_id: str | None = None,
+        tamper: dict[str, Any] | None = None,
+    ) -> None:
+        p = self.coords.get(parent) if parent else None
+        prev_len = p.cum_len if p else 0
+        chain = [*(p.staging_chain if p else []), f"{self.rollout_id}/{call_id}"]
+        self.clock += 1
+        admission = CaptureAdmission(
+            rollout_id=self.rollout_id,
+            call_id=call_id,
+            parent_call_id=parent,
+            prev_len=prev_len,
+            mode="token_in" if parent else "text",
+            staging_chain=p.staging_chain if p else None,
+            parent_chain_hash=p.chain_hash if p else None,
+            logical_call_id=logical,
+            admitted_at=self.clock,
+        )
+        coords = CommitCoords(
+            rollout_id=self.rollout_id,
+            call_id=call_id,
+            parent_call_id=parent,
+            mode=admission.mode,
+            prev_len=prev_len,
+            delta_len=5,
+            cum_len=prev_len + 5,
+            weight_version=0,
+            staging_key=chain[-1],
+            staging_chain=chain,
+            chain_hash=H[len(self.coords)],
+            cumulative_hash=H[0],
+            digest=H[0],
+            extras_digest=H[0],
+            disposition="staged",
+        )
+        if failed:
+            coords = coords.model_copy(
+                update={"disposition": "capture_failed", "failure_reason": failed, "chain_hash": None}
+            )
+        self.coords[call_id] = coords
+        self.events.append(admission)
+        if staged:
+            staged_coords = coords.model_copy(update=tamper or {})
+            self.events.append(
+                StagedEvent(
+                    coords=staged_coords, worker_id="w", staged_at=self.clock, response_id=response_id
+                )
+            )
+
+    def seal(self, **kwargs: Any) -> None:
+        self.events.append(
+            RolloutSeal(rollout_id=self.rollout_id, status="completed", sealed_at=99.0, **kwargs)
+        )
+
+
+def consumed(events: list[Record], start: int = 0) -> list[Consumed]:
+    return [Consumed("in", 0, start + i, envelope(e)) for i, e in enumerate(events)]
+
+
+def run_ledger(events: list[Record], *, grace: float = 0.0) -> tuple[LedgerStage, RecordingSink]:
+    sink = RecordingSink()
+    clock = [0.0]
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=grace), clock=lambda: clock[0])
+
+    async def go() -> None:
+        await stage.handle(consumed(events))
+        clock[0] += grace + 1
+        await stage.tick(0)
+
+    asyncio.run(go())
+    return stage, sink
+
+
+def receipt_of(sink: RecordingSink) -> RolloutReceipt:
+    receipts = sink.payloads(RolloutReceipt)
+    assert len(receipts) == 1
+    return receipts[0]  # type: ignore[return-value]
+
+
+def build(case: str) -> Rollout:
+    r = Rollout()
+    if case == "single_chain":
+        r.call("a")
+        r.call("b", "a")
+        r.call("c", "b")
+        r.seal()
+    elif case == "abandoned_retry":  # b1 was retried as b2, which was extended
+        r.call("a")
+        r.call("b1", "a")
+        r.call("b2", "a")
+        r.call("c", "b2")
+        r.seal()
+    elif case == "retried_final_same_logical":
+        r.call("a")
+        r.call("b1", "a", logical="L")
+        r.call("b2", "a", logical="L")
+        r.seal()
+    elif case == "two_extended_branches":
+        r.call("a")
+        r.call("b1", "a")
+        r.call("c1", "b1")
+        r.call("b2", "a")
+        r.call("c2", "b2")
+        r.seal()
+    elif case == "two_leaves_no_logical":
+        r.call("a")
+        r.call("b1", "a")
+        r.call("b2", "a")
+        r.seal()
+    elif case == "declared_present":
+        r.call("a")
+        r.call("b1", "a")
+        r.call("b2", "a")
+        r.seal(terminal_call_id="b1")
+    elif case == "declared_missing":
+        r.call("a")
+        r.call("b", "a")
+        r.seal(terminal_call_id="zz")
+    elif case == "declared_by_response":
+        r.call("a")
+        r.call("b1", "a", response_id="resp-1")
+        r.call("b2", "a")
+        r.seal(terminal_response_id="resp-1")
+    elif case == "failed_off_chain":
+        r.call("a")
+        r.call("x", "a", failed="staging_write_failed")
+        r.call("b", "a")
+        r.call("c", "b")
+        r.seal()
+    elif case == "failed_on_chain":
+        r.call("a")
+        r.call("b", "a", failed="prefix_hash_mismatch")
+        r.seal(terminal_call_id="a")
+        r.events.append(r.events.pop())  # seal stays last
+    elif case == "failed_last_call":
+        r.call("a")
+        r.call("b", "a", failed="prefix_hash_mismatch")
+        r.seal()
+    elif case == "failed_attempt_then_retry":
+        r.call("a")
+        r.call("b1", "a", failed="invalid_delta")
+        r.call("b2", "a")
+        r.seal()
+    elif case == "failed_parent_of_terminal":
+        r.call("a")
+        r.call("b", "a", failed="staging_timeout")
+        r.coords["b"] = r.coords["b"].model_copy(
+            update={"disposition": "staged", "failure_reason": None, "chain_hash": H[9]}
+        )
+        r.call("c", "b")
+        r.seal()
+    elif case == "orphan_parent":
+        r.call("a")
+        r.call("b", "a", staged=False)
+        r.call("c", "b")
+        r.seal()
+        r.events = [e for e in r.events if not (isinstance(e, CaptureAdmission) and e.call_id == "b")]
+    elif case == "cyclic_parents":
+        r.call("a")
+        r.call("b", "a")
+        r.seal()
+        r.events[1] = StagedEvent(
+            coords=r.coords["a"].model_copy(
+                update={"parent_call_id": "b", "mode": "token_in", "prev_len": 5, "cum_len": 10}
+            ),
+            worker_id="w",
+            staged_at=1.0,
+        )
+    elif case == "no_calls":
+        r.seal()
+    elif case == "never_staged_on_chain":
+        r.call("a")
+        r.call("b", "a", staged=False)
+        r.seal(terminal_call_id="b")
+    elif case == "coords_mismatch":
+        r.call("a")
+        r.call("b", "a", tamper={"prev_len": 4, "cum_len": 9})
+        r.seal()
+    return r
+
+
+TABLE = [
+    ("single_chain", "c", "unique_leaf", None),
+    ("abandoned_retry", "c", "unique_leaf", None),
+    ("retried_final_same_logical", "b2", "unique_leaf", None),
+    ("two_extended_branches", None, None, "ambiguous_terminal"),
+    ("two_leaves_no_logical", None, None, "ambiguous_terminal"),
+    ("declared_present", "b1", "declared", None),
+    ("declared_missing", None, None, "declared_terminal_missing"),
+    ("declared_by_response", "b1", "declared", None),
+    ("failed_off_chain", "c", "unique_leaf", None),
+    ("failed_on_chain", "a", "declared", None),
+    ("failed_last_call", None, None, "prefix_hash_mismatch"),
+    ("failed_attempt_then_retry", "b2", "unique_leaf", None),
+    ("failed_parent_of_terminal", None, None, "staging_timeout"),
+    ("orphan_parent", None, None, "unknown_admission"),
+    ("cyclic_parents", None, None, "coords_mismatch"),
+    ("no_calls", None, None, "no_calls"),
+    ("never_staged_on_chain", None, None, "declared_terminal_missing"),
+    ("coords_mismatch", None, None, "coords_mismatch"),
+]
+
+
+@pytest.mark.parametrize(("case", "terminal", "selection", "reason"), TABLE, ids=[t[0] for t in TABLE])
+def test_terminal_selection(
+    case: str, terminal: str | None, selection: str | None, reason: str | None
+) -> None:
+    _, sink = run_ledger(build(case).events)
+    receipt = receipt_of(sink)
+    assert receipt.terminal_call_id == terminal
+    assert receipt.terminal_selection == selection
+    assert (receipt.failure_reason.value if receipt.failure_reason else None) == reason
+    assert receipt.capture_poisoned == (reason is not None)
+
+
+def test_failed_off_chain_is_listed_not_poisoning() -> None:
+    _, sink = run_ledger(build("failed_off_chain").events)
+    receipt = receipt_of(sink)
+    assert [f.call_id for f in receipt.failed_calls] == ["x"]
+    assert {r.call_id for r in receipt.manifest} == {"a", "b", "c"}
+
+
+def test_order_independent_and_duplicates_ignored() -> None:
+    events = build("single_chain").events
+    shuffled = [*reversed(events[:-1]), *events[:3], events[-1]]  # staged before admission, duplicates
+    _, a = run_ledger(events)
+    _, b = run_ledger(shuffled)
+    assert receipt_of(a).model_dump(exclude={"manifest"}) == receipt_of(b).model_dump(exclude={"manifest"})
+    assert [r.call_id for r in receipt_of(a).manifest] == [r.call_id for r in receipt_of(b).manifest]
+
+
+def test_seal_waits_for_inflight_calls_then_never_staged() -> None:
+    r = build("never_staged_on_chain")
+    sink = RecordingSink()
+    clock = [0.0]
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=5.0), clock=lambda: clock[0])
+
+    async def go() -> None:
+        await stage.handle(consumed(r.events))
+        await stage.tick(0)
+        assert sink.payloads(RolloutReceipt) == []  # still within grace
+        clock[0] = 6.0
+        await stage.tick(0)
+
+    asyncio.run(go())
+    failed = [f for f in sink.payloads(FailedCall) if f.reason == "never_staged"]  # type: ignore[attr-defined]
+    assert [f.call_id for f in failed] == ["b"]  # type: ignore[attr-defined]
+
+
+def test_call_records_published_as_they_join() -> None:
+    _, sink = run_ledger(build("single_chain").events)
+    assert [e.event_id for e in sink.events if isinstance(e.payload, CallRecord)] == [
+        "com/r/a",
+        "com/r/b",
+        "com/r/c",
+    ]
+    assert sink.events[-1].event_id == "rcp/r"
+
+
+def test_commit_point_keeps_open_rollouts_and_replays_whole() -> None:
+    sink = RecordingSink()
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=100))
+    open_one, closed_one = build("single_chain"), Rollout("s")
+    closed_one.call("a")
+    open_events = open_one.events[:-1]  # no seal: stays open
+    # interleave: s's admission, r's events, s's staged + seal
+    events = [
+        closed_one.events[0],
+        *open_events,
+        closed_one.events[1],
+        RolloutSeal(rollout_id="s", status="completed", sealed_at=1.0),
+    ]
+
+    async def go() -> dict[Any, int]:
+        await stage.handle(consumed(events))
+        return dict(stage.committable({("in", 0): len(events)}))
+
+    commit = asyncio.run(go())
+    # r is open from offset 1; s closed but has events above 1, so it is replayed whole from 0
+    assert commit == {("in", 0): 0}
+    assert len(sink.payloads(RolloutReceipt)) == 1
+
+
+def test_finished_rollouts_leave_no_state() -> None:
+    sink = RecordingSink()
+    stage = LedgerStage(sink)
+
+    async def go() -> None:
+        offset = 0
+        for i in range(2000):
+            r = Rollout(f"r{i}")
+            r.call("a")
+            r.call("b", "a")
+            r.seal()
+            await stage.handle(consumed(r.events, offset))
+            offset += len(r.events)
+            stage.committable({("in", 0): offset})
+
+    asyncio.run(go())
+    assert stage.open == {} and stage._closed_spans == {} and stage._open_spans == {}
+    assert stage.stats.receipts == 2000
+
+
+def test_wrong_event_type_is_dead_lettered() -> None:
+    r = build("single_chain")
+    receipt_events = run_ledger(r.events)[1].payloads(RolloutReceipt)
+    stage, sink = run_ledger([*Rollout("q").events, receipt_events[0]])
+    assert stage.stats.dead_letters == 1
