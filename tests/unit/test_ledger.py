@@ -15,6 +15,7 @@ from topics.records import (
     CallRecord,
     CaptureAdmission,
     CommitCoords,
+    DeadLetter,
     FailedCall,
     Record,
     RolloutReceipt,
@@ -22,7 +23,7 @@ from topics.records import (
     StagedEvent,
 )
 
-H = ["%064x" % i for i in range(1, 50)]
+H = [f"{i:064x}" for i in range(1, 50)]
 
 
 class Rollout:
@@ -349,4 +350,5 @@ def test_wrong_event_type_is_dead_lettered() -> None:
     r = build("single_chain")
     receipt_events = run_ledger(r.events)[1].payloads(RolloutReceipt)
     stage, sink = run_ledger([*Rollout("q").events, receipt_events[0]])
+    assert len(sink.payloads(DeadLetter)) == 1
     assert stage.stats.dead_letters == 1
