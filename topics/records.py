@@ -20,6 +20,11 @@ SCHEMA_VERSION = 3
 DIGEST_VERSION = 2
 EXTRAS_DIGEST_VERSION = 1
 
+EXTRAS_WEIGHT_SPANS = "weight_version_spans"
+"""Extras key for a call that straddles a refit: ``[[generated_offset, version], ...]``,
+ascending offsets starting at 0; token ``i`` of the generation has the version of the
+last span whose offset is <= i."""
+
 IDENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 STAGING_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 
@@ -165,6 +170,9 @@ class StagedCallBody(Record):
             )
         check_delta(self.token_ids_delta, self.token_mask_delta, self.logprobs_delta, self.delta_len)
         _check_extras(self.extras)
+        if self.extras is not None and EXTRAS_WEIGHT_SPANS in self.extras:
+            generated = int(sum(self.token_mask_delta))
+            check_weight_spans(self.extras[EXTRAS_WEIGHT_SPANS], generated)
         return self
 
     @property
@@ -194,6 +202,22 @@ def check_delta(token_ids: list[int], mask: list[float], logprobs: list[float], 
         raise ValueError("logprobs_delta: must be finite (no NaN or Inf)")
     if (logprob_array[: delta_len - generated] != 0.0).any():
         raise ValueError("logprobs_delta: must be 0.0 wherever the mask is 0")
+
+
+def check_weight_spans(spans: Any, generated: int) -> None:
+    """``[[offset, version], ...]``: offsets ascend from 0 and stay inside the generation."""
+    field = f"extras.{EXTRAS_WEIGHT_SPANS}"
+    if type(spans) is not list or not spans:
+        raise ValueError(f"{field}: must be a non-empty list of [offset, version] pairs")
+    previous = -1
+    for pair in spans:
+        if type(pair) is not list or len(pair) != 2 or any(type(v) is not int or v < 0 for v in pair):
+            raise ValueError(f"{field}: {pair!r} is not a pair of non-negative ints")
+        if pair[0] <= previous or pair[0] >= generated:
+            raise ValueError(f"{field}: offsets must ascend within the {generated} generated tokens")
+        previous = pair[0]
+    if spans[0][0] != 0:
+        raise ValueError(f"{field}: the first span starts at offset 0")
 
 
 class StagedCall(StagedCallBody):

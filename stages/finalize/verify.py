@@ -1,0 +1,210 @@
+"""Verification (DESIGN §4.5) and linearization of a rollout's terminal chain.
+
+Checks run in a fixed order so that each corruption maps to exactly one code:
+identity, lengths, mask, digest, chain hash, cumulative hash, weight versions. The
+digest covers every field of a row, so a row that passes it and still fails a later
+check was written wrong at the source, not damaged on the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from topics.canonical import EncodingError
+from topics.digest import chain_hash, cumulative_hash, digest_of_body, extras_digest
+from topics.failures import FinalizerFailure
+from topics.records import (
+    EXTRAS_WEIGHT_SPANS,
+    SCHEMA_VERSION,
+    CallRecord,
+    CallSpan,
+    RolloutReceipt,
+    StagedCall,
+    StagedCallBody,
+    TrainingSample,
+    check_weight_spans,
+)
+
+
+class MixedVersionPolicy(StrEnum):
+    ALLOW = "allow"
+    REJECT = "reject"
+
+
+class Rejected(Exception):
+    """The rollout cannot become a sample; ``code`` says why."""
+
+    def __init__(self, code: FinalizerFailure, detail: str) -> None:
+        super().__init__(f"{code.value}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class Linearized:
+    sample: TrainingSample
+    prompt_len: int
+    generated_tokens: int
+    call_count: int
+    min_weight_version: int
+    max_weight_version: int
+
+
+def terminal_records(receipt: RolloutReceipt) -> list[CallRecord]:
+    """The manifest records from root to terminal, following parent links."""
+    by_id = {record.call_id: record for record in receipt.manifest}
+    chain: list[CallRecord] = []
+    current = receipt.terminal_call_id
+    while current is not None:
+        record = by_id.get(current)
+        if record is None or len(chain) > len(by_id):
+            raise Rejected(
+                FinalizerFailure.MISSING_ROW, f"call {current} of the chain is not in the manifest"
+            )
+        chain.append(record)
+        current = record.parent_call_id
+    chain.reverse()
+    return chain
+
+
+def linearize(
+    receipt: RolloutReceipt,
+    rows: Mapping[str, StagedCall],
+    policy: MixedVersionPolicy = MixedVersionPolicy.ALLOW,
+) -> Linearized:
+    """Verify every row of the terminal chain and concatenate them into the sample."""
+    chain = terminal_records(receipt)
+    ids: list[npt.NDArray[np.int64]] = []
+    masks: list[npt.NDArray[np.float64]] = []
+    logprobs: list[npt.NDArray[np.float64]] = []
+    versions: list[npt.NDArray[np.int64]] = []
+    spans: list[CallSpan] = []
+    parent_hash: str | None = None
+    length = 0
+    for record in chain:
+        row = rows.get(record.staging_key)
+        if row is None:
+            raise Rejected(FinalizerFailure.MISSING_ROW, f"no row under {record.staging_key}")
+        _check_identity(receipt, record, row)
+        _check_lengths(record, row, length)
+        mask = np.asarray(row.token_mask_delta, dtype=np.float64)
+        carry = _check_mask(row.staging_key, mask)
+        _check_digest(record, row)
+        delta = np.asarray(row.token_ids_delta, dtype=np.int64)
+        parent_hash = chain_hash(parent_hash, delta)
+        if parent_hash != row.chain_hash or parent_hash != record.chain_hash:
+            raise Rejected(
+                FinalizerFailure.CHAIN_HASH_MISMATCH, f"chain hash of {row.staging_key} does not recompute"
+            )
+        ids.append(delta)
+        masks.append(mask)
+        logprobs.append(np.asarray(row.logprobs_delta, dtype=np.float64))
+        versions.append(_token_versions(row, carry))
+        spans.append(
+            CallSpan(call_id=row.call_id, start=length, carry_len=carry, gen_len=row.delta_len - carry)
+        )
+        length = row.cum_len
+    all_ids = np.concatenate(ids)
+    terminal = chain[-1]
+    linear_hash = cumulative_hash(all_ids)
+    if linear_hash != rows[terminal.staging_key].cumulative_hash or linear_hash != terminal.cumulative_hash:
+        raise Rejected(
+            FinalizerFailure.CUMULATIVE_HASH_MISMATCH, "linearized ids do not match the terminal's hash"
+        )
+    all_versions = np.concatenate(versions)
+    low, high = int(all_versions.min()), int(all_versions.max())
+    if policy is MixedVersionPolicy.REJECT and low != high:
+        raise Rejected(FinalizerFailure.MIXED_WEIGHT_VERSIONS, f"weight versions {low}..{high}")
+    all_mask = np.concatenate(masks)
+    sample = TrainingSample.model_construct(
+        schema_version=SCHEMA_VERSION,
+        rollout_id=receipt.rollout_id,
+        group_id=receipt.group_id,
+        token_ids=all_ids.tolist(),
+        token_mask=all_mask.tolist(),
+        logprobs=np.concatenate(logprobs).tolist(),
+        weight_versions=all_versions.tolist(),
+        spans=spans,
+        reward=receipt.reward,
+        cumulative_hash=linear_hash,
+    )
+    return Linearized(sample, spans[0].carry_len, int(all_mask.sum()), len(chain), low, high)
+
+
+def _check_identity(receipt: RolloutReceipt, record: CallRecord, row: StagedCall) -> None:
+    if (
+        row.rollout_id != receipt.rollout_id
+        or row.call_id != record.call_id
+        or row.parent_call_id != record.parent_call_id
+        or row.mode != record.mode
+    ):
+        raise Rejected(
+            FinalizerFailure.ROW_IDENTITY_MISMATCH,
+            f"row under {record.staging_key} is {row.rollout_id}/{row.call_id} (parent {row.parent_call_id})",
+        )
+    if row.schema_version != SCHEMA_VERSION:
+        raise Rejected(FinalizerFailure.ROW_IDENTITY_MISMATCH, f"row schema_version {row.schema_version}")
+
+
+def _check_lengths(record: CallRecord, row: StagedCall, expected_prev_len: int) -> None:
+    n = row.delta_len
+    if not (len(row.token_ids_delta) == len(row.token_mask_delta) == len(row.logprobs_delta) == n):
+        raise Rejected(
+            FinalizerFailure.LENGTH_MISMATCH, f"{row.staging_key}: vectors disagree with delta_len {n}"
+        )
+    if row.prev_len + n != row.cum_len or row.prev_len != expected_prev_len:
+        raise Rejected(
+            FinalizerFailure.LENGTH_MISMATCH,
+            f"{row.staging_key}: prev_len {row.prev_len} + {n} vs cum_len {row.cum_len}, parent ends at {expected_prev_len}",
+        )
+    if (row.prev_len, row.cum_len) != (record.prev_len, record.cum_len):
+        raise Rejected(
+            FinalizerFailure.LENGTH_MISMATCH, f"{row.staging_key}: row lengths differ from the ledger's"
+        )
+
+
+def _check_mask(key: str, mask: npt.NDArray[np.float64]) -> int:
+    """Returns the number of carried (mask 0) tokens."""
+    ones = mask == 1.0
+    if not (ones | (mask == 0.0)).all():
+        raise Rejected(FinalizerFailure.INVALID_MASK, f"{key}: mask values other than 0.0/1.0")
+    generated = int(ones.sum())
+    if generated == 0:
+        raise Rejected(FinalizerFailure.EMPTY_GENERATION, f"{key}: no generated token")
+    carry = mask.size - generated
+    if not ones[carry:].all():
+        raise Rejected(FinalizerFailure.INVALID_MASK, f"{key}: mask is not zeros then ones")
+    return carry
+
+
+def _check_digest(record: CallRecord, row: StagedCall) -> None:
+    fields: dict[str, Any] = {name: getattr(row, name) for name in StagedCallBody.model_fields}
+    try:
+        recomputed = digest_of_body(StagedCallBody.model_construct(**fields))
+        extras_ok = extras_digest(row.extras) == row.extras_digest
+    except (EncodingError, ValueError, TypeError) as exc:
+        raise Rejected(
+            FinalizerFailure.DIGEST_MISMATCH, f"{row.staging_key}: cannot be encoded ({exc})"
+        ) from None
+    if recomputed != row.digest or recomputed != record.digest or not extras_ok:
+        raise Rejected(FinalizerFailure.DIGEST_MISMATCH, f"{row.staging_key}: digest does not recompute")
+
+
+def _token_versions(row: StagedCall, carry: int) -> npt.NDArray[np.int64]:
+    """Per-token weight versions: the call's own, or its refit spans over the generation."""
+    versions = np.full(row.delta_len, row.weight_version, dtype=np.int64)
+    spans = (row.extras or {}).get(EXTRAS_WEIGHT_SPANS)
+    if spans is not None:
+        try:
+            check_weight_spans(spans, row.delta_len - carry)
+        except ValueError as exc:
+            raise Rejected(FinalizerFailure.LENGTH_MISMATCH, f"{row.staging_key}: {exc}") from None
+        for offset, version in spans:
+            versions[carry + offset :] = version
+    return versions

@@ -1,0 +1,214 @@
+"""Finalizer: every rejection code from exactly one corruption, linearization, idempotence."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from stages.capture.cache import ChainCache
+from stages.capture.core import CaptureCore
+from stages.capture.resolve import PrefixResolver
+from stages.capture.writer import StagingWriter
+from stages.client import RolloutClient
+from stages.finalize.reader import FinalizedSample, GroupCollector
+from stages.finalize.stage import FinalizerStage
+from stages.finalize.verify import MixedVersionPolicy
+from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.memory import MemoryDataPlane, RecordingSink
+from stages.ports import Consumed
+from topics import digest
+from topics.events import envelope
+from topics.records import (
+    EXTRAS_WEIGHT_SPANS,
+    CaptureAdmission,
+    FinalizedEvent,
+    Record,
+    RolloutReceipt,
+    StagedCall,
+    StagedCallBody,
+)
+
+
+async def captured_rollout(
+    data_plane: MemoryDataPlane,
+    *,
+    versions: tuple[int, int, int] = (0, 0, 0),
+    dead_branch: bool = True,
+    extras: dict[str, Any] | None = None,
+) -> tuple[list[Record], list[int], list[float]]:
+    """A real 3-turn capture (plus an abandoned retry) through the capture core; returns driver+worker events."""
+    sink = RecordingSink()
+    cache = ChainCache()
+    writer = StagingWriter(data_plane, sink, worker_id="w", batch_delay_s=0.0)
+    core = CaptureCore(PrefixResolver(data_plane, cache), writer, cache)
+    client = RolloutClient(sink)
+    writer.start()
+    seen: list[int] = []
+    lps: list[float] = []
+    coords = None
+    for turn in range(3):
+        admission = client.admit("r1", coords, group_id="g")
+        await client.publish_admission(admission)
+        prepared = await core.prepare(admission)
+        prompt = [*seen, 100 + turn, 101]
+        if dead_branch and turn == 1:  # an attempt the driver abandons
+            retry = client.admit("r1", coords, group_id="g")
+            await client.publish_admission(retry)
+            await core.complete(
+                await core.prepare(retry), prompt, [55], [-3.0], weight_version=versions[turn]
+            ).final_coords()
+        gen = [10 * turn + 1, 10 * turn + 2]
+        lp = [-0.5, -0.125]
+        completion = core.complete(
+            prepared, prompt, gen, lp, weight_version=versions[turn], extras=extras if turn == 2 else None
+        )
+        coords = await completion.final_coords()
+        seen = prompt + gen
+        lps += [0.0, 0.0] + lp
+    await client.seal("r1", group_id="g", reward=1.0)
+    await writer.stop()
+    return [e.payload for e in sink.events], seen, lps
+
+
+def run_stages(
+    events: list[Record],
+    data_plane: MemoryDataPlane,
+    *,
+    policy: MixedVersionPolicy = MixedVersionPolicy.ALLOW,
+    tamper: Any = None,
+) -> tuple[FinalizedEvent, RecordingSink, FinalizerStage]:
+    async def go() -> tuple[FinalizedEvent, RecordingSink, FinalizerStage]:
+        ledger_out = RecordingSink()
+        ledger = LedgerStage(ledger_out, LedgerConfig(seal_grace_s=0))
+        await ledger.handle([Consumed("in", 0, i, envelope(e)) for i, e in enumerate(events)])
+        receipt = ledger_out.payloads(RolloutReceipt)[0]
+        if tamper is not None:
+            receipt = tamper(receipt) or receipt
+        final_out = RecordingSink()
+        finalizer = FinalizerStage(data_plane, final_out, policy=policy)
+        await finalizer.handle([Consumed("c", 0, 0, envelope(receipt))])
+        return final_out.payloads(FinalizedEvent)[0], final_out, finalizer  # type: ignore[return-value]
+
+    return asyncio.run(go())
+
+
+def test_linearization_of_three_turns_with_dead_branch() -> None:
+    data_plane = MemoryDataPlane()
+    events, seen, lps = asyncio.run(captured_rollout(data_plane))
+    event, _, _ = run_stages(events, data_plane)
+    assert event.status == "accepted" and event.call_count == 3
+    sample = data_plane.samples["r1"]
+    assert sample.token_ids == seen == [100, 101, 1, 2, 101, 101, 11, 12, 102, 101, 21, 22]
+    assert sample.token_mask == [0.0, 0.0, 1.0, 1.0] * 3
+    assert sample.logprobs == lps
+    assert [(s.start, s.carry_len, s.gen_len) for s in sample.spans] == [(0, 2, 2), (4, 2, 2), (8, 2, 2)]
+    assert (event.prompt_len, event.total_len, event.generated_tokens) == (2, 12, 6)
+    assert data_plane.calls == {}  # staging rows gone, the dead branch's too
+
+
+def tamper_row(data_plane: MemoryDataPlane, key: str, redigest: bool = False, **changes: Any) -> None:
+    row = data_plane.calls[key]
+    fields = {**row.model_dump(), **changes}
+    if redigest:
+        body = StagedCallBody.model_construct(**{k: v for k, v in fields.items() if k != "digest"})
+        fields["digest"] = digest.digest_of_body(body)
+    data_plane.calls[key] = StagedCall.model_construct(**fields)
+
+
+def middle_key(events: list[Record]) -> str:
+    admissions = [e for e in events if isinstance(e, CaptureAdmission)]
+    return admissions[1].staging_key  # the call of turn 2 on the terminal chain
+
+
+CORRUPTIONS = {
+    "missing_row": lambda dp, k: dp.calls.pop(k),
+    "digest_mismatch": lambda dp, k: tamper_row(
+        dp, k, token_ids_delta=[*dp.calls[k].token_ids_delta[:-1], 999]
+    ),
+    "digest_mismatch_logprob": lambda dp, k: tamper_row(
+        dp, k, logprobs_delta=[*dp.calls[k].logprobs_delta[:-1], -0.25]
+    ),
+    "length_mismatch": lambda dp, k: tamper_row(dp, k, prev_len=dp.calls[k].prev_len + 1),
+    "invalid_mask": lambda dp, k: tamper_row(dp, k, token_mask_delta=[0.0, 1.0, 0.0, 1.0]),
+    "row_identity_mismatch": lambda dp, k: tamper_row(dp, k, rollout_id="r2"),
+    "empty_generation": lambda dp, k: tamper_row(dp, k, token_mask_delta=[0.0] * 4, logprobs_delta=[0.0] * 4),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_each_corruption_has_its_code(corruption: str) -> None:
+    data_plane = MemoryDataPlane()
+    events, _, _ = asyncio.run(captured_rollout(data_plane))
+    CORRUPTIONS[corruption](data_plane, middle_key(events))
+    event, _, _ = run_stages(events, data_plane)
+    assert event.status == "rejected"
+    assert event.rejection_reason == corruption.removesuffix("_logprob")
+    assert "r1" not in data_plane.samples
+
+
+@pytest.mark.parametrize("field", ["chain_hash", "cumulative_hash"])
+def test_hash_written_wrong_at_the_source(field: str) -> None:
+    """The worker computed a wrong hash and digested it: only the recomputation catches it."""
+    data_plane = MemoryDataPlane()
+    events, _, _ = asyncio.run(captured_rollout(data_plane, dead_branch=False))
+    last = [e for e in events if isinstance(e, CaptureAdmission)][-1].staging_key
+    tamper_row(data_plane, last, redigest=True, **{field: "1" * 64})
+
+    def same_in_receipt(receipt: RolloutReceipt) -> RolloutReceipt:
+        manifest = [
+            r.model_copy(update={field: "1" * 64, "digest": data_plane.calls[last].digest})
+            if r.staging_key == last
+            else r
+            for r in receipt.manifest
+        ]
+        return receipt.model_copy(update={"manifest": manifest})
+
+    event, _, _ = run_stages(events, data_plane, tamper=same_in_receipt)
+    assert event.rejection_reason == f"{field}_mismatch"
+
+
+def test_mixed_versions_allowed_or_rejected() -> None:
+    for policy, expected in ((MixedVersionPolicy.ALLOW, "accepted"), (MixedVersionPolicy.REJECT, "rejected")):
+        data_plane = MemoryDataPlane()
+        events, _, _ = asyncio.run(captured_rollout(data_plane, versions=(0, 1, 1)))
+        event, _, _ = run_stages(events, data_plane, policy=policy)
+        assert event.status == expected
+        if expected == "accepted":
+            assert (event.min_weight_version, event.max_weight_version) == (0, 1)
+            assert data_plane.samples["r1"].weight_versions == [0] * 4 + [1] * 8
+        else:
+            assert event.rejection_reason == "mixed_weight_versions"
+
+
+def test_refit_spans_reach_the_sample() -> None:
+    data_plane = MemoryDataPlane()
+    events, _, _ = asyncio.run(
+        captured_rollout(data_plane, versions=(3, 3, 3), extras={EXTRAS_WEIGHT_SPANS: [[0, 3], [1, 4]]})
+    )
+    event, _, _ = run_stages(events, data_plane)
+    assert event.status == "accepted" and event.max_weight_version == 4
+    assert data_plane.samples["r1"].weight_versions[-4:] == [3, 3, 3, 4]
+
+
+def test_replayed_receipt_after_cleanup_publishes_same_event_no_second_sample() -> None:
+    data_plane = MemoryDataPlane()
+    events, _, _ = asyncio.run(captured_rollout(data_plane))
+    first, _, _ = run_stages(events, data_plane)
+    second, _, _ = run_stages(events, data_plane)  # a fresh finalizer, rows already deleted
+    assert second.status == "accepted"
+    assert second.model_dump(exclude={"finalized_at"}) == first.model_dump(exclude={"finalized_at"})
+    assert list(data_plane.samples) == ["r1"]
+
+
+def test_group_collector_marks_rejected_members() -> None:
+    collector = GroupCollector(2)
+    base = {"prompt_len": 0, "total_len": 0, "generated_tokens": 0, "call_count": 0, "finalized_at": 1.0}
+    ok = FinalizedEvent(rollout_id="a", group_id="g", status="accepted", sample_key="a", **base)
+    bad = FinalizedEvent(
+        rollout_id="b", group_id="g", status="rejected", rejection_reason="missing_row", **base
+    )
+    assert collector.add(FinalizedSample(ok, None)) is None
+    group = collector.add(FinalizedSample(bad, None))
+    assert group is not None and [m.event.rollout_id for m in group.rejected] == ["a", "b"]
