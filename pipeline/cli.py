@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 # Verb modules, in the order ``--help`` lists them.
-VERBS: tuple[str, ...] = ("make_tiny_model",)
+VERBS: tuple[str, ...] = ("make_tiny_model", "dataplane", "broker", "lag")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ Why these choices:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -79,6 +80,23 @@ class TinyModelSpec:
     intermediate_size: int = 256
     max_position_embeddings: int = 8192
     template: TemplateName = "chatml"
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """What training the tokenizer produced: chat token ids and the real vocabulary size.
+
+    The vocabulary can come out smaller than asked when the corpus runs out of merges
+    (about 2,100 here); the model's embedding is sized to the real one.
+    """
+
+    token_ids: dict[str, int]
+    vocab_size: int
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-turn first (what the template writes), then end-of-text."""
+        return [self.token_ids[IM_END], self.token_ids[ENDOFTEXT]]
 
 
 # --------------------------------------------------------------------------- templates
@@ -192,14 +210,15 @@ def chat_template(name: TemplateName) -> str:
 
 # ---------------------------------------------------------------------------- corpus
 
-_WORDS = (
-    "the model reads a question and answers it step by step with care . "
-    "we add two numbers then check the sum before we reply to the user . "
-    "a tool can look up the weather , search the web , or run a small program . "
-    "tokens are captured exactly so that training sees what the policy sampled . "
-    "each rollout has turns ; each turn is one call to the engine with a prompt . "
-    "please think about the problem first , then write the final answer clearly ."
-).split()
+_SENTENCES = (
+    "the model reads a question and answers it step by step with care .",
+    "we add two numbers then check the sum before we reply to the user .",
+    "a tool can look up the weather , search the web , or run a small program .",
+    "tokens are captured exactly so that training sees what the policy sampled .",
+    "each rollout has turns ; each turn is one call to the engine with a prompt .",
+    "please think about the problem first , then write the final answer clearly .",
+)
+_WORDS = [word for sentence in _SENTENCES for word in sentence.split()]
 _TOOLS = ("add", "multiply", "search", "get_weather", "run_python", "lookup")
 _CITIES = ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Austin", "Delhi", "Quito")
 
@@ -267,12 +286,16 @@ def train_tokenizer(vocab_size: int) -> Any:
     return tokenizer
 
 
-def _save_tokenizer(out_dir: Path, spec: TinyModelSpec) -> dict[str, int]:
-    """Save the wrapped tokenizer; return the ids of the special tokens."""
-    from transformers import PreTrainedTokenizerFast
+def _transformers() -> Any:
+    """The transformers module, typed loosely: its API is only partly annotated."""
+    return importlib.import_module("transformers")
 
+
+def _save_tokenizer(out_dir: Path, spec: TinyModelSpec) -> TokenLayout:
+    """Save the wrapped tokenizer; return where its chat tokens landed."""
+    hf = _transformers()
     backend = train_tokenizer(spec.vocab_size)
-    wrapped = PreTrainedTokenizerFast(
+    wrapped = hf.PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
@@ -281,9 +304,10 @@ def _save_tokenizer(out_dir: Path, spec: TinyModelSpec) -> dict[str, int]:
         chat_template=chat_template(spec.template),
     )
     wrapped.save_pretrained(str(out_dir))
-    return {token: int(backend.token_to_id(token)) for token in SPECIAL_TOKENS} | {
-        "vocab": int(backend.get_vocab_size(with_added_tokens=True))
-    }
+    return TokenLayout(
+        token_ids={token: int(backend.token_to_id(token)) for token in (*SPECIAL_TOKENS, *ADDED_TOKENS)},
+        vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
+    )
 
 
 # ----------------------------------------------------------------------------- model
@@ -316,12 +340,12 @@ def _init_weights(model: Any, seed: int) -> None:
             param.copy_(sample * std)
 
 
-def _save_model(out_dir: Path, spec: TinyModelSpec, ids: dict[str, int]) -> None:
+def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=ids["vocab"],
+    hf = _transformers()
+    config = hf.LlamaConfig(
+        vocab_size=layout.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -332,17 +356,17 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, ids: dict[str, int]) -> None
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
         bos_token_id=None,
-        eos_token_id=ids[IM_END],
-        pad_token_id=ids[ENDOFTEXT],
+        eos_token_id=layout.token_ids[IM_END],
+        pad_token_id=layout.token_ids[ENDOFTEXT],
         dtype="float32",
         architectures=["LlamaForCausalLM"],
     )
     with torch.device("cpu"):
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = hf.LlamaForCausalLM(config).to(torch.float32)
     _init_weights(model, spec.seed)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
-        pad_token_id=ids[ENDOFTEXT],
+    model.generation_config = hf.GenerationConfig(
+        eos_token_id=layout.eos_token_ids,
+        pad_token_id=layout.token_ids[ENDOFTEXT],
     )
     with _quiet_progress():
         model.save_pretrained(str(out_dir))
@@ -351,8 +375,7 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, ids: dict[str, int]) -> None
 @contextmanager
 def _quiet_progress() -> Iterator[None]:
     """Silence the library's progress bar: ``--json`` callers parse our output."""
-    from transformers.utils import logging as hf_logging
-
+    hf_logging: Any = importlib.import_module("transformers.utils.logging")
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -391,7 +414,9 @@ def _existing(out_dir: Path, spec: TinyModelSpec) -> bool:
         raise FileExistsError(f"{out_dir} exists and is not a complete tiny model; refusing to overwrite")
     expected = _expected_manifest(spec)
     if {key: manifest.get(key) for key in expected} != expected:
-        raise FileExistsError(f"{out_dir} holds a tiny model built with other parameters: {manifest.get('spec')}")
+        raise FileExistsError(
+            f"{out_dir} holds a tiny model built with other parameters: {manifest.get('spec')}"
+        )
     return True
 
 
@@ -404,8 +429,10 @@ def make_tiny_model(
 ) -> Path:
     """Create the tiny model in ``out_dir`` (idempotent) and return the directory.
 
-    If ``out_dir`` already holds a complete model built with the same parameters this
-    does nothing; if it holds anything else it raises ``FileExistsError``. The files are
+    ``vocab_size`` is the tokenizer's target; see ``TokenLayout`` for when it falls
+    short. The manifest (``tinymodel.json``, see ``read_manifest``) records the chat
+    token ids and ``eos_token_ids``. If ``out_dir`` already holds a complete model built
+    with the same parameters this does nothing; if it holds anything else it raises ``FileExistsError``. The files are
     built in a sibling temporary directory and renamed into place, so concurrent callers
     and interrupted builds never leave a half-written model behind. Offline only.
     """
@@ -421,9 +448,13 @@ def make_tiny_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        ids = _save_tokenizer(staging, spec)
-        _save_model(staging, spec, ids)
-        manifest = _expected_manifest(spec) | {"token_ids": ids}
+        layout = _save_tokenizer(staging, spec)
+        _save_model(staging, spec, layout)
+        manifest = _expected_manifest(spec) | {
+            "token_ids": layout.token_ids,
+            "eos_token_ids": layout.eos_token_ids,
+            "model_vocab_size": layout.vocab_size,
+        }
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         _relax_permissions(staging)
         _install(staging, out_dir)

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from aiokafka.helpers import create_ssl_context
 
@@ -22,6 +22,12 @@ SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
 SASL_PASSWORD_ENV = "TOKENTRAIL_KAFKA_SASL_PASSWORD"
+
+
+class _ArgumentSink(Protocol):
+    """A parser or an argument group."""
+
+    def add_argument(self, *names: str, **options: Any) -> argparse.Action: ...
 
 
 class ConfigError(ValueError):
@@ -87,7 +93,9 @@ class KafkaConfig:
         return kwargs
 
 
-def add_kafka_arguments(parser: argparse.ArgumentParser, *, bootstrap_required: bool = False) -> None:
+def add_kafka_arguments(
+    parser: argparse.ArgumentParser, *, bootstrap_required: bool = False, topic_layout: bool = True
+) -> None:
     """The ``--bootstrap``/security/topic-layout flags shared by every verb that talks to Kafka."""
     group = parser.add_argument_group("Kafka")
     group.add_argument(
@@ -98,11 +106,8 @@ def add_kafka_arguments(parser: argparse.ArgumentParser, *, bootstrap_required: 
         + ("" if bootstrap_required else "; omit to use the embedded broker"),
     )
     group.add_argument("--client-id", default="tokentrail", help="client id sent to the broker")
-    group.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help="topic name prefix (default: %(default)s)")
-    group.add_argument(
-        "--partitions", type=int, default=DEFAULT_PARTITIONS,
-        help="partitions of every tokentrail topic (default: %(default)s)",
-    )
+    if topic_layout:
+        add_topic_layout_arguments(group)
     group.add_argument(
         "--security-protocol", default="PLAINTEXT",
         choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
@@ -118,12 +123,28 @@ def add_kafka_arguments(parser: argparse.ArgumentParser, *, bootstrap_required: 
     group.add_argument("--ssl-keyfile", metavar="PATH")
 
 
-def config_from_args(args: argparse.Namespace) -> KafkaConfig:
-    """Build a ``KafkaConfig`` from flags added by ``add_kafka_arguments``."""
+def add_topic_layout_arguments(parser: _ArgumentSink) -> None:
+    """``--topic-prefix`` and ``--partitions``: the layout of the tokentrail topics."""
+    parser.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help="topic name prefix (default: %(default)s)")
+    parser.add_argument(
+        "--partitions", type=int, default=DEFAULT_PARTITIONS,
+        help="partitions of every tokentrail topic (default: %(default)s)",
+    )
+
+
+def topic_names_from_args(args: argparse.Namespace) -> TopicNames:
     try:
-        names = TopicNames(prefix=args.topic_prefix, partitions=args.partitions)
+        return TopicNames(
+            prefix=getattr(args, "topic_prefix", DEFAULT_PREFIX),
+            partitions=getattr(args, "partitions", DEFAULT_PARTITIONS),
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def config_from_args(args: argparse.Namespace) -> KafkaConfig:
+    """Build a ``KafkaConfig`` from flags added by ``add_kafka_arguments``."""
+    names = topic_names_from_args(args)
     return KafkaConfig(
         bootstrap_servers=args.bootstrap,
         client_id=args.client_id,

@@ -66,7 +66,7 @@ async def captured_rollout(
         )
         coords = await completion.final_coords()
         seen = prompt + gen
-        lps += [0.0, 0.0] + lp
+        lps += [0.0, 0.0, *lp]
     await client.seal("r1", group_id="g", reward=1.0)
     await writer.stop()
     return [e.payload for e in sink.events], seen, lps
