@@ -1,0 +1,93 @@
+"""A local SQLite copy of the token-free ledger: call records, failed calls, receipts.
+
+It is an ``EventSink``, so the ledger stage can write into it instead of Kafka (that
+is how ``replay`` rebuilds the ledger), and it applies each event id once, first
+write wins, exactly as every Kafka consumer of the ledger does.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import orjson
+
+from topics.events import envelope
+from topics.records import CallRecord, FailedCall, Record, RolloutReceipt
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger (
+    event_id   TEXT PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    kind       TEXT NOT NULL,
+    payload    BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS ledger_rollout ON ledger (rollout_id);
+"""
+
+LEDGER_KINDS = {"call_committed", "call_failed", "receipt"}
+
+
+class LedgerStore:
+    """Ledger events in one SQLite file, keyed by event id."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path)
+        self._db.executescript(SCHEMA)
+        self.ignored = 0
+
+    def close(self) -> None:
+        self._db.commit()
+        self._db.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def publish(self, records: Sequence[Record]) -> None:
+        self.add(records)
+
+    def add(self, records: Sequence[Record]) -> int:
+        """Store ledger events; anything else (dead letters) is counted and skipped."""
+        rows = []
+        for record in records:
+            event = envelope(record)
+            if event.event_type.value not in LEDGER_KINDS:
+                self.ignored += 1
+                continue
+            rows.append((event.event_id, event.key, event.event_type.value, orjson.dumps(record.model_dump())))
+        before = self._db.total_changes
+        self._db.executemany("INSERT OR IGNORE INTO ledger VALUES (?, ?, ?, ?)", rows)
+        self._db.commit()
+        return self._db.total_changes - before
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._db.execute("SELECT kind, COUNT(*) FROM ledger GROUP BY kind").fetchall())
+
+    def rollout(self, rollout_id: str) -> tuple[list[CallRecord | FailedCall], RolloutReceipt | None]:
+        calls: list[CallRecord | FailedCall] = []
+        receipt = None
+        for kind, payload in self._db.execute(
+            "SELECT kind, payload FROM ledger WHERE rollout_id = ? ORDER BY event_id", (rollout_id,)
+        ):
+            data = orjson.loads(payload)
+            if kind == "receipt":
+                receipt = RolloutReceipt.model_validate(data)
+            elif kind == "call_committed":
+                calls.append(CallRecord.model_validate(data))
+            else:
+                calls.append(FailedCall.model_validate(data))
+        return calls, receipt
+
+    def snapshot(self) -> dict[str, bytes]:
+        """Every event id with its payload: what a consistency check compares."""
+        return dict(self._db.execute("SELECT event_id, payload FROM ledger").fetchall())
