@@ -1,0 +1,1 @@
+"""Environments a rollout driver can play against a worker's chat endpoint."""

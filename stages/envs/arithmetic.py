@@ -1,0 +1,155 @@
+"""A small multi-turn tool-use environment: arithmetic with a calculator tool.
+
+Each task asks for the value of an expression. The model may call the ``calculator``
+tool (the environment evaluates the expression and answers with a tool message) and
+should finish with the number. An answer without a tool call and without the right
+number gets a nudge as the next user turn, until the turn budget is spent. The
+reward is 1.0 when the final assistant message states the right value, else 0.0.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+SYSTEM = "You are a careful assistant. Use the calculator tool for arithmetic, then state the result."
+CALCULATOR_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+NUDGE = "Please use the calculator tool, then give the final number."
+
+_OPERATORS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+
+
+class CalculatorError(ValueError):
+    """The expression is not plain arithmetic."""
+
+
+def evaluate(expression: str) -> float:
+    """Evaluate + - * / and parentheses over numbers; nothing else is accepted."""
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError:
+        raise CalculatorError(f"not an expression: {expression!r}") from None
+    return _eval(tree.body)
+
+
+def _eval(node: ast.AST) -> float:
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int | float)
+        and type(node.value) is not bool
+    ):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Div) and right == 0:
+            raise CalculatorError("division by zero")
+        return float(_OPERATORS[type(node.op)](left, right))
+    raise CalculatorError(f"unsupported element {type(node).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    task_id: str
+    expression: str
+
+    @property
+    def answer(self) -> float:
+        return evaluate(self.expression)
+
+    def prompt(self) -> list[dict[str, Any]]:
+        return [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"What is {self.expression}?"},
+        ]
+
+
+def make_tasks(count: int, seed: int = 0) -> list[Task]:
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(count):
+        a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 9)
+        op1, op2 = rng.choice("+-*"), rng.choice("+-*")
+        tasks.append(Task(f"t{seed}-{i}", f"({a} {op1} {b}) {op2} {c}"))
+    return tasks
+
+
+@dataclass(slots=True)
+class Episode:
+    """One rollout of a task: the conversation so far and whether it is over."""
+
+    task: Task
+    max_turns: int
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turns: int = 0
+    done: bool = False
+    tool_calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.messages = self.task.prompt()
+
+    def step(self, assistant: dict[str, Any]) -> None:
+        """Record the assistant's message and add the environment's answer, if any."""
+        self.turns += 1
+        self.messages.append(_clean(assistant))
+        calls = assistant.get("tool_calls") or []
+        if calls:
+            for call in calls:
+                self.tool_calls += 1
+                self.messages.append(
+                    {"role": "tool", "tool_call_id": call.get("id", ""), "content": _run_tool(call)}
+                )
+        elif self._correct(assistant.get("content") or ""):
+            self.done = True
+        else:
+            self.messages.append({"role": "user", "content": NUDGE})
+        if self.turns >= self.max_turns:
+            self.done = True
+
+    def reward(self) -> float:
+        finals = [m for m in self.messages if m["role"] == "assistant"]
+        return 1.0 if finals and self._correct(finals[-1].get("content") or "") else 0.0
+
+    def _correct(self, text: str) -> bool:
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", text)
+        return bool(numbers) and abs(float(numbers[-1]) - self.task.answer) < 1e-6
+
+
+def _clean(message: dict[str, Any]) -> dict[str, Any]:
+    keep = {"role", "content", "tool_calls", "reasoning_content"}
+    return {k: v for k, v in message.items() if k in keep and v is not None}
+
+
+def _run_tool(call: dict[str, Any]) -> str:
+    function = call.get("function") or {}
+    if function.get("name") != "calculator":
+        return json.dumps({"error": f"unknown tool {function.get('name')!r}"})
+    try:
+        arguments = function.get("arguments") or "{}"
+        expression = (json.loads(arguments) if isinstance(arguments, str) else arguments)["expression"]
+        return json.dumps({"result": evaluate(str(expression))})
+    except (CalculatorError, KeyError, TypeError, ValueError) as exc:
+        return json.dumps({"error": str(exc)})

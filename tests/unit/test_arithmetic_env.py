@@ -1,0 +1,56 @@
+"""The arithmetic tool-use environment: calculator safety, turns, reward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages.envs.arithmetic import CalculatorError, Episode, Task, evaluate, make_tasks
+
+
+def test_calculator_evaluates_arithmetic_only() -> None:
+    assert evaluate("(2 + 3) * 4 - 6 / 3") == 18.0
+    assert evaluate("-5 * 2") == -10.0
+    for bad in ("__import__('os')", "2 ** 10", "a + 1", "1 / 0", "1 +"):
+        with pytest.raises(CalculatorError):
+            evaluate(bad)
+
+
+def test_tool_call_then_answer_earns_reward() -> None:
+    episode = Episode(Task("t", "(2 + 3) * 4"), max_turns=3)
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": "(2 + 3) * 4"})},
+    }
+    episode.step({"role": "assistant", "content": "", "tool_calls": [call]})
+    assert json.loads(episode.messages[-1]["content"]) == {"result": 20.0}
+    assert not episode.done
+    episode.step({"role": "assistant", "content": "The answer is 20."})
+    assert episode.done and episode.reward() == 1.0 and episode.turns == 2
+
+
+def test_wrong_answers_get_nudged_until_turns_run_out() -> None:
+    episode = Episode(Task("t", "1 + 1"), max_turns=2)
+    episode.step({"role": "assistant", "content": "3"})
+    assert episode.messages[-1]["role"] == "user" and not episode.done
+    episode.step({"role": "assistant", "content": "hmm"})
+    assert episode.done and episode.reward() == 0.0
+
+
+def test_bad_tool_arguments_answer_with_an_error() -> None:
+    episode = Episode(Task("t", "1 + 1"), max_turns=3)
+    episode.step(
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "x", "function": {"name": "calculator", "arguments": "{not json"}}],
+        }
+    )
+    assert "error" in json.loads(episode.messages[-1]["content"])
+
+
+def test_tasks_are_deterministic() -> None:
+    assert make_tasks(5, seed=3) == make_tasks(5, seed=3)
+    assert len({t.task_id for t in make_tasks(50)}) == 50
