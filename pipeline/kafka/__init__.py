@@ -7,22 +7,29 @@ every consumer is idempotent on event ids, because tansu (the embedded broker) c
 run idempotent or transactional producers.
 """
 
-from pipeline.kafka.broker import BrokerError, EmbeddedBroker, StorageMode, tansu_binary
-from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop
-from pipeline.kafka.lag import LagReader, PartitionLag, total_lag
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
+from pipeline.kafka.broker import BrokerError, EmbeddedBroker, PortBusyError, StorageMode, tansu_binary
+from pipeline.kafka.config import ConfigError, KafkaConfig
+from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, LoopStats, dead_letter
+from pipeline.kafka.lag import LagError, LagReader, PartitionLag, Watermarks, total_lag
+from pipeline.kafka.log import KafkaEventSink, TopicLayoutError, ensure_topics
 
 __all__ = [
     "BrokerError",
     "CollectingHandler",
+    "ConfigError",
     "ConsumerLoop",
     "EmbeddedBroker",
     "KafkaConfig",
     "KafkaEventSink",
+    "LagError",
     "LagReader",
+    "LoopStats",
     "PartitionLag",
+    "PortBusyError",
     "StorageMode",
+    "TopicLayoutError",
+    "Watermarks",
+    "dead_letter",
     "ensure_topics",
     "tansu_binary",
     "total_lag",

@@ -1,0 +1,108 @@
+"""``tokentrail broker``: run the embedded Kafka-protocol broker in the foreground.
+
+Prints the bootstrap address once the broker answers, then runs until SIGINT or
+SIGTERM (a clean stop) or until the broker dies (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from aiokafka.errors import KafkaError
+
+from pipeline.kafka.broker import STORAGE_MODES, BrokerError, EmbeddedBroker, StorageMode
+from pipeline.kafka.config import ConfigError, add_topic_layout_arguments, topic_names_from_args
+from pipeline.kafka.log import ensure_topics
+
+EXAMPLES = """\
+examples:
+  tokentrail broker                                  # memory storage, a free port
+  tokentrail broker --port 9092 --create-topics
+  tokentrail broker --storage durable --data-dir ./tt-broker --port 9092
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "broker",
+        help="run the embedded Kafka-protocol broker (tansu) in the foreground",
+        description=(
+            "Run the embedded tansu broker until SIGINT/SIGTERM and print its bootstrap address.\n"
+            "'memory' storage forgets everything on stop; 'durable' keeps topics, records and\n"
+            "committed offsets in --data-dir (an S3-compatible store kept as folders)."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    parser.add_argument("--port", type=int, help="listen port (default: a free port)")
+    parser.add_argument(
+        "--storage", choices=STORAGE_MODES,
+        help="storage engine (default: durable with --data-dir, else memory)",
+    )
+    parser.add_argument("--data-dir", help="data directory (required for durable storage; holds logs)")
+    parser.add_argument(
+        "--create-topics", action="store_true", help="create the tokentrail topics once the broker is up"
+    )
+    add_topic_layout_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON document when ready")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    storage: StorageMode = "durable" if args.storage == "durable" or (
+        args.storage is None and args.data_dir
+    ) else "memory"
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        broker = EmbeddedBroker(storage=storage, data_dir=args.data_dir, host=args.host, port=args.port)
+        broker.start()
+    except BrokerError as exc:
+        _restore(previous)
+        print(f"tokentrail broker: {exc}", file=sys.stderr)
+        return 1
+    try:
+        broker.on_failure(lambda failure: stop.set())
+        created: list[str] = []
+        if args.create_topics:
+            names = topic_names_from_args(args)
+            created = asyncio.run(ensure_topics(broker.kafka_config(names)))
+        if args.json:
+            print(json.dumps({
+                "bootstrap": broker.bootstrap,
+                "storage": storage,
+                "data_dir": str(broker.data_dir) if broker.data_dir else None,
+                "cluster_id": broker.cluster_id,
+                "created_topics": created,
+            }, sort_keys=True), flush=True)
+        else:
+            print(f"tansu broker ({storage}) ready at {broker.bootstrap}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    except (ConfigError, KafkaError, OSError) as exc:
+        print(f"tokentrail broker: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        broker.stop()
+        _restore(previous)
+    if broker.failure is not None:
+        print(f"tokentrail broker: {broker.failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _restore(previous: dict[signal.Signals, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

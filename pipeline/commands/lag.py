@@ -1,0 +1,85 @@
+"""``tokentrail lag``: consumer lag per group, topic and partition.
+
+Lag is highwater − committed, with the highwater read from Fetch responses (exact on
+tansu as on Kafka, where ListOffsets is not; see ``pipeline.kafka.lag``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from aiokafka.errors import KafkaError
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.kafka.lag import LagError, LagReader, PartitionLag, lag_by_group, total_lag
+
+EXAMPLES = """\
+examples:
+  tokentrail lag --bootstrap 127.0.0.1:9092
+  tokentrail lag --bootstrap 127.0.0.1:9092 --group ledger --group finalizer
+  tokentrail lag --bootstrap kafka:9092 --topic tokentrail.admission --json
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "lag",
+        help="show consumer lag (highwater - committed) per group and partition",
+        description=(
+            "Show consumer lag (highwater - committed) per group, topic and partition.\n"
+            "Without --group every group is shown; without --topic, every topic where a\n"
+            "group has committed offsets. A partition the group never committed on counts\n"
+            "from the log start."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_kafka_arguments(parser, bootstrap_required=True, topic_layout=False)
+    parser.add_argument("--group", action="append", metavar="GROUP", help="consumer group (repeatable)")
+    parser.add_argument("--topic", action="append", metavar="TOPIC", help="topic (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        rows = asyncio.run(_read(args))
+    except (ConfigError, LagError, KafkaError, OSError) as exc:
+        print(f"tokentrail lag: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report(args.bootstrap, rows), sort_keys=True))
+    else:
+        Console().print(table(rows))
+    return 0
+
+
+async def _read(args: argparse.Namespace) -> list[PartitionLag]:
+    async with LagReader(config_from_args(args)) as reader:
+        return await reader.lag(groups=args.group, topics=args.topic)
+
+
+def report(bootstrap: str, rows: list[PartitionLag]) -> dict[str, Any]:
+    """The ``--json`` document."""
+    return {
+        "bootstrap": bootstrap,
+        "total_lag": total_lag(rows),
+        "groups": lag_by_group(rows),
+        "partitions": [row.as_dict() for row in rows],
+    }
+
+
+def table(rows: list[PartitionLag]) -> Table:
+    out = Table(title="consumer lag", caption=f"total lag: {total_lag(rows)}")
+    for name in ("group", "topic", "partition", "committed", "highwater", "lag"):
+        out.add_column(name, justify="left" if name in ("group", "topic") else "right")
+    for row in rows:
+        committed = "-" if row.committed is None else str(row.committed)
+        out.add_row(row.group, row.topic, str(row.partition), committed, str(row.highwater), str(row.lag))
+    return out

@@ -1,0 +1,346 @@
+"""The consumer-group loop that drives a ``StageHandler`` (DESIGN §7).
+
+Per batch: fetch, decode, dead-letter what does not decode, hand the rest to the
+handler (which publishes and awaits its outputs), then commit what the handler says
+is safe. That order makes delivery at-least-once; deterministic event ids make the
+replays harmless. Auto-commit is off because only the handler knows which offsets
+no open rollout still needs.
+
+Handling and committing a batch hold a lock the rebalance callbacks take too: the
+in-flight batch is handled and committed before partitions are given up, the
+handler drops the state of revoked partitions, and every assigned partition is
+sought to its committed offset (or the beginning), so a stateful stage replays
+exactly what it needs to rebuild its state. A batch returned under an older
+assignment than the current one is dropped unhandled (its records are fetched again
+from the sought positions), so no record is handled twice by one member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.errors import CommitFailedError, IllegalStateError
+from aiokafka.structs import ConsumerRecord
+
+from pipeline.kafka.config import KafkaConfig
+from stages.ports import Consumed, EventSink, StageHandler
+from stages.ports import TopicPartition as PortPartition
+from topics.codec import DecodeError, decode
+from topics.records import DeadLetter
+
+log = logging.getLogger(__name__)
+
+Record: TypeAlias = ConsumerRecord[bytes, bytes]
+
+
+def dead_letter(record: Record, reason: str, field: str | None, stage: str) -> DeadLetter:
+    """The whole undecodable record, kept with why it was refused and where it was."""
+    headers = {name: value.decode("utf-8", "backslashreplace") for name, value in record.headers}
+    return DeadLetter(
+        source_topic=record.topic,
+        source_partition=record.partition,
+        source_offset=record.offset,
+        reason=reason,
+        field=field,
+        key=record.key.decode("utf-8", "backslashreplace") if record.key is not None else None,
+        headers=headers,
+        value_b64=base64.b64encode(record.value or b"").decode("ascii"),
+        stage=stage,
+    )
+
+
+@dataclass(slots=True)
+class LoopStats:
+    """Counters a runner can export as metrics."""
+
+    batches: int = 0
+    consumed: int = 0
+    dead_lettered: int = 0
+    commits: int = 0
+    rebalances: int = 0
+
+
+class ConsumerLoop:
+    """Consume ``topics`` as member of ``group_id`` and feed ``handler`` until stopped.
+
+    ``dead_letters`` receives a ``DeadLetter`` for every record that does not decode;
+    it is usually the same ``KafkaEventSink`` the stage publishes its outputs with.
+    ``request_stop()`` (safe from a signal handler) lets the in-flight batch finish
+    and be committed before the consumer leaves the group.
+    """
+
+    def __init__(
+        self,
+        config: KafkaConfig,
+        *,
+        group_id: str,
+        topics: Sequence[str],
+        handler: StageHandler,
+        dead_letters: EventSink,
+        stage: str,
+        max_records: int = 500,
+        idle_poll_ms: int = 100,
+        session_timeout_ms: int = 10_000,
+        heartbeat_interval_ms: int = 3_000,
+        max_poll_interval_ms: int = 300_000,
+        fetch_max_wait_ms: int = 100,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not topics:
+            raise ValueError("topics: a consumer loop needs at least one topic")
+        if not stage:
+            raise ValueError("stage: a name is required (it is recorded in dead letters)")
+        self.config = config
+        self.group_id = group_id
+        self.topics = tuple(topics)
+        self.handler = handler
+        self.dead_letters = dead_letters
+        self.stage = stage
+        self.max_records = max_records
+        self.idle_poll_ms = idle_poll_ms
+        self._consumer_settings = {
+            "group_id": group_id,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            "session_timeout_ms": session_timeout_ms,
+            "heartbeat_interval_ms": heartbeat_interval_ms,
+            "max_poll_interval_ms": max_poll_interval_ms,
+            "fetch_max_wait_ms": fetch_max_wait_ms,
+            "isolation_level": "read_uncommitted",
+            # Range assignment gives one member partition p of every topic it reads:
+            # all topics share the key partitioner, so a rollout's events stay together.
+            "partition_assignment_strategy": (RangePartitionAssignor,),
+        }
+        self._clock = clock
+        self._consumer: AIOKafkaConsumer | None = None
+        self._lock = asyncio.Lock()
+        self._stop = asyncio.Event()
+        self._assigned = asyncio.Event()
+        self._positions: dict[TopicPartition, int] = {}
+        self._committed: dict[TopicPartition, int] = {}
+        self._epoch = 0  # bumped by every revocation and assignment
+        self.stats = LoopStats()
+
+    # -- control ---------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask the loop to finish its in-flight batch, commit, and leave the group."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def assignment(self) -> frozenset[TopicPartition]:
+        consumer = self._consumer
+        return frozenset(consumer.assignment()) if consumer is not None else frozenset()
+
+    @property
+    def committed(self) -> Mapping[TopicPartition, int]:
+        """Offsets this member committed, per partition it owns."""
+        return dict(self._committed)
+
+    async def wait_assigned(self) -> None:
+        """Wait until the group gave this member its first assignment (it may be empty)."""
+        await self._assigned.wait()
+
+    def install_signal_handlers(
+        self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)
+    ) -> None:
+        """Turn SIGTERM/SIGINT into a graceful stop (call from inside the running loop)."""
+        loop = asyncio.get_running_loop()
+        for sig in signals:
+            loop.add_signal_handler(sig, self.request_stop)
+
+    # -- the loop --------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Consume until ``request_stop()``; a handler error propagates (nothing is committed)."""
+        consumer = AIOKafkaConsumer(**self.config.client_kwargs(), **self._consumer_settings)
+        await consumer.start()
+        self._consumer = consumer
+        try:
+            consumer.subscribe(list(self.topics), listener=_Rebalance(self))
+            stop_wait = asyncio.ensure_future(self._stop.wait())
+            try:
+                while not self._stop.is_set():
+                    fetch = asyncio.ensure_future(self._fetch(consumer))
+                    await asyncio.wait({fetch, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                    if not fetch.done():
+                        fetch.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await fetch
+                        break
+                    batch, epoch = fetch.result()
+                    async with self._lock:
+                        if epoch != self._epoch:
+                            # The assignment changed after this batch was fetched: its
+                            # partitions were revoked or sought back; drop it unhandled.
+                            batch = {}
+                        if batch:
+                            await self._process(batch)
+                        await self.handler.tick(self._clock())
+                        await self._commit(consumer)
+            finally:
+                stop_wait.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stop_wait
+        finally:
+            self._consumer = None
+            await consumer.stop()
+
+    async def _fetch(self, consumer: AIOKafkaConsumer) -> tuple[dict[TopicPartition, list[Record]], int]:
+        """A batch, tagged with the assignment epoch current when it was returned."""
+        batch = await consumer.getmany(timeout_ms=self.idle_poll_ms, max_records=self.max_records)
+        return batch, self._epoch
+
+    async def _process(self, batch: Mapping[TopicPartition, list[Record]]) -> None:
+        consumed: list[Consumed] = []
+        dead: list[DeadLetter] = []
+        advanced: dict[TopicPartition, int] = {}
+        for tp, records in batch.items():
+            for record in records:
+                try:
+                    event = decode(record.key, record.value, record.headers)
+                except DecodeError as exc:
+                    dead.append(dead_letter(record, exc.reason, exc.field, self.stage))
+                else:
+                    consumed.append(Consumed(record.topic, record.partition, record.offset, event))
+            if records:
+                advanced[tp] = records[-1].offset + 1
+        if dead:
+            for letter in dead:
+                log.warning(
+                    "dead-lettering %s[%d]@%d: %s: %s", letter.source_topic, letter.source_partition,
+                    letter.source_offset, letter.field, letter.reason,
+                )
+            await self.dead_letters.publish(dead)
+        if consumed:
+            await self.handler.handle(consumed)
+        # Only a handled batch moves the positions that commits are computed from.
+        self._positions.update(advanced)
+        self.stats.batches += 1
+        self.stats.consumed += len(consumed)
+        self.stats.dead_lettered += len(dead)
+
+    async def _commit(self, consumer: AIOKafkaConsumer, only: Iterable[TopicPartition] | None = None) -> None:
+        """Commit what the handler allows, for partitions still owned, where it moved."""
+        positions: dict[PortPartition, int] = dict(self._positions)
+        allowed = self.handler.committable(positions)
+        owned = set(only) if only is not None else set(consumer.assignment())
+        offsets: dict[TopicPartition, int] = {}
+        for key, offset in allowed.items():
+            tp = TopicPartition(*key)
+            if tp in owned and self._committed.get(tp) != offset:
+                offsets[tp] = offset
+        if not offsets:
+            return
+        try:
+            await consumer.commit(offsets)
+        except (CommitFailedError, IllegalStateError) as exc:
+            # The group moved on; whoever owns these partitions now replays from the
+            # last good commit, and idempotent handlers absorb the duplicates.
+            log.warning("offset commit for group %s skipped: %s", self.group_id, exc)
+            return
+        self._committed.update(offsets)
+        self.stats.commits += 1
+
+    # -- rebalance -------------------------------------------------------------
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        consumer = self._consumer
+        async with self._lock:  # the in-flight batch finishes (and commits) first
+            self._epoch += 1
+            if consumer is not None and revoked:
+                await self._commit(consumer, only=revoked)
+            self.handler.on_revoked([(tp.topic, tp.partition) for tp in revoked])
+            for tp in revoked:
+                self._positions.pop(tp, None)
+                self._committed.pop(tp, None)
+        self.stats.rebalances += 1
+
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        consumer = self._consumer
+        async with self._lock:
+            if consumer is not None and assigned:
+                committed = {tp: await consumer.committed(tp) for tp in assigned}
+                fresh = [tp for tp, offset in committed.items() if offset is None]
+                starts = await consumer.beginning_offsets(fresh) if fresh else {}
+                # No await from here on: batches returned before this point carry the
+                # old epoch and are dropped; those after it come from these positions.
+                self._epoch += 1
+                for tp in assigned:
+                    offset = committed[tp]
+                    if offset is None:
+                        consumer.seek(tp, starts[tp])
+                        self._positions.pop(tp, None)
+                        self._committed.pop(tp, None)
+                    else:
+                        consumer.seek(tp, offset)
+                        self._positions[tp] = offset
+                        self._committed[tp] = offset
+            else:
+                self._epoch += 1
+        self._assigned.set()
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, loop: ConsumerLoop) -> None:
+        self._loop = loop
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._loop._on_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self._loop._on_assigned(assigned)
+
+
+class CollectingHandler:
+    """A stateless ``StageHandler`` that keeps what it is given (tests, tools).
+
+    ``on_batch``, if set, is awaited for every batch before it counts as handled;
+    raising from it makes the loop fail without committing that batch.
+    """
+
+    def __init__(self, on_batch: Callable[[Sequence[Consumed]], Awaitable[None]] | None = None) -> None:
+        self.consumed: list[Consumed] = []
+        self.revoked: list[PortPartition] = []
+        self.ticks = 0
+        self._on_batch = on_batch
+        self._changed = asyncio.Event()
+
+    async def handle(self, batch: Sequence[Consumed]) -> None:
+        if self._on_batch is not None:
+            await self._on_batch(batch)
+        self.consumed.extend(batch)
+        self._changed.set()
+
+    async def tick(self, now: float) -> None:
+        self.ticks += 1
+
+    def committable(self, positions: Mapping[PortPartition, int]) -> Mapping[PortPartition, int]:
+        return positions
+
+    def on_revoked(self, partitions: Sequence[PortPartition]) -> None:
+        self.revoked.extend(partitions)
+
+    async def wait_for(self, count: int, within: float = 10.0) -> list[Consumed]:
+        """Wait (at most ``within`` seconds) until ``count`` events were handled; returns them all."""
+        async def _until() -> None:
+            while len(self.consumed) < count:
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(_until(), within)
+        return list(self.consumed)

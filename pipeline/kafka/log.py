@@ -1,0 +1,163 @@
+"""Publishing events to Kafka, and creating the topics they go to.
+
+``KafkaEventSink`` is the ``EventSink`` port on aiokafka: a record becomes an envelope,
+is encoded by the contract's codec, routed by event type and keyed by rollout id, and
+``publish`` returns only once the broker acknowledged every record (``acks="all"``).
+Idempotent and transactional producers are off on purpose: tansu cannot serve them,
+and delivery is at-least-once with idempotent consumers instead (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Self
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+
+from pipeline.kafka.config import KafkaConfig
+from topics.codec import encode
+from topics.events import envelope
+from topics.names import TopicNames, topic_for
+from topics.records import Record
+
+_TOPIC_ALREADY_EXISTS = TopicAlreadyExistsError.errno
+
+
+class TopicLayoutError(RuntimeError):
+    """A topic exists with a partition count other than the deployment's."""
+
+
+class KafkaEventSink:
+    """The ``EventSink`` port on an aiokafka producer.
+
+    Records are batched for ``linger_ms`` (the producer groups concurrent publishes),
+    and every ``publish`` awaits its own acknowledgements, so a stage can commit its
+    input offsets right after ``publish`` returns.
+    """
+
+    def __init__(
+        self,
+        config: KafkaConfig,
+        *,
+        linger_ms: int = 5,
+        max_batch_size: int = 256 * 1024,
+        max_request_size: int = 4 * 1024 * 1024,
+        compression_type: str | None = None,
+    ) -> None:
+        self.config = config
+        self.names: TopicNames = config.names
+        self._settings: dict[str, Any] = {
+            "acks": "all",
+            "enable_idempotence": False,
+            "linger_ms": linger_ms,
+            "max_batch_size": max_batch_size,
+            "max_request_size": max_request_size,
+            "compression_type": compression_type,
+        }
+        self._producer: AIOKafkaProducer | None = None
+        self.published = 0
+
+    async def start(self) -> None:
+        if self._producer is not None:
+            return
+        producer = AIOKafkaProducer(**self.config.client_kwargs(), **self._settings)
+        await producer.start()
+        self._producer = producer
+
+    async def stop(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await producer.stop()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def publish(self, records: Sequence[Record]) -> None:
+        """Send every record, then wait until the broker acknowledged all of them.
+
+        On failure the first error is raised after all sends settled; some records may
+        have been written, which is harmless because event ids are deterministic.
+        """
+        if not records:
+            return
+        producer = self._require_producer()
+        pending: list[asyncio.Future[Any]] = []
+        for record in records:
+            event = envelope(record)
+            key, value, headers = encode(event)
+            topic = topic_for(self.names, event.event_type.value)
+            pending.append(await producer.send(topic, value=value, key=key, headers=headers))
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        self.published += len(records)
+
+    async def publish_raw(
+        self, topic: str, value: bytes | None, *, key: bytes | None = None,
+        headers: Sequence[tuple[str, bytes]] = (),
+    ) -> tuple[int, int]:
+        """Write one raw record (tools and tests); returns its (partition, offset)."""
+        producer = self._require_producer()
+        future = await producer.send(topic, value=value, key=key, headers=list(headers))
+        metadata = await future
+        return metadata.partition, metadata.offset
+
+    def _require_producer(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            raise RuntimeError("KafkaEventSink is not started; use 'async with' or await start()")
+        return self._producer
+
+
+async def ensure_topics(config: KafkaConfig, names: TopicNames | None = None) -> list[str]:
+    """Create every tokentrail topic with one partition count; return those created.
+
+    Topics that already exist are fine, provided their partition count matches:
+    a mismatch would send one rollout's events to different partitions on different
+    topics, so it is an error rather than a warning.
+    """
+    names = names or config.names
+    admin = AIOKafkaAdminClient(**config.client_kwargs())
+    await admin.start()
+    try:
+        wanted = [NewTopic(name, names.partitions, config.replication_factor) for name in names.all()]
+        response = await admin.create_topics(wanted)
+        created: list[str] = []
+        for entry in response.topic_errors:
+            topic, code = entry[0], entry[1]
+            if code == 0:
+                created.append(topic)
+            elif code != _TOPIC_ALREADY_EXISTS:
+                message = entry[2] if len(entry) > 2 else None
+                raise KafkaError(f"cannot create topic {topic}: error {code} {message or ''}".strip())
+        await _check_layout(admin, names)
+        return created
+    finally:
+        await admin.close()
+
+
+async def _check_layout(admin: AIOKafkaAdminClient, names: TopicNames, settle_s: float = 10.0) -> None:
+    """Every topic exists with ``names.partitions`` partitions (waiting for metadata to settle)."""
+    deadline = asyncio.get_running_loop().time() + settle_s
+    while True:
+        described = await admin.describe_topics(list(names.all()))
+        errors = {entry["topic"]: entry["error_code"] for entry in described if entry["error_code"] != 0}
+        if not errors:
+            break
+        if asyncio.get_running_loop().time() > deadline:
+            raise KafkaError(f"topics not available after creation: {errors}")
+        await asyncio.sleep(0.1)
+    for entry in described:
+        count = len(entry["partitions"])
+        if count != names.partitions:
+            raise TopicLayoutError(f"topic {entry['topic']} has {count} partitions, expected {names.partitions}")

@@ -1,0 +1,238 @@
+"""The embedded broker supervisor: readiness, clear failures, durable restarts, the CLI verb."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.kafka.broker import BrokerError, EmbeddedBroker, PortBusyError, free_port, tansu_binary
+from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop
+from pipeline.kafka.lag import LagReader, total_lag
+from pipeline.kafka.log import KafkaEventSink, ensure_topics
+from pipeline.kafka.probe import identify
+from stages.ports import Consumed
+from topics.names import TopicNames
+from topics.records import CaptureAdmission
+
+pytestmark = pytest.mark.broker
+
+# Runs just the ``broker`` verb, so the test does not import every other verb's dependencies.
+BROKER_VERB = (
+    "import argparse, sys\n"
+    "from pipeline.commands import broker\n"
+    "parser = argparse.ArgumentParser(prog='tokentrail')\n"
+    "broker.add_parser(parser.add_subparsers())\n"
+    "args = parser.parse_args(sys.argv[1:])\n"
+    "sys.exit(args.run(args))\n"
+)
+
+
+def admissions(count: int) -> list[CaptureAdmission]:
+    return [
+        CaptureAdmission(rollout_id=f"r{i % 7}", call_id=f"c{i}", prev_len=0, mode="text", admitted_at=1.0)
+        for i in range(count)
+    ]
+
+
+def port_accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_memory_broker_answers_with_its_own_cluster_id_and_stops_cleanly() -> None:
+    broker = EmbeddedBroker()
+    broker.start()
+    try:
+        identity = identify("127.0.0.1", broker.port)
+        assert identity.cluster_id == broker.cluster_id
+        assert identity.advertised == (("127.0.0.1", broker.port),)
+        assert 18 in identity.api_versions and broker.running
+        pid = broker.pid
+    finally:
+        broker.stop()
+    assert not broker.running and broker.failure is None
+    assert not port_accepts(broker.port)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_async_context_manager() -> None:
+    async def use() -> tuple[str, bool]:
+        async with EmbeddedBroker() as broker:
+            await ensure_topics(broker.kafka_config(TopicNames(prefix="ctx", partitions=1)))
+            return broker.bootstrap, broker.running
+
+    bootstrap, running = asyncio.run(use())
+    assert running and not port_accepts(int(bootstrap.rsplit(":", 1)[1]))
+
+
+def test_a_busy_port_is_a_clear_error(kafka_broker: EmbeddedBroker) -> None:
+    with pytest.raises(PortBusyError, match="busy"):
+        EmbeddedBroker(port=kafka_broker.port).start()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        with pytest.raises(PortBusyError, match="busy"):
+            EmbeddedBroker(port=squatter.getsockname()[1]).start()
+    kafka_broker.check()  # the session broker is untouched
+
+
+def test_tansu_exiting_zero_on_a_taken_port_is_still_caught(
+    kafka_broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the pre-check, readiness alone must catch it: tansu exits 0, or another
+    broker answers with a foreign cluster id."""
+    monkeypatch.setattr("pipeline.kafka.broker.ensure_port_free", lambda host, port: None)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        with pytest.raises(PortBusyError, match="exited with code 0"):
+            EmbeddedBroker(port=squatter.getsockname()[1]).start()
+    with pytest.raises(PortBusyError, match=r"another Kafka broker|exited with code 0"):
+        EmbeddedBroker(port=kafka_broker.port).start()
+    kafka_broker.check()
+
+
+def test_a_missing_binary_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(BrokerError, match="missing or not executable"):
+        EmbeddedBroker(binary=tmp_path / "tansu").start()
+    monkeypatch.setenv("TOKENTRAIL_TANSU_BIN", str(tmp_path / "nope"))
+    with pytest.raises(BrokerError, match="TOKENTRAIL_TANSU_BIN"):
+        tansu_binary()
+    monkeypatch.delenv("TOKENTRAIL_TANSU_BIN")
+    assert tansu_binary().is_file()
+
+
+def test_port_zero_is_refused() -> None:
+    with pytest.raises(BrokerError, match="port 0"):
+        EmbeddedBroker(port=0)
+
+
+@pytest.mark.parametrize("storage", ["memory", "durable"])
+def test_a_broker_that_dies_is_reported(storage: str, tmp_path: Path) -> None:
+    failures: list[BrokerError] = []
+    broker = EmbeddedBroker(storage="durable" if storage == "durable" else "memory",
+                            data_dir=tmp_path if storage == "durable" else None)
+    broker.on_failure(failures.append)
+    with broker:
+        os.kill(broker.pid, signal.SIGKILL)
+        failure = broker.wait(timeout=10)
+        assert failure is not None and "exited unexpectedly" in str(failure)
+        assert "tansu" in str(failure) and not broker.running
+        with pytest.raises(BrokerError, match="exited unexpectedly"):
+            broker.check()
+    assert failures == [failure]
+
+
+def test_durable_storage_dying_is_reported(tmp_path: Path) -> None:
+    with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
+        assert broker.bucket_pid is not None
+        os.kill(broker.bucket_pid, signal.SIGKILL)
+        failure = broker.wait(timeout=10)
+        assert failure is not None and "localbucket" in str(failure)
+
+
+def test_durable_storage_needs_its_own_data_dir(tmp_path: Path) -> None:
+    with pytest.raises(BrokerError, match="data directory"):
+        EmbeddedBroker(storage="durable")
+    with EmbeddedBroker(storage="durable", data_dir=tmp_path), pytest.raises(BrokerError, match="in use"):
+        EmbeddedBroker(storage="durable", data_dir=tmp_path).start()
+
+
+def test_durable_broker_keeps_topics_records_and_offsets_across_a_restart(
+    tmp_path: Path, fast_group: dict[str, Any]
+) -> None:
+    names = TopicNames(prefix="durable", partitions=2)
+    group = "durable-g"
+    records = admissions(120)
+
+    async def first_life(bootstrap: str) -> int:
+        config = KafkaConfig(bootstrap_servers=bootstrap, names=names)
+        await ensure_topics(config)
+        async with KafkaEventSink(config, linger_ms=10) as sink:
+            await sink.publish(records)
+            loop: ConsumerLoop | None = None
+
+            async def stop_midway(batch: Sequence[Consumed]) -> None:
+                if loop is not None and len(handler.consumed) + len(batch) >= 50:
+                    loop.request_stop()
+
+            handler = CollectingHandler(on_batch=stop_midway)
+            loop = ConsumerLoop(config, group_id=group, topics=[names.admission], handler=handler,
+                                dead_letters=sink, stage="test", max_records=20, **fast_group)
+            await asyncio.wait_for(loop.run(), 20)
+            return len(handler.consumed)
+
+    async def second_life(bootstrap: str, consumed: int) -> None:
+        config = KafkaConfig(bootstrap_servers=bootstrap, names=names)
+        assert await ensure_topics(config) == []  # the topics survived
+        async with LagReader(config) as reader:
+            rows = await reader.group_lag(group)
+            assert total_lag(rows) == len(records) - consumed  # committed offsets survived
+            assert sum(row.highwater for row in rows) == len(records)
+        async with KafkaEventSink(config) as sink:
+            everything = CollectingHandler()
+            rest = CollectingHandler()
+            loops = [
+                ConsumerLoop(config, group_id="durable-replay", topics=[names.admission], handler=everything,
+                             dead_letters=sink, stage="test", **fast_group),
+                ConsumerLoop(config, group_id=group, topics=[names.admission], handler=rest,
+                             dead_letters=sink, stage="test", **fast_group),
+            ]
+            tasks = [asyncio.create_task(loop.run()) for loop in loops]
+            try:
+                await everything.wait_for(len(records))
+                await rest.wait_for(len(records) - consumed)
+                await asyncio.sleep(0.2)
+            finally:
+                for loop in loops:
+                    loop.request_stop()
+                await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        replayed = [item.event.payload for item in everything.consumed]
+        assert sorted(r.model_dump_json() for r in replayed) == sorted(r.model_dump_json() for r in records)
+        assert len(rest.consumed) == len(records) - consumed
+
+    with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
+        cluster_id = broker.cluster_id
+        consumed = asyncio.run(first_life(broker.bootstrap))
+    assert 50 <= consumed < len(records)
+    with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
+        assert broker.cluster_id == cluster_id
+        asyncio.run(second_life(broker.bootstrap, consumed))
+
+
+def test_broker_command_runs_in_the_foreground_and_stops_on_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-c", BROKER_VERB, "broker", "--port", str(port), "--create-topics",
+         "--topic-prefix", "cli", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    timer = threading.Timer(30, process.kill)
+    timer.start()
+    try:
+        assert process.stdout is not None
+        ready = json.loads(process.stdout.readline())
+        assert ready["bootstrap"] == f"127.0.0.1:{port}" and ready["storage"] == "memory"
+        assert sorted(ready["created_topics"]) == sorted(TopicNames(prefix="cli").all())
+        assert identify("127.0.0.1", port).cluster_id == ready["cluster_id"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    finally:
+        timer.cancel()
+        if process.poll() is None:
+            process.kill()
+    assert not port_accepts(port)
