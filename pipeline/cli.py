@@ -9,7 +9,16 @@ import sys
 from collections.abc import Sequence
 
 # Verb modules, in the order ``--help`` lists them.
-VERBS: tuple[str, ...] = ("make_tiny_model", "dataplane", "broker", "lag")
+VERBS: tuple[str, ...] = (
+    "broker",
+    "dataplane",
+    "worker",
+    "stage",
+    "lag",
+    "replay",
+    "ledger",
+    "make_tiny_model",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

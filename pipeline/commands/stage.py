@@ -64,6 +64,10 @@ def add_parser(subparsers: Any) -> None:
         "--data-dir", type=Path, default=Path(".tokentrail"), help="where dataplane.json lives"
     )
     parser.add_argument("--ray-address", help="Ray cluster address for --dataplane-mode ray")
+    parser.add_argument(
+        "--session-timeout-ms", type=int, default=10_000, help="consumer group session timeout"
+    )
+    parser.add_argument("--heartbeat-ms", type=int, default=3_000, help="consumer group heartbeat interval")
     parser.set_defaults(run=run)
 
 
@@ -80,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     await ensure_topics(config)
+    tuning = ConsumerTuning(
+        session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_ms
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
