@@ -102,7 +102,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 group=args.group or LEDGER_GROUP,
                 topics=ledger_topics(config.names),
                 stop=stop,
-                tuning=ConsumerTuning(),
+                tuning=tuning,
             )
             return
         from pipeline.dataplane import DataPlaneConfig, open_data_plane
@@ -120,4 +120,5 @@ async def _serve(args: argparse.Namespace) -> None:
                 group=args.group or FINALIZER_GROUP,
                 topics=finalizer_topics(config.names),
                 stop=stop,
+                tuning=tuning,
             )

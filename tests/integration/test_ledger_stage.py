@@ -86,7 +86,7 @@ async def receipts_on(config: KafkaConfig) -> dict[str, list[RolloutReceipt]]:
     return copies
 
 
-async def run_ledger_until(config: KafkaConfig, expected: int, timeout: float = 60) -> None:
+async def run_ledger_until(config: KafkaConfig, expected: int, within_s: float = 60) -> None:
     stop = asyncio.Event()
     async with KafkaEventSink(config) as sink:
         ledger = LedgerStage(sink, LedgerConfig(seal_grace_s=30))
@@ -102,8 +102,8 @@ async def run_ledger_until(config: KafkaConfig, expected: int, timeout: float = 
                 tuning=FAST_GROUPS,
             )
         )
-        deadline = time.monotonic() + timeout
-        while ledger.stats.receipts < expected and time.monotonic() < deadline:
+        deadline = time.monotonic() + within_s
+        while ledger.stats.receipts < expected and time.monotonic() < deadline:  # noqa: ASYNC110 (a counter, not an event)
             await asyncio.sleep(0.1)
         stop.set()
         await task
