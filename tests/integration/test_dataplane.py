@@ -1,0 +1,698 @@
+"""The TransferQueue data plane, against a real in-process controller and storage unit.
+
+One embedded data plane serves the whole module; other processes attach to it through
+its published address file with the ordinary TransferQueue client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from pipeline.dataplane import rows as codec
+from pipeline.dataplane.addresses import DataPlaneAddresses
+from pipeline.dataplane.config import ADDRESSES_FILE_NAME, DataPlaneConfig
+from pipeline.dataplane.embedded import TESTED_TRANSFERQUEUE_VERSION, EmbeddedDataPlane, actor_class
+from pipeline.dataplane.runtime import open_data_plane
+from pipeline.dataplane.transferqueue import CorruptRows, TransferQueueDataPlane
+from stages.ports import DataPlaneError, DataPlaneTimeout, MissingRows
+from topics import digest
+from topics.records import CallSpan, StagedCall, TrainingSample
+from topics.rows import stage_row
+
+pytestmark = pytest.mark.dataplane
+
+REPO = Path(__file__).resolve().parents[2]
+SUBPROCESS_ENV = {**os.environ, "TQ_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
+
+
+# ------------------------------------------------------------------ builders
+
+
+def build_rollout(
+    rng: np.random.Generator, rollout_id: str, lengths: Sequence[int], *, extras: dict[str, Any] | None = None
+) -> list[StagedCall]:
+    """A chain of valid calls (each the child of the previous) with the given delta lengths."""
+    calls: list[StagedCall] = []
+    prefix = np.zeros(0, dtype=np.int64)
+    parent: StagedCall | None = None
+    for index, length in enumerate(lengths):
+        generated = int(rng.integers(1, length + 1))
+        prompt = np.concatenate((prefix, rng.integers(0, 150_000, length - generated)))
+        new_ids = rng.integers(0, 150_000, generated)
+        delta = digest.build_delta(prompt, new_ids, -rng.random(generated) * 8, len(prefix))
+        call = stage_row(
+            rollout_id=rollout_id,
+            call_id=f"c{index}",
+            parent_call_id=None if parent is None else parent.call_id,
+            parent_chain_hash=None if parent is None else parent.chain_hash,
+            prefix_ids=prefix,
+            delta=delta,
+            weight_version=int(rng.integers(0, 5)),
+            extras=extras,
+        )
+        calls.append(call)
+        prefix = np.concatenate((prompt, new_ids))
+        parent = call
+    return calls
+
+
+def build_sample(rollout_id: str, calls: Sequence[StagedCall], reward: float | None) -> TrainingSample:
+    """Linearize a chain into its training sample."""
+    spans = []
+    ids: list[int] = []
+    mask: list[float] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    for call in calls:
+        gen = int(sum(call.token_mask_delta))
+        spans.append(
+            CallSpan(call_id=call.call_id, start=len(ids), carry_len=call.delta_len - gen, gen_len=gen)
+        )
+        ids += call.token_ids_delta
+        mask += call.token_mask_delta
+        logprobs += call.logprobs_delta
+        versions += [call.weight_version] * call.delta_len
+    return TrainingSample(
+        rollout_id=rollout_id,
+        group_id="g1",
+        token_ids=ids,
+        token_mask=mask,
+        logprobs=logprobs,
+        weight_versions=versions,
+        spans=spans,
+        reward=reward,
+        cumulative_hash=digest.cumulative_hash(ids),
+    )
+
+
+def f32_bits(values: Sequence[float]) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).view(np.uint32)
+
+
+def assert_same_call(got: StagedCall, want: StagedCall) -> None:
+    """Bit-exact: ids and every scalar equal, masks and logprobs equal as float32 bits."""
+    assert np.array_equal(np.asarray(got.token_ids_delta, dtype=np.int64), np.asarray(want.token_ids_delta))
+    assert np.array_equal(f32_bits(got.token_mask_delta), f32_bits(want.token_mask_delta))
+    assert np.array_equal(f32_bits(got.logprobs_delta), f32_bits(want.logprobs_delta))
+    heavy = {"token_ids_delta", "token_mask_delta", "logprobs_delta"}
+    assert got.model_dump(exclude=heavy) == want.model_dump(exclude=heavy)
+    assert type(got.token_ids_delta[0]) is int and type(got.logprobs_delta[0]) is float
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedDataPlane]:
+    with EmbeddedDataPlane.start() as embedded:
+        embedded.publish(tmp_path_factory.mktemp("dataplane") / ADDRESSES_FILE_NAME)
+        yield embedded
+
+
+@pytest.fixture
+async def plane(server: EmbeddedDataPlane) -> AsyncIterator[TransferQueueDataPlane]:
+    async with await TransferQueueDataPlane.attach(server.addresses, timeout_s=20.0) as attached:
+        yield attached
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20251130)
+
+
+# ------------------------------------------------------------------ the embedded data plane itself
+
+
+def test_embedded_plane_relies_on_pinned_transferqueue_internals(
+    server: EmbeddedDataPlane, tmp_path: Path
+) -> None:
+    """Fails loudly when TransferQueue or Ray change what the in-process construction uses."""
+    import transfer_queue
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    assert transfer_queue.__version__ == TESTED_TRANSFERQUEUE_VERSION, (
+        "the embedded data plane builds TransferQueue's actor classes in-process; re-check "
+        "pipeline/dataplane/embedded.py against this version before moving the pin"
+    )
+    assert actor_class(TransferQueueController).__name__ == "TransferQueueController"
+    assert actor_class(SimpleStorageUnit).__name__ == "SimpleStorageUnit"
+    addresses = server.addresses
+    assert addresses.pid == os.getpid() and addresses.mode == "embedded"
+    assert {addresses.controller.ip, *(u.ip for u in addresses.storage_units)} == {"127.0.0.1"}
+    assert len(addresses.storage_units) == 1
+    # Published atomically, and round-trips through JSON and the environment variable.
+    assert DataPlaneAddresses.read(server.published[0]) == addresses
+    assert DataPlaneAddresses.from_json(addresses.to_json()) == addresses
+    assert DataPlaneAddresses.from_env({"TOKENTRAIL_DATAPLANE_ADDRESSES": addresses.to_json()}) == addresses
+
+
+def test_a_second_embedded_plane_starts_fast_and_stops_cleanly(server: EmbeddedDataPlane) -> None:
+    started = time.perf_counter()
+    with EmbeddedDataPlane.start() as other:
+        assert time.perf_counter() - started < 5.0  # no Ray runtime: about half a second
+        port = other.addresses.controller.ports["request_handle_socket"]
+        assert other.running and other.addresses.controller.id != server.addresses.controller.id
+    assert not other.running
+    other.stop()  # idempotent
+    import socket
+
+    with socket.socket() as probe:  # the owner released its ports
+        probe.bind(("127.0.0.1", port))
+
+
+# ------------------------------------------------------------------ round trips
+
+
+@pytest.mark.anyio
+async def test_thousand_calls_round_trip_bit_exact(
+    plane: TransferQueueDataPlane, rng: np.random.Generator
+) -> None:
+    prefix = unique("rt")
+    calls: list[StagedCall] = []
+    for r in range(250):
+        extras = {"policy_epochs": [[0, 1]], "note": "é", "ratio": 0.1} if r % 5 == 0 else None
+        calls += build_rollout(rng, f"{prefix}.{r}", rng.integers(100, 8001, 4).tolist(), extras=extras)
+    assert len(calls) == 1000
+    by_key = {call.staging_key: call for call in calls}
+    for start in range(0, len(calls), 32):
+        await plane.put_calls(calls[start : start + 32])
+    assert set(by_key) <= set(await plane.list_keys("staging"))
+
+    order = list(by_key)
+    rng.shuffle(order)
+    seen: set[str] = set()
+    position = 0
+    while position < len(order):
+        size = int(rng.integers(1, 65))
+        batch = order[position : position + size]
+        position += size
+        got = await plane.get_calls(batch)
+        assert list(got) == batch
+        for key in batch:
+            assert_same_call(got[key], by_key[key])
+            seen.add(key)
+    assert seen == set(by_key)
+    # The digest of a decoded row is the digest it was written with.
+    for key in order[:50]:
+        row = (await plane.get_calls([key]))[key]
+        assert digest.call_digest(row.model_dump(exclude={"digest"})) == row.digest
+
+    await plane.delete_calls(order)
+    assert not set(by_key) & set(await plane.list_keys("staging"))
+
+
+@pytest.mark.anyio
+async def test_logprobs_come_back_as_their_float32_values(plane: TransferQueueDataPlane) -> None:
+    row = build_rollout(np.random.default_rng(1), unique("f32"), [40])[0]
+    precise = [0.0 if m == 0.0 else -0.1 * (i + 1) / 3 for i, m in enumerate(row.token_mask_delta)]
+    written = StagedCall.model_construct(**{**dict(row), "logprobs_delta": precise})
+    await plane.put_calls([written])
+    got = (await plane.get_calls([row.staging_key]))[row.staging_key]
+    assert got.logprobs_delta == np.asarray(precise, dtype=np.float32).astype(np.float64).tolist()
+    assert got.logprobs_delta != precise  # really rounded: the stored values are float32
+    assert np.array_equal(f32_bits(got.logprobs_delta), f32_bits(precise))
+
+
+@pytest.mark.anyio
+async def test_training_sample_round_trip(plane: TransferQueueDataPlane, rng: np.random.Generator) -> None:
+    samples = []
+    for i, reward in enumerate((1.0, None, -0.25)):
+        rollout = unique(f"s{i}")
+        samples.append(build_sample(rollout, build_rollout(rng, rollout, [300, 120, 900]), reward))
+    for sample in samples:
+        await plane.put_sample(sample)
+    keys = [s.rollout_id for s in reversed(samples)]
+    got = await plane.get_samples(keys)
+    assert list(got) == keys
+    for sample in samples:
+        back = got[sample.rollout_id]
+        assert back == sample
+        assert back.spans == sample.spans and type(back.spans[0]) is CallSpan
+        assert np.array_equal(f32_bits(back.logprobs), f32_bits(sample.logprobs))
+        assert TrainingSample.model_validate(back.model_dump()) == sample
+    assert set(keys) <= set(await plane.list_keys("samples"))
+    await plane.delete_samples(keys)
+    await plane.delete_samples(keys)
+    with pytest.raises(MissingRows) as info:
+        await plane.get_samples(keys[:1])
+    assert info.value.keys == (keys[0],)
+
+
+# ------------------------------------------------------------------ silent failures, guarded
+
+
+@pytest.mark.anyio
+async def test_partly_missing_keys_name_exactly_the_missing(
+    plane: TransferQueueDataPlane, rng: np.random.Generator
+) -> None:
+    calls = build_rollout(rng, unique("miss"), [150, 200, 250])
+    await plane.put_calls(calls)
+    present = [c.staging_key for c in calls]
+    ghost_a, ghost_b = f"{calls[0].rollout_id}/ghost", f"{unique('other')}/c0"
+    with pytest.raises(MissingRows) as info:
+        await plane.get_calls([present[0], ghost_a, present[1], ghost_b, present[2]])
+    assert info.value.keys == (ghost_a, ghost_b)
+    assert info.value.partition == "staging"
+    assert not isinstance(info.value, CorruptRows)
+
+    # A put that crashed after registering its key: listed, but unreadable.
+    crashed = f"{calls[0].rollout_id}/crashed"
+    await plane.client.async_kv_retrieve_meta(keys=[crashed], partition_id="staging", create=True)
+    assert crashed in await plane.list_keys("staging")
+    with pytest.raises(MissingRows) as info:
+        await plane.get_calls([*present, crashed, ghost_a])
+    assert info.value.keys == (crashed, ghost_a)
+    assert list(await plane.get_calls(present)) == present  # the good rows stay readable
+    await plane.delete_calls([crashed, *present])
+    assert crashed not in await plane.list_keys("staging")
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # TransferQueue's cast
+async def test_rows_missing_a_field_or_with_a_wrong_dtype_are_named(
+    server: EmbeddedDataPlane, rng: np.random.Generator
+) -> None:
+    partition = unique("corrupt")  # a foreign writer's rows must not disturb other tests
+    async with await TransferQueueDataPlane.attach(
+        server.addresses, timeout_s=20.0, staging_partition=partition
+    ) as plane:
+        calls = build_rollout(rng, unique("bad"), [120, 130, 140, 150, 160, 170])
+        good, no_logprobs, wrong_dtype, bad_meta = calls[:3], calls[3], calls[4], calls[5]
+        await plane.put_calls(good)
+
+        async def raw_put(call: StagedCall, change: Any) -> None:
+            data = codec.encode_calls([call])
+            fields = {name: data.get(name) for name in codec.CALL_FIELDS}
+            change(fields)
+            meta = await plane.client.async_kv_retrieve_meta(
+                keys=[call.staging_key], partition_id=partition, create=True
+            )
+            await plane.client.async_put(TensorDict(fields, batch_size=[1]), meta)
+
+        await raw_put(no_logprobs, lambda f: f.pop("logprobs"))
+        await raw_put(
+            wrong_dtype,
+            lambda f: f.update(
+                token_ids=torch.nested.as_nested_tensor(
+                    [torch.ones(3, dtype=torch.float64)], layout=torch.jagged
+                )
+            ),
+        )
+        await raw_put(
+            bad_meta,
+            lambda f: f.update(
+                meta=torch.nested.as_nested_tensor(
+                    [torch.frombuffer(bytearray(b'{"rollout_id": 1}'), dtype=torch.uint8)],
+                    layout=torch.jagged,
+                )
+            ),
+        )
+        keys = [c.staging_key for c in calls]
+        with pytest.raises(CorruptRows) as info:
+            await plane.get_calls(keys)
+        error = info.value
+        assert isinstance(error, MissingRows)
+        assert error.keys == (no_logprobs.staging_key, wrong_dtype.staging_key, bad_meta.staging_key)
+        assert "'logprobs'" in error.problems[no_logprobs.staging_key]
+        assert "'token_ids'" in error.problems[wrong_dtype.staging_key]
+        assert "float64" in error.problems[wrong_dtype.staging_key]
+        assert "meta.schema_version" in error.problems[bad_meta.staging_key]
+        assert no_logprobs.staging_key in str(error) and "logprobs" in str(error)
+        assert list(await plane.get_calls([c.staging_key for c in good])) == [c.staging_key for c in good]
+        await plane.delete_calls(keys)
+
+
+def test_codec_names_the_key_and_field_of_a_malformed_row(rng: np.random.Generator) -> None:
+    call = build_rollout(rng, "codec", [50])[0]
+    key = call.staging_key
+    data = codec.encode_calls([call])
+    assert [r.model_dump() for r in codec.decode_calls([key], data)] == [call.model_dump()]
+
+    def broken(**fields: Any) -> TensorDict:
+        base = {name: data.get(name) for name in codec.CALL_FIELDS}
+        base.update(fields)
+        return TensorDict({k: v for k, v in base.items() if v is not None}, batch_size=[1])
+
+    cases = {
+        "token_mask": broken(token_mask=None),
+        "logprobs": broken(
+            logprobs=torch.nested.as_nested_tensor(
+                [torch.zeros(50, dtype=torch.float64)], layout=torch.jagged
+            )
+        ),
+        "counts": broken(counts=torch.zeros(1, 3, dtype=torch.int64)),
+    }
+    for field, bad in cases.items():
+        with pytest.raises(codec.RowFormatError) as info:
+            codec.decode_calls([key], bad)
+        assert info.value.field == field and (info.value.key in (key, None)), str(info.value)
+    with pytest.raises(codec.RowFormatError, match=r"logprobs.*finite"):
+        codec.encode_calls([StagedCall.model_construct(**{**dict(call), "logprobs_delta": [-1e39] * 50})])
+    with pytest.raises(codec.RowFormatError, match=r"token_ids.*int64"):
+        codec.encode_calls([StagedCall.model_construct(**{**dict(call), "token_ids_delta": [2**64] * 50})])
+
+
+@pytest.mark.anyio
+async def test_delete_is_idempotent(plane: TransferQueueDataPlane, rng: np.random.Generator) -> None:
+    calls = build_rollout(rng, unique("del"), [100, 100])
+    keys = [c.staging_key for c in calls]
+    await plane.put_calls(calls)
+    await plane.delete_calls(keys)
+    await plane.delete_calls(keys)
+    await plane.delete_calls([*keys, "never/written"])
+    await plane.delete_calls([])
+    await plane.delete_samples(["never-written"])
+    assert not set(keys) & set(await plane.list_keys("staging"))
+    await plane.put_calls(calls)  # a deleted key can be written again
+    assert list(await plane.get_calls(keys)) == keys
+    await plane.delete_calls(keys)
+
+
+@pytest.mark.anyio
+async def test_a_put_the_controller_never_registers_is_reported(
+    plane: TransferQueueDataPlane, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    call = build_rollout(rng, unique("lost"), [80])[0]
+
+    async def lost_notification(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    monkeypatch.setattr(plane.client.storage_manager, "notify_data_update", lost_notification)
+    with pytest.raises(DataPlaneError, match="not readable"):
+        await plane.put_calls([call])
+    monkeypatch.undo()
+    await plane.put_calls([call])  # a retry overwrites the half-written row
+    assert list(await plane.get_calls([call.staging_key])) == [call.staging_key]
+    await plane.delete_calls([call.staging_key])
+
+
+@pytest.mark.anyio
+async def test_a_repeated_key_in_one_put_is_refused(
+    plane: TransferQueueDataPlane, rng: np.random.Generator
+) -> None:
+    call = build_rollout(rng, unique("dup"), [60])[0]
+    with pytest.raises(ValueError, match="repeats"):
+        await plane.put_calls([call, call])
+
+
+# ------------------------------------------------------------------ other processes
+
+WRITER = r"""
+import json, sys, time
+import numpy as np
+from transfer_queue import TransferQueueClient
+from transfer_queue.utils.enum_utils import Role
+from transfer_queue.utils.zmq_utils import ZMQServerInfo
+from topics import digest
+from topics.rows import stage_row
+from pipeline.dataplane.rows import encode_calls
+
+path, rollout, count, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+doc = json.loads(open(path).read())
+def info(role, e):
+    return ZMQServerInfo(role=role, id=e["id"], ip=e["ip"], ports=e["ports"])
+client = TransferQueueClient(f"writer-{rollout}", controller_info=info(Role.CONTROLLER, doc["controller"]))
+units = {u["id"]: info(Role.STORAGE, u) for u in doc["storage_units"]}
+client.initialize_storage_manager("SimpleStorage", {"zmq_info": units})
+
+rng = np.random.default_rng(abs(hash(rollout)) % 2**32)
+def call(call_id, n):
+    delta = digest.build_delta([], rng.integers(0, 1000, n), -rng.random(n), 0)
+    return stage_row(rollout_id=rollout, call_id=call_id, parent_call_id=None, parent_chain_hash=None,
+                     prefix_ids=[], delta=delta, weight_version=1)
+def put(rows):
+    meta = client.kv_retrieve_meta(keys=[r.staging_key for r in rows], partition_id="staging", create=True)
+    client.put(encode_calls(rows), meta)
+
+rows = [call(f"c{i}", 64 + i) for i in range(count)]
+put(rows)
+for r in rows:
+    print(r.model_dump_json(), flush=True)
+print("READY", flush=True)
+i = 0
+while mode == "forever":
+    put([call(f"loop{i}", 2000)])
+    i += 1
+client.close()
+"""
+
+
+def spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, *args],
+        cwd=REPO,
+        env=SUBPROCESS_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def written_rows(process: subprocess.Popen[str]) -> list[StagedCall]:
+    assert process.stdout is not None
+    rows = []
+    for line in process.stdout:
+        if line.strip() == "READY":
+            return rows
+        rows.append(StagedCall.model_validate_json(line))
+    raise AssertionError(
+        f"writer exited early: {process.wait()} {process.stderr.read() if process.stderr else ''}"
+    )
+
+
+@pytest.mark.anyio
+async def test_other_processes_write_rows_the_owner_reads_and_their_exit_is_harmless(
+    server: EmbeddedDataPlane, plane: TransferQueueDataPlane, rng: np.random.Generator
+) -> None:
+    address_file = str(server.published[0])
+    clean_id, killed_id = unique("clean"), unique("killed")
+    clean = spawn(address_file, clean_id, "5", "once")
+    killed = spawn(address_file, killed_id, "3", "forever")
+    try:
+        clean_rows = written_rows(clean)
+        killed_rows = written_rows(killed)
+        assert clean.wait(timeout=60) == 0
+        await anyio.sleep(0.3)  # let the second writer get some puts in flight
+        killed.send_signal(signal.SIGKILL)
+        assert killed.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        for process in (clean, killed):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    for rows in (clean_rows, killed_rows):
+        got = await plane.get_calls([r.staging_key for r in rows])
+        for row in rows:
+            assert_same_call(got[row.staging_key], row)
+
+    # The owner keeps serving: its own writes, and whatever the killed writer left.
+    mine = build_rollout(rng, unique("after"), [500, 700])
+    await plane.put_calls(mine)
+    assert list(await plane.get_calls([c.staging_key for c in mine])) == [c.staging_key for c in mine]
+    leftovers = [k for k in await plane.list_keys("staging") if k.startswith(f"{killed_id}/loop")]
+    assert leftovers, "the killed writer should have written in its loop"
+    try:
+        await plane.get_calls(leftovers)
+    except MissingRows as exc:  # at most a put cut short by the kill
+        assert set(exc.keys) <= set(leftovers) and len(exc.keys) <= 1
+    await plane.delete_calls([*leftovers, *(r.staging_key for r in clean_rows + killed_rows)])
+    async with await TransferQueueDataPlane.attach(server.addresses, timeout_s=10.0) as fresh:
+        assert list(await fresh.get_calls([c.staging_key for c in mine])) == [c.staging_key for c in mine]
+    await plane.delete_calls([c.staging_key for c in mine])
+
+
+# ------------------------------------------------------------------ a dead data plane
+
+
+def start_cli(data_dir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "dataplane", "--data-dir", str(data_dir), "--json"],
+        cwd=REPO,
+        env=SUBPROCESS_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pipeline.cli", *args]
+    return subprocess.run(command, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=60)
+
+
+def cli_addresses(process: subprocess.Popen[str]) -> dict[str, Any]:
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line, (
+        f"tokentrail dataplane exited: {process.wait()} {process.stderr.read() if process.stderr else ''}"
+    )
+    document: dict[str, Any] = json.loads(line)
+    return document
+
+
+async def assert_times_out(call: Any, timeout_s: float) -> DataPlaneTimeout:
+    started = time.perf_counter()
+    with pytest.raises(DataPlaneTimeout) as info:
+        await call
+    elapsed = time.perf_counter() - started
+    assert elapsed < timeout_s + 1.5, f"took {elapsed:.2f}s with a {timeout_s}s timeout"
+    return info.value
+
+
+@pytest.mark.anyio
+async def test_cli_data_plane_serves_stops_cleanly_and_a_dead_one_times_out(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    graceful_dir, killed_dir = tmp_path / "graceful", tmp_path / "killed"
+    graceful, killed = start_cli(graceful_dir), start_cli(killed_dir)
+    try:
+        graceful_doc, killed_doc = cli_addresses(graceful), cli_addresses(killed)
+        assert graceful_doc["addresses_file"] == str(graceful_dir / ADDRESSES_FILE_NAME)
+        assert graceful_doc["controller"]["ip"] == "127.0.0.1" and graceful_doc["pid"] == graceful.pid
+        assert killed_doc["pid"] == killed.pid
+
+        # A second owner for the same directory is refused while the first lives.
+        refused = await anyio.to_thread.run_sync(run_cli, "dataplane", "--data-dir", str(graceful_dir))
+        assert refused.returncode == 1 and "running data plane" in refused.stderr
+
+        calls = build_rollout(rng, unique("cli"), [300, 400])
+        keys = [c.staging_key for c in calls]
+        timeout_s = 1.0
+        config = DataPlaneConfig(mode="attach", data_dir=killed_dir, timeout_s=timeout_s)
+        async with open_data_plane(config) as remote:
+            await remote.put_calls(calls)
+            assert list(await remote.get_calls(keys)) == keys
+            killed.send_signal(signal.SIGKILL)
+            killed.wait(timeout=30)
+            error = await assert_times_out(remote.get_calls(keys), timeout_s)
+            assert "did not finish within 1s" in str(error) and "staging" in str(error)
+            assert f"pid {killed.pid}, is not running" in str(error)
+            await assert_times_out(remote.put_calls(calls), timeout_s)
+            await assert_times_out(remote.list_keys("staging"), timeout_s)
+            await assert_times_out(remote.delete_calls(keys), timeout_s)
+        # Attaching to a dead plane fails within the timeout too, never hangs.
+        error = await assert_times_out(open_data_plane(config).__aenter__(), timeout_s)
+        assert "not running" in str(error)
+
+        graceful.send_signal(signal.SIGTERM)
+        assert graceful.wait(timeout=30) == 0
+        assert not (graceful_dir / ADDRESSES_FILE_NAME).exists()
+        assert (killed_dir / ADDRESSES_FILE_NAME).exists()  # a killed owner leaves a stale file
+    finally:
+        for process in (graceful, killed):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.mark.anyio
+async def test_open_data_plane_embedded_then_attach(
+    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = build_rollout(rng, unique("open"), [100])
+    key = calls[0].staging_key
+    published = tmp_path / ADDRESSES_FILE_NAME
+    with pytest.raises(DataPlaneError, match="no data-plane address file"):
+        await open_data_plane(DataPlaneConfig(mode="attach", data_dir=tmp_path)).__aenter__()
+    async with open_data_plane(DataPlaneConfig(data_dir=tmp_path, timeout_s=10.0)) as owner:
+        assert published.exists()
+        await owner.put_calls(calls)
+        async with open_data_plane(DataPlaneConfig(mode="attach", data_dir=tmp_path)) as guest:
+            assert_same_call((await guest.get_calls([key]))[key], calls[0])
+        # The environment variable stands in for the file; an explicitly named file wins over it.
+        monkeypatch.setenv("TOKENTRAIL_DATAPLANE_ADDRESSES", published.read_text())
+        async with open_data_plane(DataPlaneConfig(mode="attach", data_dir=tmp_path / "elsewhere")) as guest:
+            assert list(await guest.get_calls([key])) == [key]
+        stale = DataPlaneAddresses.read(published).to_dict()
+        stale["controller"]["ports"] = {"handshake_socket": 9, "request_handle_socket": 9}
+        monkeypatch.setenv("TOKENTRAIL_DATAPLANE_ADDRESSES", json.dumps(stale))
+        async with open_data_plane(DataPlaneConfig(mode="attach", addresses_file=published)) as guest:
+            assert list(await guest.get_calls([key])) == [key]
+        assert list(await owner.get_calls([key])) == [key]  # guests leaving changed nothing
+        stopped_owner = owner
+    assert not published.exists()
+    with pytest.raises(DataPlaneError, match="closed"):
+        await stopped_owner.get_calls([key])
+
+
+# ------------------------------------------------------------------ TransferQueue on Ray
+
+RAY_OWNER = r"""
+import sys
+import ray
+import transfer_queue as tq
+ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+print("READY", flush=True)
+sys.stdin.readline()
+tq.close()
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.skipif(
+    os.environ.get("TOKENTRAIL_RAY_TESTS") != "1",
+    reason="starting Ray takes 20-30 s on 2 cores; set TOKENTRAIL_RAY_TESTS=1 to run",
+)
+async def test_ray_mode_attaches_to_transferqueue_on_a_ray_cluster(rng: np.random.Generator) -> None:
+    owner = await anyio.to_thread.run_sync(spawn_ray_owner)
+    try:
+        assert owner.stdout is not None
+        assert (await anyio.to_thread.run_sync(owner.stdout.readline)).strip() == "READY"
+        config = DataPlaneConfig(mode="ray", ray_address="auto", timeout_s=60.0)
+        calls = build_rollout(rng, unique("ray"), [300, 500])
+        async with open_data_plane(config) as plane:
+            assert plane.addresses is not None and plane.addresses.mode == "ray"
+            await plane.put_calls(calls)
+            got = await plane.get_calls([c.staging_key for c in calls])
+            for call in calls:
+                assert_same_call(got[call.staging_key], call)
+            await plane.delete_calls([c.staging_key for c in calls])
+        import ray
+
+        assert not ray.is_initialized()  # we left the cluster; TransferQueue stays up for its owner
+    finally:
+        if owner.stdin is not None:
+            owner.stdin.write("\n")
+            owner.stdin.flush()
+        await anyio.to_thread.run_sync(lambda: owner.wait(timeout=60))
+
+
+def spawn_ray_owner() -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", RAY_OWNER],
+        cwd=REPO,
+        env={**SUBPROCESS_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
