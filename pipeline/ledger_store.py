@@ -38,6 +38,9 @@ class LedgerStore:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path)
+        # A rebuildable copy: speed over durability (the log is the source of truth).
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=OFF")
         self._db.executescript(SCHEMA)
         self.ignored = 0
 
@@ -67,15 +70,19 @@ class LedgerStore:
             rows.append((event.event_id, event.key, event.event_type.value, orjson.dumps(record.model_dump())))
         before = self._db.total_changes
         self._db.executemany("INSERT OR IGNORE INTO ledger VALUES (?, ?, ?, ?)", rows)
-        self._db.commit()
         return self._db.total_changes - before
 
+    def flush(self) -> None:
+        self._db.commit()
+
     def counts(self) -> dict[str, int]:
+        self.flush()
         return dict(self._db.execute("SELECT kind, COUNT(*) FROM ledger GROUP BY kind").fetchall())
 
     def rollout(self, rollout_id: str) -> tuple[list[CallRecord | FailedCall], RolloutReceipt | None]:
         calls: list[CallRecord | FailedCall] = []
         receipt = None
+        self.flush()
         for kind, payload in self._db.execute(
             "SELECT kind, payload FROM ledger WHERE rollout_id = ? ORDER BY event_id", (rollout_id,)
         ):
@@ -90,4 +97,5 @@ class LedgerStore:
 
     def snapshot(self) -> dict[str, bytes]:
         """Every event id with its payload: what a consistency check compares."""
+        self.flush()
         return dict(self._db.execute("SELECT event_id, payload FROM ledger").fetchall())

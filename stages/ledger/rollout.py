@@ -47,8 +47,10 @@ class OpenRollout:
         mismatch = _coords_mismatch(admission, staged)
         if mismatch is not None:
             return self._fail(admission, LedgerFailure.COORDS_MISMATCH, mismatch)
-        record = CallRecord(
-            **coords.model_dump(exclude={"schema_version"}),
+        # Both halves were validated on decode and checked against each other above,
+        # so the joined record is built without validating it a third time.
+        record = CallRecord.model_construct(
+            **dict(coords),
             response_id=staged.response_id,
             logical_call_id=admission.logical_call_id,
             admitted_at=admission.admitted_at,

@@ -1,0 +1,75 @@
+"""``tokentrail make-tiny-model``: build the offline tiny model that tests and demos serve.
+
+A verb of its own so a cluster or CI job can prepare the model once (it is idempotent)
+before starting workers, instead of every worker racing to build it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXAMPLE = """\
+example:
+  tokentrail make-tiny-model /tmp/tiny --seed 0 --json
+  tokentrail make-tiny-model /tmp/tiny-strip --template strip_reasoning
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``make-tiny-model`` verb on the CLI's subparsers."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "make-tiny-model",
+        help="create the tiny offline model (vLLM CPU and transformers compatible)",
+        description=(
+            "Create a tiny Llama-architecture causal LM with seeded fp32 weights, a locally "
+            "trained byte-level BPE tokenizer and a ChatML chat template in DIR. Offline and "
+            "idempotent: an existing identical model is left as it is."
+        ),
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("dir", type=Path, metavar="DIR", help="output directory")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size")
+    parser.add_argument(
+        "--template",
+        choices=("chatml", "strip_reasoning"),
+        default="chatml",
+        help="chat template: plain ChatML, or one that strips <think> from earlier turns",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model and report where it is; exit 1 if DIR holds something else."""
+    from pipeline import tinymodel
+
+    out_dir: Path = args.dir
+    existed = tinymodel.read_manifest(out_dir) is not None
+    options: dict[str, Any] = {"seed": args.seed, "template": args.template}
+    if args.vocab_size is not None:
+        options["vocab_size"] = args.vocab_size
+    try:
+        tinymodel.make_tiny_model(out_dir, **options)
+    except (FileExistsError, ValueError) as exc:
+        print(f"make-tiny-model: {exc}", file=sys.stderr)
+        return 1
+    manifest = tinymodel.read_manifest(out_dir) or {}
+    report = {
+        "model_dir": str(out_dir.resolve()),
+        "created": not existed,
+        "spec": manifest.get("spec"),
+        "token_ids": manifest.get("token_ids"),
+        "eos_token_ids": manifest.get("eos_token_ids"),
+    }
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        verb = "created" if report["created"] else "already present"
+        print(f"tiny model {verb} in {report['model_dir']}")
+    return 0

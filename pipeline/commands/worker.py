@@ -1,0 +1,185 @@
+"""``tokentrail worker``: serve a model with capture on an OpenAI-compatible endpoint.
+
+The worker publishes staged events to Kafka (``--bootstrap``) and writes rows to a
+data plane it attaches to: the one whose addresses ``--dataplane-addresses`` names,
+else the one ``TOKENTRAIL_DATAPLANE_*`` points at (see ``tokentrail dataplane``). It
+serves until SIGTERM or SIGINT, then finishes in-flight requests, drains its staging
+writer and shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiokafka.errors import KafkaError
+
+from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from stages.ports import DataPlaneError
+
+if TYPE_CHECKING:
+    from pipeline.worker.main import WorkerConfig, WorkerServer
+    from stages.ports import DataPlane
+
+EXAMPLES = """\
+examples:
+  tokentrail make-tiny-model /tmp/tiny
+  tokentrail dataplane --data-dir runs/exp1 &
+  tokentrail worker --engine vllm --model /tmp/tiny --port 8100 \\
+      --bootstrap 127.0.0.1:9092 --dataplane-addresses runs/exp1/dataplane.json
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "worker",
+        help="serve a model with token capture (OpenAI-compatible /v1/chat/completions)",
+        description=(
+            "Start an inference engine and serve /v1/chat/completions with capture: requests "
+            "carrying ng_capture are recorded token-exact, staged to the data plane and "
+            "announced on Kafka. Refit through /admin/*; metrics on /metrics."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--engine", choices=("vllm",), default="vllm", help="inference engine (default: vllm)"
+    )
+    parser.add_argument("--model", type=Path, required=True, metavar="DIR", help="model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="listen port; 0 picks a free one (default: 8000)"
+    )
+    parser.add_argument(
+        "--ack",
+        choices=("staged", "enqueued"),
+        default="staged",
+        help="reply after the row is staged, or as soon as it is queued (default: staged)",
+    )
+    parser.add_argument("--worker-id", help="id in staged events (default: worker-HOST-PID)")
+    parser.add_argument("--served-model-name", help="model name in replies (default: the directory name)")
+    parser.add_argument("--weight-version", type=int, default=0, help="initial weight version (default: 0)")
+    parser.add_argument(
+        "--span-policy",
+        choices=("record", "reject"),
+        default="record",
+        help="calls straddling a refit: record their version spans, or fail their capture",
+    )
+    parser.add_argument("--prefix-wait-s", type=float, default=5.0, help="bound on waiting for a parent row")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="float32")
+    engine.add_argument("--max-model-len", type=int, default=4096)
+    engine.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20, help="KV cache size in bytes")
+    engine.add_argument("--seed", type=int, default=0, help="engine seed")
+    parser.add_argument(
+        "--dataplane-addresses",
+        type=Path,
+        metavar="FILE",
+        help="address file of the data plane to attach to (default: from TOKENTRAIL_DATAPLANE_*)",
+    )
+    add_kafka_arguments(parser, bootstrap_required=True)
+    parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
+    parser.set_defaults(run=run)
+
+
+@contextlib.asynccontextmanager
+async def attach_data_plane(addresses_file: Path | None) -> AsyncIterator[DataPlane]:
+    """The TransferQueue data plane another process runs; this client closes on exit.
+
+    ``addresses_file`` wins; otherwise the ``TOKENTRAIL_DATAPLANE_*`` environment decides
+    (attach mode unless it names another one).
+    """
+    from pipeline.dataplane import DataPlaneConfig, open_data_plane
+    from pipeline.dataplane.config import ENV_MODE
+
+    overrides: dict[str, object] = {}
+    if addresses_file is not None:
+        overrides = {"mode": "attach", "addresses_file": addresses_file}
+    elif ENV_MODE not in os.environ:
+        overrides = {"mode": "attach"}
+    async with open_data_plane(DataPlaneConfig.from_env(**overrides)) as plane:
+        yield plane
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    from pipeline.worker.main import WorkerConfig, default_worker_id
+    from stages.capture.core import AckPolicy
+    from stages.capture.vllm_engine import EngineSettings
+    from stages.capture.vllm_worker import SpanPolicy
+
+    return WorkerConfig(
+        model_dir=args.model,
+        worker_id=args.worker_id or default_worker_id(),
+        ack_policy=AckPolicy(args.ack),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        weight_version=args.weight_version,
+        span_policy=SpanPolicy(args.span_policy),
+        prefix_wait_s=args.prefix_wait_s,
+        engine=EngineSettings(
+            model=str(args.model),
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            kv_cache_memory_bytes=args.kv_cache_bytes,
+            seed=args.seed,
+        ),
+    )
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from pipeline.kafka import KafkaEventSink
+    from pipeline.worker.main import run_worker
+    from stages.capture.vllm_engine import VllmEngine
+
+    config = worker_config(args)
+    kafka = config_from_args(args)
+
+    def ready(server: WorkerServer) -> None:
+        if args.json:
+            document = {
+                "url": server.url,
+                "port": server.port,
+                "worker_id": config.worker_id,
+                "model": config.model_name,
+                "ack": config.ack_policy.value,
+            }
+            print(json.dumps(document, sort_keys=True), flush=True)
+        else:
+            print(f"worker {config.worker_id} serving {config.model_name} on {server.url}", flush=True)
+
+    # The engine first: it takes tens of seconds and blocks the loop while it starts,
+    # which must not happen under a live Kafka producer or data-plane client.
+    engine = VllmEngine.start(config.engine_settings())
+    try:
+        async with KafkaEventSink(kafka) as sink, attach_data_plane(args.dataplane_addresses) as plane:
+            await run_worker(config, data_plane=plane, sink=sink, engine=engine, on_ready=ready)
+    finally:
+        engine.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    # stdout carries only this verb's own report; vLLM logs to stdout by default.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("pipeline", "stages"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    if not (args.model / "config.json").is_file():
+        print(f"tokentrail worker: {args.model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(args))
+    except (ConfigError, DataPlaneError, KafkaError, ValueError, OSError) as exc:
+        print(f"tokentrail worker: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

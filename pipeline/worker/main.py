@@ -1,0 +1,223 @@
+"""Wiring of one worker process: engine, capture core on the given ports, HTTP server.
+
+The data plane and the event sink arrive as ``stages.ports`` implementations (in
+production ``pipeline.kafka.KafkaEventSink`` and the TransferQueue data plane), so
+what they connect to is decided by the caller and tests can pass in-memory ports.
+
+uvicorn runs inside the caller's event loop (``WorkerServer``), on a socket bound here
+(so ``port=0`` works and the real port is known before serving). Signals are handled
+by ``run_worker`` rather than by uvicorn, which would re-raise SIGTERM after its own
+shutdown and kill the process before the engine is shut down. On SIGTERM or SIGINT
+the server stops accepting, finishes in-flight requests, drains the staging writer
+(app lifespan), then the engine shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from pipeline.worker.server import create_app
+from stages.capture.cache import ChainCache
+from stages.capture.chat import ChatRenderer
+from stages.capture.core import AckPolicy, CaptureCore
+from stages.capture.resolve import PrefixResolver
+from stages.capture.vllm_engine import EngineSettings, TokenEngine, VllmEngine
+from stages.capture.vllm_worker import SpanPolicy, VllmWorker
+from stages.capture.writer import StagingWriter
+from stages.ports import DataPlane, EventSink
+
+log = logging.getLogger(__name__)
+
+
+def default_worker_id() -> str:
+    return f"worker-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a worker process is configured with, apart from its ports."""
+
+    model_dir: Path
+    worker_id: str = field(default_factory=default_worker_id)
+    ack_policy: AckPolicy = AckPolicy.STAGED
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    weight_version: int = 0
+    span_policy: SpanPolicy = SpanPolicy.RECORD
+    prefix_wait_s: float = 5.0
+    cache_bytes: int = 256 * 2**20
+    writer_max_queue: int = 4096
+    graceful_timeout_s: float = 60.0
+    engine: EngineSettings | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_dir.name
+
+    def engine_settings(self) -> EngineSettings:
+        return self.engine if self.engine is not None else EngineSettings(model=str(self.model_dir))
+
+
+def build_worker(
+    config: WorkerConfig,
+    engine: TokenEngine,
+    data_plane: DataPlane,
+    sink: EventSink,
+    *,
+    renderer: ChatRenderer | None = None,
+) -> VllmWorker:
+    """The capture core on the given ports, around an already started engine."""
+    cache = ChainCache(config.cache_bytes)
+    writer = StagingWriter(data_plane, sink, worker_id=config.worker_id, max_queue=config.writer_max_queue)
+    core = CaptureCore(
+        PrefixResolver(data_plane, cache, wait_s=config.prefix_wait_s),
+        writer,
+        cache,
+        ack_policy=config.ack_policy,
+    )
+    return VllmWorker(
+        engine,
+        renderer if renderer is not None else ChatRenderer.from_pretrained(config.model_dir),
+        core,
+        weight_version=config.weight_version,
+        span_policy=config.span_policy,
+    )
+
+
+def build_app(worker: VllmWorker, config: WorkerConfig) -> FastAPI:
+    return create_app(worker, model_name=config.model_name, worker_id=config.worker_id)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling: the owner of the loop decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class WorkerServer:
+    """uvicorn serving an app inside the current event loop; ``start``/``stop`` are awaitable."""
+
+    def __init__(self, app: FastAPI, *, host: str, port: int, graceful_timeout_s: float = 60.0) -> None:
+        self.host = host
+        self._config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="on",
+            log_config=None,
+            timeout_graceful_shutdown=max(1, round(graceful_timeout_s)),
+        )
+        self._server = _Server(self._config)
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        if self._socket is None:
+            raise RuntimeError("the server is not started")
+        return int(self._socket.getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind, run the app's startup, and return once requests are accepted."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self._config.port))
+        except OSError:
+            sock.close()
+            raise
+        sock.set_inheritable(True)
+        self._socket = sock
+        self._task = asyncio.get_running_loop().create_task(
+            self._server.serve(sockets=[sock]), name="uvicorn"
+        )
+        while not self._server.started:
+            if self._task.done():
+                await self._task  # raises what stopped it
+                raise RuntimeError("the HTTP server exited during startup")
+            await asyncio.sleep(0.02)
+        log.info("worker listening on %s", self.url)
+
+    def request_stop(self) -> None:
+        """Ask for a graceful stop (safe from a signal handler)."""
+        self._server.should_exit = True
+
+    async def wait(self) -> None:
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def stop(self) -> None:
+        """Stop accepting, finish in-flight requests, run the app's shutdown."""
+        self.request_stop()
+        await self.wait()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM/SIGINT call ``stop`` while the block runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop)
+    try:
+        yield
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+async def run_worker(
+    config: WorkerConfig,
+    *,
+    data_plane: DataPlane,
+    sink: EventSink,
+    engine: TokenEngine | None = None,
+    on_ready: Callable[[WorkerServer], None] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or the server stops); then drain and shut the engine down.
+
+    Without ``engine`` a vLLM engine is started from ``config`` (tens of seconds) and
+    shut down on return; a given engine belongs to the caller.
+    """
+    owned = engine is None
+    active = VllmEngine.start(config.engine_settings()) if engine is None else engine
+    try:
+        worker = build_worker(config, active, data_plane, sink)
+        server = WorkerServer(
+            build_app(worker, config),
+            host=config.host,
+            port=config.port,
+            graceful_timeout_s=config.graceful_timeout_s,
+        )
+        with _stop_on_signals(server.request_stop):
+            await server.start()
+            if on_ready is not None:
+                on_ready(server)
+            await server.wait()
+    finally:
+        if owned:
+            active.shutdown()

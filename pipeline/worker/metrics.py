@@ -1,0 +1,96 @@
+"""Prometheus metrics of one worker, read from its counters at scrape time.
+
+A collector rather than incremented metric objects: the writer and the worker already
+count everything, so scraping reads those numbers and nothing on the request path
+pays for metrics. Each app gets its own registry, so several workers (or tests) in
+one process never collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from stages.capture.vllm_worker import VllmWorker
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class WorkerCollector(Collector):
+    """Captured and failed calls (by code), writer backlog, requests, weight version."""
+
+    def __init__(self, worker: VllmWorker, worker_id: str) -> None:
+        self.worker = worker
+        self.worker_id = worker_id
+
+    def collect(self) -> Iterator[Metric]:
+        writer = self.worker.core.writer
+        counters = self.worker.counters
+        labels = ["worker"]
+        who = [self.worker_id]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(who, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(who, value)
+            return family
+
+        yield counter("tokentrail_worker_requests", "chat requests received", counters.requests)
+        yield counter(
+            "tokentrail_worker_rejected_requests",
+            "chat requests refused as invalid",
+            counters.rejected_requests,
+        )
+        yield counter(
+            "tokentrail_worker_engine_errors", "calls the engine failed to finish", counters.engine_errors
+        )
+        yield counter(
+            "tokentrail_worker_captured_calls", "calls staged with their row written", writer.stats.staged
+        )
+        failed = CounterMetricFamily(
+            "tokentrail_worker_capture_failed_calls",
+            "calls reported as capture_failed, by code",
+            labels=["worker", "code"],
+        )
+        for code, count in sorted(writer.stats.failed.items()):
+            failed.add_metric([self.worker_id, code], count)
+        yield failed
+        yield counter(
+            "tokentrail_worker_refit_straddles",
+            "captured calls whose tokens span weight versions",
+            counters.refit_straddles,
+        )
+        yield counter(
+            "tokentrail_worker_writer_queue_full", "rows the staging writer refused", writer.stats.queue_full
+        )
+        yield gauge("tokentrail_worker_writer_backlog", "calls waiting in the staging writer", writer.backlog)
+        yield gauge(
+            "tokentrail_worker_chain_cache_bytes",
+            "bytes held by the chain cache",
+            self.worker.core.cache.nbytes,
+        )
+        yield gauge(
+            "tokentrail_worker_weight_version",
+            "weight version of newly admitted calls",
+            self.worker.weight_version,
+        )
+        yield gauge(
+            "tokentrail_worker_paused", "1 while generation is paused for a refit", int(self.worker.paused)
+        )
+
+
+def worker_registry(worker: VllmWorker, worker_id: str) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerCollector(worker, worker_id))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

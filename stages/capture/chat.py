@@ -1,0 +1,175 @@
+"""Chat rendering for token-in generation: the model's template, the splice, tool calls.
+
+The engine receives token ids, never text, so the worker renders the conversation with
+the model's own chat template. For a call that continues a captured conversation the
+earlier turns must be the exact ids the model saw and produced, not their re-rendering
+(templates strip reasoning, tokenizers merge differently): the render of the history
+through the last assistant turn tells the splice how many turn-closing EOS tokens to
+skip in the full render (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import uuid
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stages.capture.splice import SpliceError, splice_prefix
+
+Message = Mapping[str, Any]
+Tool = Mapping[str, Any]
+
+
+class ChatRenderer:
+    """Renders conversations to ids with a Hugging Face tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: Collection[int]) -> None:
+        if not eos_token_ids:
+            raise ValueError("eos_token_ids: at least one end-of-turn id is required")
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ChatRenderer:
+        """The tokenizer vLLM serves, and every id that ends a generation for this model."""
+        transformers = importlib.import_module("transformers")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        return cls(tokenizer, eos_token_ids_of(Path(model_dir), tokenizer))
+
+    def render(self, messages: Sequence[Message], tools: Sequence[Tool] | None = None) -> list[int]:
+        """The full prompt: every message, then the assistant generation prompt."""
+        return self._ids(messages, tools, add_generation_prompt=True)
+
+    def render_history(
+        self, messages: Sequence[Message], tools: Sequence[Tool] | None = None
+    ) -> list[int] | None:
+        """The conversation through its last assistant turn, or None if it has none."""
+        last = last_assistant_index(messages)
+        if last is None:
+            return None
+        return self._ids(messages[: last + 1], tools, add_generation_prompt=False)
+
+    def spliced(
+        self,
+        exact_prefix: Sequence[int],
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None,
+        full: Sequence[int],
+    ) -> list[int]:
+        """The prompt to send for a continuation: exact prefix, then the template's new tail.
+
+        Raises ``SpliceError`` when the conversation has no assistant turn or the EOS
+        count cannot be matched.
+        """
+        history = self.render_history(messages, tools)
+        if history is None:
+            raise SpliceError("a continuation needs an assistant turn in its messages")
+        return splice_prefix(exact_prefix, history, full, self.eos_token_ids)
+
+    def _ids(
+        self, messages: Sequence[Message], tools: Sequence[Tool] | None, *, add_generation_prompt: bool
+    ) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            tools=[dict(t) for t in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
+        return [int(t) for t in ids]
+
+
+def last_assistant_index(messages: Sequence[Message]) -> int | None:
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") == "assistant":
+            return index
+    return None
+
+
+def eos_token_ids_of(model_dir: Path, tokenizer: Any) -> list[int]:
+    """The tokenizer's EOS plus the ``eos_token_id`` of config.json and generation_config.json.
+
+    These are the ids on which the engine stops, so a generation can end on any of them.
+    """
+    found: list[int] = []
+
+    def add(value: Any) -> None:
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if type(item) is int and item not in found:
+                found.append(item)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    for name in ("generation_config.json", "config.json"):
+        try:
+            add(json.loads((model_dir / name).read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return found
+
+
+# ------------------------------------------------------------------------ tool calls
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class AssistantReply:
+    """Generated text split into OpenAI's ``content`` and ``tool_calls``."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+
+
+def parse_reply(text: str, *, new_id: Callable[[], str] | None = None) -> AssistantReply:
+    """Lift every well-formed ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` out of ``text``.
+
+    Tolerant by design: a block that is not such a JSON object stays in the content
+    untouched, so nothing the model wrote is lost. ``new_id`` mints call ids (tests).
+    """
+    mint = new_id if new_id is not None else _call_id
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    position = 0
+    for match in _TOOL_CALL.finditer(text):
+        call = _tool_call(match.group(1))
+        if call is None:
+            continue
+        name, arguments = call
+        kept.append(text[position : match.start()])
+        position = match.end()
+        calls.append({"id": mint(), "type": "function", "function": {"name": name, "arguments": arguments}})
+    kept.append(text[position:])
+    content = "".join(kept)
+    if calls:
+        content = content.strip()
+    return AssistantReply(content=(content or None) if calls else content, tool_calls=calls)
+
+
+def _tool_call(body: str) -> tuple[str, str] | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+__all__ = [
+    "AssistantReply",
+    "ChatRenderer",
+    "eos_token_ids_of",
+    "last_assistant_index",
+    "parse_reply",
+]
