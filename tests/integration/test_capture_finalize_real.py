@@ -104,7 +104,7 @@ def test_three_turns_staged_rows_concatenate_to_engine_ids(
                 await core.prepare(admission), prompt, [7 + turn, 8], [-0.5, -0.25], weight_version=0
             ).final_coords()
             keys.append(coords.staging_key)
-            seen = prompt + [7 + turn, 8]
+            seen = [*prompt, 7 + turn, 8]
         await core.writer.stop()
         rows = await plane.get_calls(keys)
         assert [t for k in keys for t in rows[k].token_ids_delta] == seen
@@ -218,7 +218,7 @@ async def capture_rollout(core: CaptureCore, client: RolloutClient, rollout_id: 
             weight_version=turn // 2,
         ).final_coords()
         events.append(StagedEvent(coords=coords, worker_id="w", staged_at=1.0))
-        seen = prompt + [10 * turn + 1, 10 * turn + 2]
+        seen = [*prompt, 10 * turn + 1, 10 * turn + 2]
     return events
 
 
