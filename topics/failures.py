@@ -15,6 +15,9 @@ class WorkerFailure(StrEnum):
     STAGING_WRITE_FAILED = "staging_write_failed"
     STAGING_TIMEOUT = "staging_timeout"
     EPOCH_SPAN_REJECTED = "epoch_span_rejected"
+    # Not in DESIGN §6: an admitted call the engine never finished (error, cancelled),
+    # reported at once so the ledger need not wait out its grace period.
+    NOT_SERVED = "not_served"
 
 
 class LedgerFailure(StrEnum):

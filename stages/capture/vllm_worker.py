@@ -263,9 +263,8 @@ class VllmWorker:
         """An admitted call the engine never finished: tell the ledger now, not after a grace period."""
         if prepared is None:
             return
-        code = WorkerFailure.INVALID_DELTA  # nothing was generated: an empty delta
         try:
-            self.core.fail(prepared, code, version, response_id)
+            self.core.fail(prepared, WorkerFailure.NOT_SERVED, version, response_id)
         except RuntimeError:  # no running loop any more (shutdown): the ledger's grace period covers it
             log.warning("could not report unserved call %s", prepared.admission.staging_key)
 

@@ -244,7 +244,7 @@ def test_engine_failure_and_oversized_requests(renderer: ChatRenderer, model_dir
         assert response.status_code == 503
         await rig.worker.core.writer.stop()
         failed = [e.coords.failure_reason for e in rig.sink.payloads(StagedEvent)]  # type: ignore[attr-defined]
-        assert failed == ["invalid_delta", "invalid_delta"]  # unserved calls are reported at once
+        assert failed == ["not_served", "not_served"]  # unserved calls are reported at once
 
     run((renderer, model_dir), body)
 
