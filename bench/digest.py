@@ -10,6 +10,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -47,18 +48,19 @@ def run(sizes: tuple[int, ...] = SIZES, seed: int = 0) -> dict[str, Any]:
         ids_array = np.asarray(ids_list, dtype=np.int64)
         repeats = max(10, 2_000_000 // n)
         mb = n * 8 / 1e6
-        hash_list = _best_of(lambda ids=ids_list: digest.cumulative_hash(ids), repeats)
-        hash_array = _best_of(lambda ids=ids_array: digest.cumulative_hash(ids), repeats)
+        hash_list = _best_of(partial(digest.cumulative_hash, ids_list), repeats)
+        hash_array = _best_of(partial(digest.cumulative_hash, ids_array), repeats)
         prefix, delta = _row_for(n, rng)
         row_repeats = max(5, repeats // 10)
         full_row = _best_of(
-            lambda p=prefix, d=delta: stage_row(
+            partial(
+                stage_row,
                 rollout_id="r",
                 call_id="c2",
                 parent_call_id="c1",
                 parent_chain_hash="0" * 64,
-                prefix_ids=p,
-                delta=d,
+                prefix_ids=np.asarray(prefix, dtype=np.int64),
+                delta=delta,
                 weight_version=0,
             ),
             row_repeats,

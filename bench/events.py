@@ -12,7 +12,9 @@ from topics.records import CaptureAdmission, CommitCoords, Record, RolloutSeal, 
 _HASH = "ab" * 32
 
 
-def rollout_events(rollout_id: str, calls: int, *, delta: int = 64, group_id: str | None = None) -> list[Record]:
+def rollout_events(
+    rollout_id: str, calls: int, *, delta: int = 64, group_id: str | None = None
+) -> list[Record]:
     events: list[Record] = []
     parent: CommitCoords | None = None
     for i in range(calls):
@@ -51,5 +53,7 @@ def rollout_events(rollout_id: str, calls: int, *, delta: int = 64, group_id: st
         )
         events.append(StagedEvent(coords=coords, worker_id="w", staged_at=1.5 + i))
         parent = coords
-    events.append(RolloutSeal(rollout_id=rollout_id, group_id=group_id, reward=1.0, status="completed", sealed_at=99.0))
+    events.append(
+        RolloutSeal(rollout_id=rollout_id, group_id=group_id, reward=1.0, status="completed", sealed_at=99.0)
+    )
     return events

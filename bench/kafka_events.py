@@ -42,7 +42,9 @@ def _hex(*parts: object) -> str:
     return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()
 
 
-def call_events(rollout: str, turn: int, prev_len: int, delta_len: int) -> tuple[CaptureAdmission, StagedEvent]:
+def call_events(
+    rollout: str, turn: int, prev_len: int, delta_len: int
+) -> tuple[CaptureAdmission, StagedEvent]:
     """The admission and staged event of turn ``turn`` of ``rollout`` (valid by the contract)."""
     call = f"c{turn}"
     parent = f"c{turn - 1}" if turn else None
@@ -75,8 +77,9 @@ def call_events(rollout: str, turn: int, prev_len: int, delta_len: int) -> tuple
         extras_digest=_hex("extras"),
         disposition="staged",
     )
-    staged = StagedEvent(coords=coords, response_id=f"resp-{rollout}-{call}", worker_id="worker-0",
-                         staged_at=time.time())
+    staged = StagedEvent(
+        coords=coords, response_id=f"resp-{rollout}-{call}", worker_id="worker-0", staged_at=time.time()
+    )
     return admission, staged
 
 
@@ -137,8 +140,13 @@ class _Counter:
 
 
 async def _measure(
-    bootstrap: str, events: Sequence[Record], partitions: int, publish_batch: int, publishers: int,
-    linger_ms: int, max_records: int,
+    bootstrap: str,
+    events: Sequence[Record],
+    partitions: int,
+    publish_batch: int,
+    publishers: int,
+    linger_ms: int,
+    max_records: int,
 ) -> dict[str, float]:
     names = TopicNames(prefix=f"bench{os.getpid()}x{int(time.time())}", partitions=partitions)
     kafka = KafkaConfig(bootstrap_servers=bootstrap, names=names, client_id="bench")
@@ -166,9 +174,15 @@ async def _measure(
 
         counter = _Counter(len(events) + len(latencies))
         loop = ConsumerLoop(
-            kafka, group_id=f"{names.prefix}-g", topics=[names.admission, names.staged], handler=counter,
-            dead_letters=sink, stage="bench", max_records=max_records,
-            session_timeout_ms=1000, heartbeat_interval_ms=300,
+            kafka,
+            group_id=f"{names.prefix}-g",
+            topics=[names.admission, names.staged],
+            handler=counter,
+            dead_letters=sink,
+            stage="bench",
+            max_records=max_records,
+            session_timeout_ms=1000,
+            heartbeat_interval_ms=300,
         )
         started = time.perf_counter()
         task = asyncio.create_task(loop.run())
@@ -230,7 +244,9 @@ def run(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--events", type=int, default=40_000)
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--publish-batch", type=int, default=500)
@@ -239,8 +255,9 @@ def main() -> None:
     parser.add_argument("--max-records", type=int, default=2000)
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args()
-    result = run(args.events, args.partitions, args.publish_batch, args.publishers, args.linger_ms,
-                 args.max_records)
+    result = run(
+        args.events, args.partitions, args.publish_batch, args.publishers, args.linger_ms, args.max_records
+    )
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
         return

@@ -68,7 +68,11 @@ async def replay_throughput(events_target: int, calls: int = 8) -> dict[str, Any
             start = time.perf_counter()
             result = await rebuild(config, store)
             elapsed = time.perf_counter() - start
-    return {"events": result.events, "seconds": round(elapsed, 2), "events_per_s": round(result.events / elapsed)}
+    return {
+        "events": result.events,
+        "seconds": round(elapsed, 2),
+        "events_per_s": round(result.events / elapsed),
+    }
 
 
 def run(replay_sizes: tuple[int, ...] = (10_000, 100_000)) -> dict[str, Any]:

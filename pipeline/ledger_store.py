@@ -67,7 +67,9 @@ class LedgerStore:
             if event.event_type.value not in LEDGER_KINDS:
                 self.ignored += 1
                 continue
-            rows.append((event.event_id, event.key, event.event_type.value, orjson.dumps(record.model_dump())))
+            rows.append(
+                (event.event_id, event.key, event.event_type.value, orjson.dumps(record.model_dump()))
+            )
         before = self._db.total_changes
         self._db.executemany("INSERT OR IGNORE INTO ledger VALUES (?, ?, ?, ?)", rows)
         return self._db.total_changes - before

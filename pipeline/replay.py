@@ -103,7 +103,9 @@ async def rebuild(
     stage = LedgerStage(store, ledger, clock=lambda: now[0])
     names = config.names
     count = bad_total = 0
-    async for events, stamps, bad in read_log(config, [names.admission, names.staged], start=start, progress=progress):
+    async for events, stamps, bad in read_log(
+        config, [names.admission, names.staged], start=start, progress=progress
+    ):
         bad_total += bad
         count += len(events)
         # Apply in log-time order, in slices of at most TIME_SLICE_S of log time, each
@@ -141,5 +143,7 @@ def compare(rebuilt: LedgerStore, live: LedgerStore) -> list[str]:
     a, b = rebuilt.snapshot(), live.snapshot()
     problems = [f"only in rebuilt: {event_id}" for event_id in sorted(a.keys() - b.keys())]
     problems += [f"only in live: {event_id}" for event_id in sorted(b.keys() - a.keys())]
-    problems += [f"differs: {event_id}" for event_id in sorted(a.keys() & b.keys()) if a[event_id] != b[event_id]]
+    problems += [
+        f"differs: {event_id}" for event_id in sorted(a.keys() & b.keys()) if a[event_id] != b[event_id]
+    ]
     return problems

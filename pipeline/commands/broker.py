@@ -44,7 +44,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     parser.add_argument("--port", type=int, help="listen port (default: a free port)")
     parser.add_argument(
-        "--storage", choices=STORAGE_MODES,
+        "--storage",
+        choices=STORAGE_MODES,
         help="storage engine (default: durable with --data-dir, else memory)",
     )
     parser.add_argument("--data-dir", help="data directory (required for durable storage; holds logs)")
@@ -57,9 +58,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    storage: StorageMode = "durable" if args.storage == "durable" or (
-        args.storage is None and args.data_dir
-    ) else "memory"
+    storage: StorageMode = (
+        "durable" if args.storage == "durable" or (args.storage is None and args.data_dir) else "memory"
+    )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -80,13 +81,19 @@ def run(args: argparse.Namespace) -> int:
             names = topic_names_from_args(args)
             created = asyncio.run(ensure_topics(broker.kafka_config(names)))
         if args.json:
-            print(json.dumps({
-                "bootstrap": broker.bootstrap,
-                "storage": storage,
-                "data_dir": str(broker.data_dir) if broker.data_dir else None,
-                "cluster_id": broker.cluster_id,
-                "created_topics": created,
-            }, sort_keys=True), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bootstrap": broker.bootstrap,
+                        "storage": storage,
+                        "data_dir": str(broker.data_dir) if broker.data_dir else None,
+                        "cluster_id": broker.cluster_id,
+                        "created_topics": created,
+                    },
+                    sort_keys=True,
+                ),
+                flush=True,
+            )
         else:
             print(f"tansu broker ({storage}) ready at {broker.bootstrap}", flush=True)
         while not stop.wait(0.5):

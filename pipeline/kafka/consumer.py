@@ -222,8 +222,12 @@ class ConsumerLoop:
         if dead:
             for letter in dead:
                 log.warning(
-                    "dead-lettering %s[%d]@%d: %s: %s", letter.source_topic, letter.source_partition,
-                    letter.source_offset, letter.field, letter.reason,
+                    "dead-lettering %s[%d]@%d: %s: %s",
+                    letter.source_topic,
+                    letter.source_partition,
+                    letter.source_offset,
+                    letter.field,
+                    letter.reason,
                 )
             await self.dead_letters.publish(dead)
         if consumed:
@@ -337,6 +341,7 @@ class CollectingHandler:
 
     async def wait_for(self, count: int, within: float = 10.0) -> list[Consumed]:
         """Wait (at most ``within`` seconds) until ``count`` events were handled; returns them all."""
+
         async def _until() -> None:
             while len(self.consumed) < count:
                 self._changed.clear()

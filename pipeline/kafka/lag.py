@@ -188,7 +188,9 @@ class LagReader:
             grouped[leader].append(tp)
         return grouped
 
-    async def _list_offsets(self, partitions: Sequence[TopicPartition], which: int) -> dict[TopicPartition, int]:
+    async def _list_offsets(
+        self, partitions: Sequence[TopicPartition], which: int
+    ) -> dict[TopicPartition, int]:
         client = self._require_client()
         result: dict[TopicPartition, int] = {}
         for node, tps in (await self._by_leader(partitions)).items():

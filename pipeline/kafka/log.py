@@ -104,7 +104,11 @@ class KafkaEventSink:
         self.published += len(records)
 
     async def publish_raw(
-        self, topic: str, value: bytes | None, *, key: bytes | None = None,
+        self,
+        topic: str,
+        value: bytes | None,
+        *,
+        key: bytes | None = None,
         headers: Sequence[tuple[str, bytes]] = (),
     ) -> tuple[int, int]:
         """Write one raw record (tools and tests); returns its (partition, offset)."""
@@ -160,4 +164,6 @@ async def _check_layout(admin: AIOKafkaAdminClient, names: TopicNames, settle_s:
     for entry in described:
         count = len(entry["partitions"])
         if count != names.partitions:
-            raise TopicLayoutError(f"topic {entry['topic']} has {count} partitions, expected {names.partitions}")
+            raise TopicLayoutError(
+                f"topic {entry['topic']} has {count} partitions, expected {names.partitions}"
+            )

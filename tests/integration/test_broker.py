@@ -124,8 +124,10 @@ def test_port_zero_is_refused() -> None:
 @pytest.mark.parametrize("storage", ["memory", "durable"])
 def test_a_broker_that_dies_is_reported(storage: str, tmp_path: Path) -> None:
     failures: list[BrokerError] = []
-    broker = EmbeddedBroker(storage="durable" if storage == "durable" else "memory",
-                            data_dir=tmp_path if storage == "durable" else None)
+    broker = EmbeddedBroker(
+        storage="durable" if storage == "durable" else "memory",
+        data_dir=tmp_path if storage == "durable" else None,
+    )
     broker.on_failure(failures.append)
     with broker:
         os.kill(broker.pid, signal.SIGKILL)
@@ -171,8 +173,16 @@ def test_durable_broker_keeps_topics_records_and_offsets_across_a_restart(
                     loop.request_stop()
 
             handler = CollectingHandler(on_batch=stop_midway)
-            loop = ConsumerLoop(config, group_id=group, topics=[names.admission], handler=handler,
-                                dead_letters=sink, stage="test", max_records=20, **fast_group)
+            loop = ConsumerLoop(
+                config,
+                group_id=group,
+                topics=[names.admission],
+                handler=handler,
+                dead_letters=sink,
+                stage="test",
+                max_records=20,
+                **fast_group,
+            )
             await asyncio.wait_for(loop.run(), 20)
             return len(handler.consumed)
 
@@ -187,10 +197,24 @@ def test_durable_broker_keeps_topics_records_and_offsets_across_a_restart(
             everything = CollectingHandler()
             rest = CollectingHandler()
             loops = [
-                ConsumerLoop(config, group_id="durable-replay", topics=[names.admission], handler=everything,
-                             dead_letters=sink, stage="test", **fast_group),
-                ConsumerLoop(config, group_id=group, topics=[names.admission], handler=rest,
-                             dead_letters=sink, stage="test", **fast_group),
+                ConsumerLoop(
+                    config,
+                    group_id="durable-replay",
+                    topics=[names.admission],
+                    handler=everything,
+                    dead_letters=sink,
+                    stage="test",
+                    **fast_group,
+                ),
+                ConsumerLoop(
+                    config,
+                    group_id=group,
+                    topics=[names.admission],
+                    handler=rest,
+                    dead_letters=sink,
+                    stage="test",
+                    **fast_group,
+                ),
             ]
             tasks = [asyncio.create_task(loop.run()) for loop in loops]
             try:
@@ -217,9 +241,21 @@ def test_durable_broker_keeps_topics_records_and_offsets_across_a_restart(
 def test_broker_command_runs_in_the_foreground_and_stops_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-c", BROKER_VERB, "broker", "--port", str(port), "--create-topics",
-         "--topic-prefix", "cli", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            BROKER_VERB,
+            "broker",
+            "--port",
+            str(port),
+            "--create-topics",
+            "--topic-prefix",
+            "cli",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     timer = threading.Timer(30, process.kill)
     timer.start()

@@ -104,8 +104,14 @@ async def test_events_are_routed_by_type_keyed_by_rollout_and_kept_in_order(
     seals = [RolloutSeal(rollout_id=f"r{r}", status="completed", sealed_at=1.0) for r in range(8)]
     finals = [
         FinalizedEvent(
-            rollout_id=f"r{r}", status="accepted", sample_key=f"r{r}", prompt_len=1, total_len=2,
-            generated_tokens=1, call_count=1, finalized_at=2.0,
+            rollout_id=f"r{r}",
+            status="accepted",
+            sample_key=f"r{r}",
+            prompt_len=1,
+            total_len=2,
+            generated_tokens=1,
+            call_count=1,
+            finalized_at=2.0,
         )
         for r in range(8)
     ]
@@ -155,13 +161,18 @@ async def test_two_consumers_in_a_group_split_partitions_and_see_every_record_on
         loop_b = make_loop(kafka_config, sink, second, group, fast_group, max_records=50)
         async with running(loop_a), running(loop_b):
             await until(
-                lambda: len(loop_a.assignment) == 2 and len(loop_b.assignment) == 2
-                and not loop_a.assignment & loop_b.assignment,
+                lambda: (
+                    len(loop_a.assignment) == 2
+                    and len(loop_b.assignment) == 2
+                    and not loop_a.assignment & loop_b.assignment
+                ),
                 what="both members to own two partitions each",
             )
             await sink.publish(records[:200])
             await sink.publish(records[200:])
-            await until(lambda: len(first.consumed) + len(second.consumed) >= len(records), what="all records")
+            await until(
+                lambda: len(first.consumed) + len(second.consumed) >= len(records), what="all records"
+            )
             await asyncio.sleep(0.3)  # anything extra (a duplicate) would show up now
             owned_a = {tp.partition for tp in loop_a.assignment}
             owned_b = {tp.partition for tp in loop_b.assignment}
@@ -241,8 +252,9 @@ async def test_undecodable_records_go_to_the_dead_letter_topic_and_the_loop_keep
             sources[where] = (name, value)
         await sink.publish([admission("r1", 1)])
         stage_loop = make_loop(kafka_config, sink, handler, f"{names.prefix}-g", fast_group)
-        dlq_loop = make_loop(kafka_config, sink, letters, f"{names.prefix}-dlq", fast_group,
-                             topics=[names.deadletter])
+        dlq_loop = make_loop(
+            kafka_config, sink, letters, f"{names.prefix}-dlq", fast_group, topics=[names.deadletter]
+        )
         async with running(stage_loop), running(dlq_loop):
             await handler.wait_for(2)
             await letters.wait_for(len(bad))
@@ -368,8 +380,9 @@ async def test_commits_follow_the_handler_and_a_failed_batch_is_never_committed(
             async def explode(batch: Sequence[Consumed]) -> None:
                 raise RuntimeError("handler failed")
 
-            failing = make_loop(kafka_config, sink, CollectingHandler(on_batch=explode),
-                                f"{names.prefix}-failing", fast_group)
+            failing = make_loop(
+                kafka_config, sink, CollectingHandler(on_batch=explode), f"{names.prefix}-failing", fast_group
+            )
             with pytest.raises(RuntimeError, match="handler failed"):
                 await asyncio.wait_for(failing.run(), 20)
             rows = await reader.group_lag(f"{names.prefix}-failing", [names.admission])
