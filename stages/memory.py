@@ -42,9 +42,9 @@ class MemoryDataPlane:
         for key in keys:
             self.calls.pop(key, None)
 
-    async def put_sample(self, sample: TrainingSample) -> None:
+    async def put_samples(self, samples: Sequence[TrainingSample]) -> None:
         self._check()
-        self.samples[sample.rollout_id] = sample
+        self.samples.update((sample.rollout_id, sample) for sample in samples)
 
     async def get_samples(self, keys: Sequence[str]) -> dict[str, TrainingSample]:
         self._check()

@@ -195,9 +195,6 @@ class TransferQueueDataPlane:
     async def delete_calls(self, keys: Sequence[str]) -> None:
         await self.delete_rows(self.staging_partition, keys)
 
-    async def put_sample(self, sample: TrainingSample) -> None:
-        await self.put_samples([sample])
-
     async def put_samples(self, samples: Sequence[TrainingSample]) -> None:
         if not samples:
             return

@@ -1,8 +1,10 @@
 """The finalizer stage: one ``FinalizedEvent`` per receipt, and the sample behind it.
 
-For each receipt it fetches the terminal chain's rows in one batched read, verifies
-and linearizes them, writes the sample under the rollout id, publishes the event and,
-only once the broker has acknowledged it, deletes the rollout's staging rows.
+Per consumer batch it fetches the terminal chains' rows of every receipt in one
+batched read, verifies and linearizes each, writes the accepted samples in one put,
+publishes the events and, only once the broker has acknowledged them, deletes the
+rollouts' staging rows in one call. Batching is what makes the data plane's per-call
+cost (milliseconds) affordable at thousands of calls per second.
 
 Replays are idempotent: the sample key is the rollout id (a rewrite is the same
 sample), the event id is ``fin/{rollout_id}``, and a receipt replayed after its rows
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from stages.finalize.verify import Linearized, MixedVersionPolicy, Rejected, linearize, terminal_records
 from stages.ports import Consumed, DataPlane, EventSink, MissingRows, TopicPartition
 from topics.failures import FinalizerFailure
-from topics.records import FinalizedEvent, RolloutReceipt, TrainingSample, staging_key
+from topics.records import FinalizedEvent, RolloutReceipt, StagedCall, TrainingSample, staging_key
 
 log = logging.getLogger(__name__)
 
@@ -54,52 +56,77 @@ class FinalizerStage:
         self._remember = remember
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
-        receipts = [item.event.payload for item in batch if isinstance(item.event.payload, RolloutReceipt)]
-        events: list[FinalizedEvent] = []
-        cleanup: list[str] = []
-        for receipt in receipts:
-            if receipt.rollout_id in self._done:
+        receipts: dict[str, RolloutReceipt] = {}
+        for item in batch:
+            payload = item.event.payload
+            if not isinstance(payload, RolloutReceipt):
+                continue  # call records share the topic; they are the ledger's, not ours
+            if payload.rollout_id in self._done or payload.rollout_id in receipts:
                 self.stats.duplicates += 1
                 continue
-            event = await self._finalize(receipt)
-            events.append(event)
-            cleanup += _staging_keys(receipt)
-        if not events:
+            receipts[payload.rollout_id] = payload
+        if not receipts:
             return
+        events = await self._finalize_all(list(receipts.values()))
         await self.sink.publish(events)
         for event in events:
             self._remember_done(event.rollout_id)
             self._count(event)
-        if cleanup:  # only after the broker acknowledged every event above
-            await self.data_plane.delete_calls(cleanup)
+        # Only after the broker acknowledged every event above.
+        await self.data_plane.delete_calls([key for r in receipts.values() for key in _staging_keys(r)])
 
-    async def _finalize(self, receipt: RolloutReceipt) -> FinalizedEvent:
-        if receipt.capture_poisoned:
-            assert receipt.failure_reason is not None
-            return _rejected(receipt, receipt.failure_reason.value)
-        try:
-            chain = terminal_records(receipt)
-            keys = [record.staging_key for record in chain]
+    async def _finalize_all(self, receipts: list[RolloutReceipt]) -> list[FinalizedEvent]:
+        events: dict[str, FinalizedEvent] = {}
+        chains: dict[str, list[str]] = {}
+        for receipt in receipts:
+            if receipt.capture_poisoned:
+                assert receipt.failure_reason is not None
+                events[receipt.rollout_id] = _rejected(receipt, receipt.failure_reason.value)
+                continue
             try:
-                rows = await self.data_plane.get_calls(keys)
-            except MissingRows as exc:
-                replay = await self._already_finalized(receipt)
-                if replay is not None:
-                    return replay
-                raise Rejected(FinalizerFailure.MISSING_ROW, str(exc)) from None
-            result = linearize(receipt, rows, self.policy)
-        except Rejected as exc:
-            log.info("rollout %s rejected: %s", receipt.rollout_id, exc)
-            return _rejected(receipt, exc.code.value)
-        await self.data_plane.put_sample(result.sample)
-        return _accepted(receipt, result)
+                chains[receipt.rollout_id] = [record.staging_key for record in terminal_records(receipt)]
+            except Rejected as exc:
+                events[receipt.rollout_id] = _rejected(receipt, exc.code.value)
+        rows, missing = await self._fetch([key for keys in chains.values() for key in keys])
+        samples: list[TrainingSample] = []
+        for receipt in receipts:
+            keys = chains.get(receipt.rollout_id)
+            if keys is None:
+                continue
+            absent = [key for key in keys if key in missing]
+            if absent:
+                events[receipt.rollout_id] = await self._without_rows(receipt, absent)
+                continue
+            try:
+                result = linearize(receipt, rows, self.policy)
+            except Rejected as exc:
+                log.info("rollout %s rejected: %s", receipt.rollout_id, exc)
+                events[receipt.rollout_id] = _rejected(receipt, exc.code.value)
+                continue
+            samples.append(result.sample)
+            events[receipt.rollout_id] = _accepted(receipt, result)
+        await self.data_plane.put_samples(samples)
+        return [events[receipt.rollout_id] for receipt in receipts]
 
-    async def _already_finalized(self, receipt: RolloutReceipt) -> FinalizedEvent | None:
-        """A replayed receipt whose rows are gone: its sample tells the same story again."""
+    async def _fetch(self, keys: list[str]) -> tuple[dict[str, StagedCall], set[str]]:
+        """All readable rows in one read (two when some are missing), and the missing keys."""
+        try:
+            return await self.data_plane.get_calls(keys), set()
+        except MissingRows as exc:
+            missing = set(exc.keys)
+        readable = [key for key in keys if key not in missing]
+        try:
+            return (await self.data_plane.get_calls(readable) if readable else {}), missing
+        except MissingRows as exc:  # rows vanished between the two reads
+            return {}, missing | set(exc.keys) | set(readable)
+
+    async def _without_rows(self, receipt: RolloutReceipt, absent: list[str]) -> FinalizedEvent:
+        """Rows are gone: a replay of a finalized rollout (its sample exists), or a real loss."""
         try:
             samples = await self.data_plane.get_samples([receipt.rollout_id])
         except MissingRows:
-            return None
+            log.info("rollout %s rejected: missing rows %s", receipt.rollout_id, ", ".join(absent))
+            return _rejected(receipt, FinalizerFailure.MISSING_ROW.value)
         return _accepted(receipt, _summary(samples[receipt.rollout_id]))
 
     def _remember_done(self, rollout_id: str) -> None:

@@ -245,7 +245,7 @@ async def test_training_sample_round_trip(plane: TransferQueueDataPlane, rng: np
         rollout = unique(f"s{i}")
         samples.append(build_sample(rollout, build_rollout(rng, rollout, [300, 120, 900]), reward))
     for sample in samples:
-        await plane.put_sample(sample)
+        await plane.put_samples([sample])
     keys = [s.rollout_id for s in reversed(samples)]
     got = await plane.get_samples(keys)
     assert list(got) == keys

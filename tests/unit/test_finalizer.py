@@ -35,7 +35,7 @@ async def captured_rollout(
     data_plane: MemoryDataPlane,
     *,
     versions: tuple[int, int, int] = (0, 0, 0),
-    dead_branch: bool = True,
+    dead_branch: bool = True, rollout_id: str = "r1",
     extras: dict[str, Any] | None = None,
 ) -> tuple[list[Record], list[int], list[float]]:
     """A real 3-turn capture (plus an abandoned retry) through the capture core; returns driver+worker events."""
@@ -49,12 +49,12 @@ async def captured_rollout(
     lps: list[float] = []
     coords = None
     for turn in range(3):
-        admission = client.admit("r1", coords, group_id="g")
+        admission = client.admit(rollout_id, coords, group_id="g")
         await client.publish_admission(admission)
         prepared = await core.prepare(admission)
         prompt = [*seen, 100 + turn, 101]
         if dead_branch and turn == 1:  # an attempt the driver abandons
-            retry = client.admit("r1", coords, group_id="g")
+            retry = client.admit(rollout_id, coords, group_id="g")
             await client.publish_admission(retry)
             await core.complete(
                 await core.prepare(retry), prompt, [55], [-3.0], weight_version=versions[turn]
@@ -67,7 +67,7 @@ async def captured_rollout(
         coords = await completion.final_coords()
         seen = prompt + gen
         lps += [0.0, 0.0, *lp]
-    await client.seal("r1", group_id="g", reward=1.0)
+    await client.seal(rollout_id, group_id="g", reward=1.0)
     await writer.stop()
     return [e.payload for e in sink.events], seen, lps
 
@@ -212,3 +212,26 @@ def test_group_collector_marks_rejected_members() -> None:
     assert collector.add(FinalizedSample(ok, None)) is None
     group = collector.add(FinalizedSample(bad, None))
     assert group is not None and [m.event.rollout_id for m in group.rejected] == ["a", "b"]
+
+
+def test_one_batch_of_receipts_one_with_a_missing_row() -> None:
+    """Rows of a whole batch are read together; one rollout's loss does not touch the others."""
+    async def go() -> list[FinalizedEvent]:
+        data_plane = MemoryDataPlane()
+        receipts = []
+        for rollout_id in ("ra", "rb", "rc"):
+            events, _, _ = await captured_rollout(data_plane, rollout_id=rollout_id)
+            out = RecordingSink()
+            ledger = LedgerStage(out, LedgerConfig(seal_grace_s=0))
+            await ledger.handle([Consumed("in", 0, i, envelope(e)) for i, e in enumerate(events)])
+            receipts.append(out.payloads(RolloutReceipt)[0])
+        victim = receipts[1].manifest[0].staging_key
+        del data_plane.calls[victim]
+        sink = RecordingSink()
+        await FinalizerStage(data_plane, sink).handle(
+            [Consumed("c", 0, i, envelope(r)) for i, r in enumerate(receipts)])
+        assert data_plane.calls == {}
+        return sink.payloads(FinalizedEvent)  # type: ignore[return-value]
+    events = asyncio.run(go())
+    assert [(e.rollout_id, e.status, e.rejection_reason) for e in events] == [
+        ("ra", "accepted", None), ("rb", "rejected", "missing_row"), ("rc", "accepted", None)]

@@ -1,0 +1,611 @@
+"""Megatron-Core inference adapter: capture hooks that never block the engine step.
+
+Upstream capture resolves the prefix and writes the token row inside the engine step,
+so the whole model-parallel group waits on every data-plane read and write. Here the
+engine's two hooks (``prompt_preparer`` and ``payload_stager``, on Megatron-LM main
+since PR 7015; megatron-core 0.19.2 has neither) do in-memory work only:
+
+- ``MegatronPromptPreparer.prefetch`` resolves the prefix on the capture loop when the
+  request arrives, before it is submitted to the engine. ``prepare_prompt`` (inside the
+  step) only looks the result up; if the prefetch has not finished, it does not wait:
+  the call is served from its plain prompt and its capture fails ``prefix_unavailable``.
+  A ``token_in`` prompt that does not already start with the exact prefix is spliced
+  (DESIGN §5) from template renders the caller supplies.
+- ``MegatronPayloadStager.stage`` (inside the step) validates the finished payload,
+  computes the commit coordinates, hands the call to a task on the capture loop and
+  returns the coordinates at once. That task runs ``CaptureCore.complete``: row, chain
+  cache, background writer, staged event.
+
+Why ``stage`` computes coords itself instead of calling ``CaptureCore.complete``:
+``complete`` is synchronous and I/O-free, but it builds the whole row and validates it
+with pydantic, token by token: 0.9, 5.0 and 18.5 ms for entirely new calls of 1K, 8K
+and 32K tokens (0.8, 3.0 and 8.0 ms when half of the call is an already captured
+prefix), a stall of the engine step per finished request. The driver needs only the
+coordinates (lengths, keys, hashes), so ``stage`` reads the payload into numpy arrays
+and hashes them with the row's own digest functions (``megatron_coords``): 0.4, 1.1
+and 3.2 ms for list payloads, 0.3, 0.6 and 1.3 ms for arrays, a third to a half of it
+hashing (medians on a loaded 2-core machine; bench/megatron_hooks.py and
+bench/RESULTS_megatron.md). Provisional coords without
+hashes were not an option: a child's admission needs its parent's chain hash. The
+capture task checks that ``complete`` produced the same coords; if the writer later
+fails the call (queue full, data plane down), its staged event says so and supersedes
+the reply, exactly as with ``AckPolicy.ENQUEUED``.
+
+Weight versions: a call's ``weight_version`` is its admission epoch, ``policy_epoch[0]``;
+a refit that lands mid-call is kept as ``[[generated_offset, version], ...]`` under
+``topics.records.EXTRAS_WEIGHT_SPANS`` (policy ``allow``) or fails the capture with
+``epoch_span_rejected`` (policy ``reject``). A missing or malformed ``policy_epoch``
+fails the capture (``invalid_delta``); it is never taken as version 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from stages.capture.core import CaptureCore, PreparedCall
+from stages.capture.errors import CaptureFailure
+from stages.capture.megatron_coords import failed_coords, staged_coords
+from stages.capture.megatron_handoff import Handoff, HandoffClosed
+from stages.capture.megatron_payload import (
+    FinishedCall,
+    InvalidPayload,
+    generation_versions,
+    read_finished_call,
+)
+from stages.capture.megatron_registry import PreparedCalls
+from stages.capture.splice import SpliceError, splice_prefix
+from stages.client import CAPTURE_FIELD, COORDS_FIELD
+from topics.failures import WorkerFailure
+from topics.records import EXTRAS_WEIGHT_SPANS, CaptureAdmission, CommitCoords
+
+log = logging.getLogger(__name__)
+
+CAPTURE_KEY_FIELD = "ng_capture_key"
+"""Added to ``offload_params`` by the preparer: the staging key the stager looks up."""
+TEMPLATE_PREFIX_FIELD = "ng_template_prefix_ids"
+"""Optional ``offload_params`` entry: the template render through the last assistant turn
+(no generation prompt), for splicing a token-id prompt that is a full re-render."""
+FAILURE_FIELD = "ng_capture_failure"
+"""Response metadata of a failed capture: ``{"code": <§6 code>, "detail": ...}``."""
+
+HOOK_ATTRIBUTES = ("prompt_preparer", "payload_stager")
+MISSING_HOOKS = (
+    "this Megatron-Core version has no prompt_preparer/payload_stager hooks "
+    "(added on Megatron-LM main, PR 7015)"
+)
+
+TemplateRenders = tuple[Sequence[int], Sequence[int]]
+"""(render through the last assistant turn without generation prompt, full render sent)."""
+Renderer = Callable[[Any, Mapping[str, Any]], TemplateRenders | None]
+
+_NO_IDS: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+
+class EpochSpanPolicy(StrEnum):
+    """A call that straddles a refit: keep its per-token epochs, or fail its capture."""
+
+    ALLOW = "allow"
+    REJECT = "reject"
+
+
+class PreparedPrompt(NamedTuple):
+    """What ``prepare_prompt`` returns: the prompt to serve and the params to carry."""
+
+    prompt: Any
+    offload_params: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """What ``stage`` returns for a captured call; the engine merges it into the reply."""
+
+    response_metadata: dict[str, Any]
+
+    @property
+    def coords(self) -> CommitCoords:
+        return CommitCoords.model_validate(self.response_metadata[COORDS_FIELD], strict=False)
+
+
+class HooksUnavailable(RuntimeError):
+    """The engine has no capture hooks to install into."""
+
+
+# ------------------------------------------------------------------------ preparer
+
+
+@dataclass(slots=True)
+class PreparerStats:
+    """How admitted calls were served (written on the engine's thread only)."""
+
+    prepared: int = 0
+    exact: int = 0  # token_in prompt already started with the exact prefix
+    spliced: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+
+
+class MegatronPromptPreparer:
+    """The engine's ``prompt_preparer``: exact prefixes resolved before admission, never waited on.
+
+    ``prefetch`` runs on the capture loop (the loop of ``core``); ``prepare_prompt`` runs
+    on the engine's thread. ``renderer(prompt, offload_params)`` may supply template renders
+    for splicing; by default a token-id prompt is taken as the full render and
+    ``offload_params[TEMPLATE_PREFIX_FIELD]`` as the render through the last assistant turn.
+    """
+
+    def __init__(
+        self,
+        core: CaptureCore,
+        registry: PreparedCalls,
+        *,
+        eos_token_ids: Collection[int] = (),
+        renderer: Renderer | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.core = core
+        self.registry = registry
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.renderer = renderer or default_renders
+        self.loop = loop
+        self.stats = PreparerStats()
+
+    async def prefetch(self, admission: CaptureAdmission | Mapping[str, Any]) -> PreparedCall:
+        """Resolve the call's prefix; start it when the request arrives, before it is submitted."""
+        parsed = admission if isinstance(admission, CaptureAdmission) else parse_admission(admission)
+        key = parsed.staging_key
+        self.registry.begin(key)
+        try:
+            prepared = await self.core.prepare(parsed)
+        except BaseException as exc:
+            failure = CaptureFailure(WorkerFailure.PREFIX_UNAVAILABLE, f"prefetch failed: {exc!r}")
+            self.registry.resolve(key, PreparedCall(parsed, _NO_IDS, None, failure))
+            raise
+        if not self.registry.resolve(key, prepared):
+            log.info("prefix of %s resolved after the call was admitted; it was served without it", key)
+        return prepared
+
+    def prefetch_threadsafe(
+        self, admission: CaptureAdmission | Mapping[str, Any]
+    ) -> concurrent.futures.Future[PreparedCall]:
+        """``prefetch`` scheduled on the capture loop from any thread."""
+        if self.loop is None:
+            raise RuntimeError("prefetch_threadsafe needs the capture loop (pass loop=...)")
+        return asyncio.run_coroutine_threadsafe(self.prefetch(admission), self.loop)
+
+    def prepare_prompt(self, prompt: Any, *, offload_params: Mapping[str, Any] | None) -> PreparedPrompt:
+        """The prompt to serve. Synchronous, no I/O, never raises: capture never fails a request."""
+        raw = offload_params.get(CAPTURE_FIELD) if isinstance(offload_params, Mapping) else None
+        if raw is None or offload_params is None:
+            return PreparedPrompt(prompt, offload_params)
+        params = {k: v for k, v in offload_params.items() if k != TEMPLATE_PREFIX_FIELD}
+        try:
+            key = admission_key(raw)
+            prepared = self._admitted(key, raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            log.error("ng_capture is not a valid admission, serving without capture: %s", exc)
+            return PreparedPrompt(prompt, params)
+        params[CAPTURE_KEY_FIELD] = key
+        try:
+            served, prepared = self._splice(prompt, offload_params, prepared)
+        except Exception as exc:  # a bug here must not fail the request
+            log.exception("preparing the prompt of %s failed; serving it plain", key)
+            served = prompt
+            prepared = _failed(prepared, WorkerFailure.PREFIX_SPLICE_FAILED, repr(exc))
+        self.stats.prepared += 1
+        if prepared.failure is not None:
+            self.stats.failed[prepared.failure.code.value] += 1
+        self.registry.hold(key, prepared)
+        return PreparedPrompt(served, params)
+
+    def _admitted(self, key: str, raw: Any) -> PreparedCall:
+        started, prepared = self.registry.claim(key)
+        if prepared is not None:
+            return prepared
+        admission = raw if isinstance(raw, CaptureAdmission) else parse_admission(raw)
+        if admission.mode == "text":
+            return PreparedCall(admission, _NO_IDS, None)  # a root call has no prefix to wait for
+        reason = "prefix still resolving at admission" if started else "no prefetch was started"
+        return PreparedCall(
+            admission, _NO_IDS, None, CaptureFailure(WorkerFailure.PREFIX_UNAVAILABLE, reason)
+        )
+
+    def _splice(
+        self, prompt: Any, offload_params: Mapping[str, Any], prepared: PreparedCall
+    ) -> tuple[Any, PreparedCall]:
+        if prepared.failure is not None or prepared.admission.mode == "text":
+            return prompt, prepared
+        prefix = prepared.prefix_ids
+        ids = prompt_ids(prompt)
+        if ids is not None and starts_with(ids, prefix):
+            self.stats.exact += 1
+            return prompt, prepared
+        renders = self.renderer(prompt, offload_params)
+        if renders is None:
+            detail = "prompt does not start with the exact prefix and no template renders were given"
+            return prompt, _failed(prepared, WorkerFailure.PREFIX_SPLICE_FAILED, detail)
+        template_prefix_ids, template_ids = renders
+        try:
+            spliced = splice_prefix(prefix.tolist(), template_prefix_ids, template_ids, self.eos_token_ids)
+        except SpliceError as exc:
+            return prompt, _failed(prepared, WorkerFailure.PREFIX_SPLICE_FAILED, exc.reason)
+        self.stats.spliced += 1
+        return spliced, prepared
+
+
+def default_renders(prompt: Any, offload_params: Mapping[str, Any]) -> TemplateRenders | None:
+    """A token-id prompt as the full render, with the history render from ``offload_params``."""
+    history = offload_params.get(TEMPLATE_PREFIX_FIELD)
+    ids = prompt_ids(prompt)
+    if history is None or ids is None:
+        return None
+    return list(history), ids
+
+
+# -------------------------------------------------------------------------- stager
+
+
+@dataclass(slots=True)
+class StagerStats:
+    """Counters; ``stage`` writes the first group (engine thread), the capture task the rest."""
+
+    calls: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+    defects: Counter[str] = field(default_factory=Counter)
+    refused: int = 0
+    processed: int = 0
+    superseded: int = 0
+    errors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    """One finished call on its way to ``CaptureCore`` on the capture loop."""
+
+    prepared: PreparedCall
+    call: FinishedCall | None
+    weight_version: int
+    extras: dict[str, Any] | None
+    code: WorkerFailure | None
+    coords: CommitCoords
+    response_id: str | None
+    detail: str | None = None
+
+
+class MegatronPayloadStager:
+    """The engine's ``payload_stager``: coords now, the row through the background writer.
+
+    ``start`` binds it to the capture loop (the loop of ``core``'s writer); ``stage`` may
+    then be called from any thread.
+    """
+
+    def __init__(
+        self,
+        core: CaptureCore,
+        registry: PreparedCalls,
+        *,
+        span_policy: EpochSpanPolicy = EpochSpanPolicy.ALLOW,
+        max_pending: int = 4096,
+    ) -> None:
+        self.core = core
+        self.registry = registry
+        self.span_policy = EpochSpanPolicy(span_policy)
+        self.stats = StagerStats()
+        self._handoff: Handoff[_Work] = Handoff(max_pending)
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._handed = 0
+        self._progress = asyncio.Event()
+
+    def start(self) -> None:
+        """Start the capture task; call on the capture loop."""
+        if self._task is None:
+            self._handoff.bind()
+            self._progress = asyncio.Event()
+            self._closing = False
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="megatron-capture")
+
+    async def stop(self) -> None:
+        """Process everything handed off, then stop (the writer is stopped by its owner)."""
+        self._closing = True
+        self._handoff.wake()
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    async def drain(self) -> None:
+        """Wait until every call handed off so far has reached ``CaptureCore``."""
+        while self._handoff.pending or self.stats.processed < self._handed:
+            self._progress.clear()
+            await self._progress.wait()
+
+    def stage(
+        self,
+        uid: Any,
+        payload: Any,
+        *,
+        finished_metadata: Any = None,
+        offload_params: Mapping[str, Any] | None = None,
+    ) -> StageResult | None:
+        """Capture a finished request; None for ordinary traffic. Never waits, never raises."""
+        raw = offload_params.get(CAPTURE_FIELD) if isinstance(offload_params, Mapping) else None
+        if raw is None or offload_params is None:
+            return None
+        self.stats.calls += 1
+        try:
+            prepared = self._served(raw, offload_params)
+            if prepared is None:
+                return None
+            response_id = _response_id(uid)
+            try:
+                work = self._capture(response_id, prepared, payload, finished_metadata)
+            except Exception as exc:  # a bug here must not take the engine down
+                log.exception("capturing %s failed", prepared.admission.staging_key)
+                work = _failed_work(prepared, WorkerFailure.INVALID_DELTA, None, response_id, repr(exc))
+            return StageResult(self._hand_off(work))
+        except Exception:  # the reply then goes out as ordinary traffic, tokens included
+            log.exception("staging a captured request failed; it is served uncaptured")
+            return None
+
+    def _served(self, raw: Any, offload_params: Mapping[str, Any]) -> PreparedCall | None:
+        key = offload_params.get(CAPTURE_KEY_FIELD)
+        prepared = self.registry.release(key) if isinstance(key, str) else None
+        if prepared is not None:
+            return prepared
+        try:
+            admission = raw if isinstance(raw, CaptureAdmission) else parse_admission(raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            log.error("ng_capture is not a valid admission; the call is not captured: %s", exc)
+            return None
+        if admission.mode == "text":
+            return PreparedCall(admission, _NO_IDS, None)
+        failure = CaptureFailure(
+            WorkerFailure.PREFIX_UNAVAILABLE, "the prompt was not prepared (is prompt_preparer installed?)"
+        )
+        return PreparedCall(admission, _NO_IDS, None, failure)
+
+    def _capture(
+        self, response_id: str | None, prepared: PreparedCall, payload: Any, finished_metadata: Any
+    ) -> _Work:
+        try:
+            call = read_finished_call(payload, finished_metadata)
+            versions = generation_versions(call.policy_epoch, call.prompt_ids.size, call.generated_ids.size)
+        except InvalidPayload as exc:
+            self.stats.defects[exc.defect.value] += 1
+            if prepared.failure is not None:  # the earlier failure is the cause
+                return _failed_work(
+                    prepared, prepared.failure.code, None, response_id, prepared.failure.detail
+                )
+            return _failed_work(prepared, exc.code, None, response_id, exc.defect.value)
+        version = versions.weight_version
+        if prepared.failure is not None:
+            return _failed_work(
+                prepared, prepared.failure.code, version, response_id, prepared.failure.detail
+            )
+        extras = None if versions.spans is None else {EXTRAS_WEIGHT_SPANS: versions.spans}
+        if versions.straddles_refit and self.span_policy is EpochSpanPolicy.REJECT:
+            detail = f"epochs {versions.spans} under policy reject"
+            return _failed_work(prepared, WorkerFailure.EPOCH_SPAN_REJECTED, version, response_id, detail)
+        try:
+            coords = staged_coords(prepared, call, weight_version=version, extras=extras)
+        except CaptureFailure as exc:
+            return _failed_work(prepared, exc.code, version, response_id, exc.detail)
+        return _Work(prepared, call, version, extras, None, coords, response_id)
+
+    def _hand_off(self, work: _Work) -> dict[str, Any]:
+        try:
+            accepted = self._handoff.put(work, force=work.code is not None)
+            if not accepted:
+                self.stats.refused += 1
+                detail = "capture hand-off queue full"
+                work = _failed_work(
+                    work.prepared,
+                    WorkerFailure.STAGING_WRITE_FAILED,
+                    work.weight_version,
+                    work.response_id,
+                    detail,
+                )
+                self._handoff.put(work, force=True)
+            self._handed += 1
+        except HandoffClosed as exc:
+            self.stats.refused += 1
+            log.error("capture loop is not running; %s is not staged: %s", work.coords.staging_key, exc)
+            work = _failed_work(
+                work.prepared,
+                WorkerFailure.STAGING_WRITE_FAILED,
+                work.weight_version,
+                work.response_id,
+                str(exc),
+            )
+        if work.code is not None:
+            self.stats.failed[work.code.value] += 1
+        metadata: dict[str, Any] = {COORDS_FIELD: work.coords.model_dump(mode="json")}
+        if work.code is not None:
+            metadata[FAILURE_FIELD] = {"code": work.code.value, "detail": work.detail}
+        return metadata
+
+    async def _run(self) -> None:
+        while True:
+            batch = self._handoff.take()
+            if not batch:
+                if self._closing:
+                    return
+                await self._handoff.wait()
+                continue
+            for work in batch:
+                self._process(work)
+                self.stats.processed += 1
+            self._progress.set()
+            await asyncio.sleep(0)  # let the writer and prefetches run between batches
+
+    def _process(self, work: _Work) -> None:
+        try:
+            if work.code is not None or work.call is None:
+                code = work.code or WorkerFailure.INVALID_DELTA
+                completion = self.core.fail(work.prepared, code, work.weight_version, work.response_id)
+            else:
+                call = work.call
+                completion = self.core.complete(
+                    work.prepared,
+                    call.prompt_ids,
+                    call.generated_ids,
+                    call.generated_logprobs,
+                    weight_version=work.weight_version,
+                    extras=work.extras,
+                    response_id=work.response_id,
+                )
+        except Exception:
+            self.stats.errors += 1
+            log.exception("capture core failed on %s", work.coords.staging_key)
+            return
+        if completion.coords != work.coords:
+            self.stats.superseded += 1
+            log.warning(
+                "%s: reply coords superseded (%s -> %s)",
+                work.coords.staging_key,
+                work.coords.disposition,
+                completion.coords.failure_reason or completion.coords.disposition,
+            )
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+def install_capture_hooks(
+    engine: Any,
+    preparer: MegatronPromptPreparer,
+    stager: MegatronPayloadStager,
+    *,
+    required: bool = False,
+) -> bool:
+    """Install both hooks if the engine has them; False (or ``HooksUnavailable``) if not.
+
+    Megatron-LM main declares ``prompt_preparer`` and ``payload_stager`` on the dynamic
+    engine and calls them on the model-parallel coordinator rank; installing them on the
+    other ranks is harmless (they are never called there).
+    """
+    missing = [name for name in HOOK_ATTRIBUTES if not hasattr(engine, name)]
+    if missing:
+        message = (
+            f"{MISSING_HOOKS}: {type(engine).__name__} (megatron-core {_megatron_version()}) "
+            f"lacks {', '.join(missing)}; token capture is off for this engine"
+        )
+        if required:
+            raise HooksUnavailable(message)
+        log.warning(message)
+        return False
+    for name, hook in zip(HOOK_ATTRIBUTES, (preparer, stager), strict=True):
+        current = getattr(engine, name)
+        if current is not None and current is not hook:
+            log.warning("replacing the engine's existing %s (%s)", name, type(current).__name__)
+        setattr(engine, name, hook)
+    return True
+
+
+def parse_admission(raw: Any) -> CaptureAdmission:
+    """The admission riding in ``offload_params["ng_capture"]`` (its JSON form)."""
+    if isinstance(raw, CaptureAdmission):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"ng_capture must be a mapping, got {type(raw).__name__}")
+    return CaptureAdmission.model_validate(dict(raw), strict=False)
+
+
+def admission_key(raw: Any) -> str:
+    """The staging key of an admission, read without validating all of it."""
+    if isinstance(raw, CaptureAdmission):
+        return raw.staging_key
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"ng_capture must be a mapping, got {type(raw).__name__}")
+    rollout_id, call_id = raw["rollout_id"], raw["call_id"]
+    if not isinstance(rollout_id, str) or not isinstance(call_id, str):
+        raise TypeError("ng_capture: rollout_id and call_id must be strings")
+    return f"{rollout_id}/{call_id}"
+
+
+def prompt_ids(prompt: Any) -> list[int] | None:
+    """A prompt given as token ids (list, array or tensor), else None (text)."""
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, list):
+        return prompt  # read only: never copied on the engine's path
+    if hasattr(prompt, "tolist"):
+        converted = prompt.tolist()
+        return converted if isinstance(converted, list) else None
+    if isinstance(prompt, tuple):
+        return list(prompt)
+    return None
+
+
+def starts_with(ids: Sequence[int], prefix: npt.NDArray[np.int64]) -> bool:
+    if len(ids) < prefix.size:
+        return False
+    try:
+        head = np.asarray(ids[: prefix.size], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return bool(np.array_equal(head, prefix))
+
+
+def _failed(prepared: PreparedCall, code: WorkerFailure, detail: str) -> PreparedCall:
+    return dataclasses.replace(prepared, failure=CaptureFailure(code, detail))
+
+
+def _failed_work(
+    prepared: PreparedCall,
+    code: WorkerFailure,
+    weight_version: int | None,
+    response_id: str | None,
+    detail: str | None,
+) -> _Work:
+    # Without a readable policy_epoch the version is unknown; a failed call writes no row,
+    # and 0 is only the placeholder the CommitCoords schema requires.
+    version = 0 if weight_version is None else weight_version
+    coords = failed_coords(prepared.admission, code, version)
+    return _Work(prepared, None, version, None, code, coords, response_id, detail)
+
+
+def _response_id(uid: Any) -> str | None:
+    """Megatron's request uid (the OpenAI response id) when it fits a label."""
+    if uid is None:
+        return None
+    text = str(uid)
+    return text if 0 < len(text) <= 200 else None
+
+
+def _megatron_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+__all__ = [
+    "CAPTURE_KEY_FIELD",
+    "FAILURE_FIELD",
+    "MISSING_HOOKS",
+    "TEMPLATE_PREFIX_FIELD",
+    "EpochSpanPolicy",
+    "HooksUnavailable",
+    "MegatronPayloadStager",
+    "MegatronPromptPreparer",
+    "PreparedCalls",
+    "PreparedPrompt",
+    "PreparerStats",
+    "StageResult",
+    "StagerStats",
+    "default_renders",
+    "install_capture_hooks",
+    "parse_admission",
+]
