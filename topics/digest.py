@@ -8,11 +8,12 @@ SHA-256, lowercase hex, each domain-separated by its own prefix.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import ValidationError
 
 from topics import canonical
@@ -74,49 +75,103 @@ def call_digest(fields: Mapping[str, Any]) -> str:
 
 def digest_of_body(body: StagedCallBody) -> str:
     """Digest of an already validated row body."""
-    payload = b"".join(
-        (
-            CALL_DOMAIN,
-            bytes([body.schema_version, DIGEST_VERSION, EXTRAS_DIGEST_VERSION]),
-            canonical.text(body.rollout_id),
-            canonical.text(body.call_id),
-            canonical.opt_text(body.parent_call_id),
-            canonical.text(body.mode),
-            canonical.u64(body.prev_len),
-            canonical.u64(body.delta_len),
-            canonical.u64(body.cum_len),
-            canonical.u64(body.weight_version),
-            canonical.blob(canonical.ids(body.token_ids_delta, "token_ids_delta")),
-            canonical.blob(canonical.f32s(body.token_mask_delta, "token_mask_delta")),
-            canonical.blob(canonical.f32s(body.logprobs_delta, "logprobs_delta")),
-            bytes.fromhex(body.extras_digest),
-            b"\x01",
-            bytes.fromhex(body.chain_hash),
-            b"\x01",
-            bytes.fromhex(body.cumulative_hash),
+    return digest_of_row(
+        body,
+        np.asarray(body.token_ids_delta, dtype=np.int64),
+        np.asarray(body.token_mask_delta, dtype=np.float64),
+        np.asarray(body.logprobs_delta, dtype=np.float64),
+    )
+
+
+class RowIdentity(Protocol):
+    """The scalar fields of a row the call digest covers."""
+
+    @property
+    def schema_version(self) -> int: ...
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def call_id(self) -> str: ...
+    @property
+    def parent_call_id(self) -> str | None: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def prev_len(self) -> int: ...
+    @property
+    def delta_len(self) -> int: ...
+    @property
+    def cum_len(self) -> int: ...
+    @property
+    def weight_version(self) -> int: ...
+    @property
+    def extras_digest(self) -> str: ...
+    @property
+    def chain_hash(self) -> str: ...
+    @property
+    def cumulative_hash(self) -> str: ...
+
+
+def digest_of_row(
+    row: RowIdentity,
+    token_ids: npt.NDArray[np.int64],
+    token_mask: npt.NDArray[np.float64],
+    logprobs: npt.NDArray[np.float64],
+) -> str:
+    """The call digest from a row's scalar fields and its vectors as arrays (no list round trip)."""
+    digest = hashlib.sha256(
+        b"".join(
+            (
+                CALL_DOMAIN,
+                bytes([row.schema_version, DIGEST_VERSION, EXTRAS_DIGEST_VERSION]),
+                canonical.text(row.rollout_id),
+                canonical.text(row.call_id),
+                canonical.opt_text(row.parent_call_id),
+                canonical.text(row.mode),
+                canonical.u64(row.prev_len),
+                canonical.u64(row.delta_len),
+                canonical.u64(row.cum_len),
+                canonical.u64(row.weight_version),
+            )
         )
     )
-    return hashlib.sha256(payload).hexdigest()
+    header, body = canonical.ids_parts(token_ids, "token_ids_delta")
+    digest.update(canonical.u64(len(header) + body.nbytes) + header)
+    digest.update(body.data)
+    for values, field in ((token_mask, "token_mask_delta"), (logprobs, "logprobs_delta")):
+        digest.update(canonical.blob(canonical.f32s(values, field)))
+    digest.update(
+        bytes.fromhex(row.extras_digest)
+        + b"\x01"
+        + bytes.fromhex(row.chain_hash)
+        + b"\x01"
+        + bytes.fromhex(row.cumulative_hash)
+    )
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """The part of a call's token row that is new relative to its parent."""
+    """The part of a call's token row that is new relative to its parent, as arrays."""
 
-    token_ids: list[int]
-    token_mask: list[float]
-    logprobs: list[float]
+    token_ids: npt.NDArray[np.int64]
+    token_mask: npt.NDArray[np.float64]
+    logprobs: npt.NDArray[np.float64]
     carry_len: int
 
     @property
     def gen_len(self) -> int:
-        return len(self.token_ids) - self.carry_len
+        return int(self.token_ids.size) - self.carry_len
 
 
 def build_delta(
     prompt_ids: IdsLike, generated_ids: IdsLike, generated_logprobs: FloatsLike, prev_len: int
 ) -> Delta:
-    """The delta row: prompt tokens past ``prev_len`` (mask 0, logprob 0.0), then generated ones."""
+    """The delta row: prompt tokens past ``prev_len`` (mask 0, logprob 0.0), then generated ones.
+
+    Its invariants (mask zeros then ones, at least one generated token, zero logprobs
+    under mask 0, finite values, non-negative ids) hold by construction.
+    """
     if prev_len < 0:
         raise InvalidDelta("prev_len", f"must be >= 0, got {prev_len}")
     prompt = canonical.ids_array(prompt_ids, "prompt_ids")
@@ -125,6 +180,8 @@ def build_delta(
         raise InvalidDelta("prompt_ids", f"has {prompt.size} ids, fewer than prev_len {prev_len}")
     if generated.size == 0:
         raise InvalidDelta("generated_ids", "empty generation")
+    if int(max(prompt.max(initial=0), generated.max())) >= 2**63:
+        raise InvalidDelta("generated_ids", "token ids must be below 2**63")
     logprobs = np.asarray(generated_logprobs, dtype=np.float64)
     if logprobs.ndim != 1 or logprobs.size != generated.size:
         raise InvalidDelta(
@@ -136,14 +193,9 @@ def build_delta(
     # the record then equals what the data plane returns.
     logprobs = logprobs.astype(np.float32).astype(np.float64)
     carry = prompt.size - prev_len
-    token_ids = np.concatenate((prompt[prev_len:], generated)).astype(np.int64).tolist()
-    mask = [0.0] * carry + [1.0] * generated.size
-    return Delta(token_ids, mask, [0.0] * carry + logprobs.tolist(), carry)
-
-
-def linear_ids(deltas: Sequence[IdsLike]) -> np.ndarray:
-    """Concatenate the deltas of a chain into the ids the engine saw."""
-    return np.concatenate([canonical.ids_array(d) for d in deltas]) if deltas else np.zeros(0, ">u8")
+    token_ids = np.concatenate((prompt[prev_len:], generated)).astype(np.int64)
+    mask = np.concatenate((np.zeros(carry), np.ones(generated.size)))
+    return Delta(token_ids, mask, np.concatenate((np.zeros(carry), logprobs)), carry)
 
 
 __all__ = [
@@ -157,6 +209,6 @@ __all__ = [
     "chain_hash",
     "cumulative_hash",
     "digest_of_body",
+    "digest_of_row",
     "extras_digest",
-    "linear_ids",
 ]

@@ -101,7 +101,7 @@ def root_row():  # type: ignore[no-untyped-def]
 def child_row(extras: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
     root = root_row()
     prefix = root.token_ids_delta
-    delta = digest.build_delta(prefix + CHILD_NEW, CHILD_GEN, [-1.0, -0.125, -2.0], len(prefix))
+    delta = digest.build_delta([*prefix, *CHILD_NEW], CHILD_GEN, [-1.0, -0.125, -2.0], len(prefix))
     return stage_row(
         rollout_id="r-1",
         call_id="c2",
@@ -285,7 +285,7 @@ def test_ids_reject_non_token_values(bad: list[Any]) -> None:
 def test_build_delta_keeps_float32_logprobs(logprobs: list[float]) -> None:
     gen = list(range(len(logprobs)))
     delta = digest.build_delta([5, 6], gen, logprobs, 1)
-    assert delta.logprobs[delta.carry_len :] == logprobs
+    assert delta.logprobs[delta.carry_len :].tolist() == logprobs
     assert delta.carry_len == 1 and delta.gen_len == len(gen)
 
 
@@ -306,3 +306,36 @@ def test_build_delta_rejects(args: tuple[Any, ...], field: str) -> None:
     with pytest.raises((digest.InvalidDelta, EncodingError)) as info:
         digest.build_delta(*args)
     assert info.value.field == field  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"rollout_id": "bad id"}, "rollout_id"),
+        ({"call_id": "-c"}, "call_id"),
+        ({"weight_version": -1}, "weight_version"),
+        ({"parent_call_id": "p"}, "parent_call_id"),
+        ({"extras": {"weight_version_spans": [[1, 2]]}}, "weight_version_spans"),
+    ],
+)
+def test_stage_row_checks_its_scalar_fields(changes: dict[str, Any], field: str) -> None:
+    delta = digest.build_delta([1, 2], [3, 4], [-0.5, -0.25], 0)
+    args: dict[str, Any] = {
+        "rollout_id": "r",
+        "call_id": "c",
+        "parent_call_id": None,
+        "parent_chain_hash": None,
+        "prefix_ids": [],
+        "delta": delta,
+        "weight_version": 0,
+        **changes,
+    }
+    with pytest.raises(ValueError, match=field):
+        stage_row(**args)
+
+
+def test_stage_row_output_passes_full_validation() -> None:
+    from topics.records import StagedCall
+
+    row = child_row(EXTRAS)
+    assert StagedCall.model_validate(row.model_dump()) == row
