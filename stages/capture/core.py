@@ -187,8 +187,10 @@ def _starts_with(prompt_ids: IdsLike, prefix: npt.NDArray[np.int64]) -> bool:
 
 
 def _coords(admission: CaptureAdmission, row: StagedCall) -> CommitCoords:
+    """Coords of a row just built from a validated admission: built without re-validation."""
     key = row.staging_key
-    return CommitCoords(
+    return CommitCoords.model_construct(
+        schema_version=row.schema_version,
         rollout_id=row.rollout_id,
         call_id=row.call_id,
         parent_call_id=row.parent_call_id,

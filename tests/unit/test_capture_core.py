@@ -16,7 +16,7 @@ from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient, strip_token_fields
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics import digest
-from topics.records import StagedEvent
+from topics.records import CommitCoords, StagedEvent
 
 
 class Worker:
@@ -75,6 +75,7 @@ def test_three_turn_rows_concatenate_to_engine_ids() -> None:
         rows[2].token_ids_delta,
     )
     assert all(c.disposition == "staged" for c in coords)
+    assert all(CommitCoords.model_validate(c.model_dump()) == c for c in coords)  # built unvalidated, yet valid
     assert len(sink.payloads(StagedEvent)) == 3
 
 
