@@ -352,3 +352,25 @@ def test_wrong_event_type_is_dead_lettered() -> None:
     stage, sink = run_ledger([*Rollout("q").events, receipt_events[0]])
     assert len(sink.payloads(DeadLetter)) == 1
     assert stage.stats.dead_letters == 1
+
+
+@pytest.mark.slow
+def test_hundred_thousand_finished_rollouts_leave_no_state() -> None:
+    """Memory is per open rollout only: 100,000 finished rollouts leave nothing behind."""
+    from bench.events import rollout_events
+
+    sink = RecordingSink()
+    stage = LedgerStage(sink)
+
+    async def go() -> None:
+        offset = 0
+        for start in range(0, 100_000, 1_000):
+            events = [e for r in range(start, start + 1_000) for e in rollout_events(f"r{r}", 1)]
+            await stage.handle(consumed(events, offset))
+            offset += len(events)
+            stage.committable({("in", 0): offset})
+            sink.events.clear()
+
+    asyncio.run(go())
+    assert stage.stats.receipts == 100_000
+    assert stage.open == {} and stage._closed_spans == {} and stage._open_spans == {}
