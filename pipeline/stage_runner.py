@@ -3,6 +3,11 @@
 A stage is a ``StageHandler`` plus the topics it reads and its consumer group. The
 runner owns the producer the stage publishes with (also the dead-letter sink) and
 stops on request after the in-flight batch is handled and committed.
+
+With ``metrics`` the runner meters the handler, exports the loop's counters, keeps
+the group's lag gauge fresh and flips readiness; the caller serves the registry
+(``MetricsServer``) and gives the stage ``metrics.sink(...)`` to publish with, so
+that its outputs are counted too.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from dataclasses import dataclass
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import ConsumerLoop
-from pipeline.kafka.log import KafkaEventSink
-from stages.ports import StageHandler
+from pipeline.lag_gauge import DEFAULT_INTERVAL_S, poll_lag
+from pipeline.metrics import StageMetrics
+from stages.ports import EventSink, StageHandler
 from topics.names import TopicNames
 
 log = logging.getLogger(__name__)
@@ -48,7 +54,7 @@ def finalizer_topics(names: TopicNames) -> list[str]:
 async def serve_stage(
     handler: StageHandler,
     config: KafkaConfig,
-    sink: KafkaEventSink,
+    sink: EventSink,
     *,
     stage: str,
     group: str,
@@ -56,13 +62,20 @@ async def serve_stage(
     stop: asyncio.Event,
     tuning: ConsumerTuning = ConsumerTuning(),
     started: asyncio.Event | None = None,
+    metrics: StageMetrics | None = None,
+    lag_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> ConsumerLoop:
-    """Consume until ``stop`` is set; returns the loop (its stats) once it has left the group."""
+    """Consume until ``stop`` is set; returns the loop (its stats) once it has left the group.
+
+    ``sink`` receives the dead letters of records that do not decode.
+    """
+    if lag_interval_s <= 0:
+        raise ValueError(f"lag_interval_s: must be > 0, got {lag_interval_s}")
     loop = ConsumerLoop(
         config,
         group_id=group,
         topics=topics,
-        handler=handler,
+        handler=handler if metrics is None else metrics.handler(handler),
         dead_letters=sink,
         stage=stage,
         max_records=tuning.max_records,
@@ -77,14 +90,22 @@ async def serve_stage(
 
     async def report_started() -> None:
         await loop.wait_assigned()
+        if metrics is not None:
+            metrics.health.set_ready(True)
         if started is not None:
             started.set()
 
     watchers = [asyncio.create_task(stop_when_asked()), asyncio.create_task(report_started())]
+    if metrics is not None:
+        metrics.watch_loop(group, loop.stats)
+        lag = poll_lag(config, metrics, group=group, topics=topics, interval_s=lag_interval_s)
+        watchers.append(asyncio.create_task(lag, name=f"lag-{stage}"))
     try:
         log.info("stage %s consuming %s as %s", stage, ", ".join(topics), group)
         await loop.run()
     finally:
+        if metrics is not None:
+            metrics.health.set_ready(False)
         for task in watchers:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

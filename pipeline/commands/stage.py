@@ -9,9 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.log import KafkaEventSink, ensure_topics
+from pipeline.lag_gauge import DEFAULT_INTERVAL_S
 from pipeline.logs import configure_logging
+from pipeline.metrics import Health, StageMetrics
+from pipeline.metrics_server import MetricsServer
 from pipeline.stage_runner import (
     FINALIZER_GROUP,
     LEDGER_GROUP,
@@ -30,6 +33,11 @@ examples:
   tokentrail stage ledger --bootstrap kafka:9092 --seal-grace 30 --group ledger-prod
   tokentrail stage finalizer --bootstrap 127.0.0.1:9092 --data-dir .tokentrail
   tokentrail stage finalizer --bootstrap kafka:9092 --dataplane-mode ray --ray-address auto --mixed-versions reject
+  tokentrail stage ledger --bootstrap kafka:9092 --metrics-port 9464 --metrics-host 0.0.0.0
+
+With --metrics-port the stage serves /metrics (Prometheus), /healthz (503 once the
+consumer loop stalls for --stall-after seconds) and /readyz (200 once the group
+assigned this member its partitions).
 
 Run several instances with the same --group to split partitions between them.
 SIGTERM/SIGINT finish the in-flight batch, commit, and leave the group.
@@ -68,7 +76,61 @@ def add_parser(subparsers: Any) -> None:
         "--session-timeout-ms", type=int, default=10_000, help="consumer group session timeout"
     )
     parser.add_argument("--heartbeat-ms", type=int, default=3_000, help="consumer group heartbeat interval")
+    add_metrics_arguments(parser)
     parser.set_defaults(run=run)
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("metrics")
+    group.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=0,
+        help="serve /metrics, /healthz and /readyz on this port (default 0: off)",
+    )
+    group.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics server binds (default %(default)s; 0.0.0.0 in a container)",
+    )
+    group.add_argument(
+        "--lag-interval",
+        type=_positive,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between consumer-lag readings for the lag gauge (default %(default)s)",
+    )
+    group.add_argument(
+        "--stall-after",
+        type=_positive,
+        default=60.0,
+        help="seconds without a consumer-loop tick before /healthz fails (default %(default)s)",
+    )
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0 turns metrics off)")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _metrics_server(args: argparse.Namespace, metrics: StageMetrics) -> MetricsServer | None:
+    """The metrics endpoint, started before anything else so probes answer during startup."""
+    if args.metrics_port == 0:
+        return None
+    server = MetricsServer(metrics, host=args.metrics_host, port=args.metrics_port)
+    try:
+        server.start()
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {args.metrics_port}: cannot serve metrics: {exc}") from None
+    return server
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +145,17 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> None:
     config = config_from_args(args)
-    await ensure_topics(config)
+    metrics = StageMetrics(args.name, health=Health(stall_after_s=args.stall_after))
+    server = _metrics_server(args, metrics)
+    try:
+        await ensure_topics(config)
+        await _serve_stage(args, config, metrics)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+async def _serve_stage(args: argparse.Namespace, config: KafkaConfig, metrics: StageMetrics) -> None:
     tuning = ConsumerTuning(
         session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_ms
     )
@@ -91,7 +163,8 @@ async def _serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with KafkaEventSink(config) as sink:
+    async with KafkaEventSink(config) as kafka_sink:
+        sink = metrics.sink(kafka_sink)
         if args.name == "ledger":
             ledger = LedgerStage(sink, LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open))
             await serve_stage(
@@ -103,6 +176,8 @@ async def _serve(args: argparse.Namespace) -> None:
                 topics=ledger_topics(config.names),
                 stop=stop,
                 tuning=tuning,
+                metrics=metrics,
+                lag_interval_s=args.lag_interval,
             )
             return
         from pipeline.dataplane import DataPlaneConfig, open_data_plane
@@ -111,7 +186,9 @@ async def _serve(args: argparse.Namespace) -> None:
             mode=args.dataplane_mode, data_dir=args.data_dir, ray_address=args.ray_address
         )
         async with open_data_plane(plane_config) as plane:
-            finalizer = FinalizerStage(plane, sink, policy=MixedVersionPolicy(args.mixed_versions))
+            finalizer = FinalizerStage(
+                metrics.data_plane(plane), sink, policy=MixedVersionPolicy(args.mixed_versions)
+            )
             await serve_stage(
                 finalizer,
                 config,
@@ -121,4 +198,6 @@ async def _serve(args: argparse.Namespace) -> None:
                 topics=finalizer_topics(config.names),
                 stop=stop,
                 tuning=tuning,
+                metrics=metrics,
+                lag_interval_s=args.lag_interval,
             )

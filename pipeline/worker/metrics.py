@@ -4,16 +4,22 @@ A collector rather than incremented metric objects: the writer and the worker al
 count everything, so scraping reads those numbers and nothing on the request path
 pays for metrics. Each app gets its own registry, so several workers (or tests) in
 one process never collide.
+
+The one thing nobody counts is time spent in the data plane, so ``worker_registry``
+wraps the data plane of the staging writer and of the prefix resolver in a timing
+proxy (off the engine's path: both already run on the event loop, not in a hook).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pipeline.metrics import LATENCY_BUCKETS
+from pipeline.timed_dataplane import timed
 from stages.capture.vllm_worker import VllmWorker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -72,6 +78,14 @@ class WorkerCollector(Collector):
         )
         yield gauge("tokentrail_worker_writer_backlog", "calls waiting in the staging writer", writer.backlog)
         yield gauge(
+            "tokentrail_worker_writer_queue_capacity",
+            "rows the staging writer holds before it refuses more",
+            writer.max_queue,
+        )
+        yield counter(
+            "tokentrail_worker_writer_batches", "data-plane writes made by the writer", writer.stats.batches
+        )
+        yield gauge(
             "tokentrail_worker_chain_cache_bytes",
             "bytes held by the chain cache",
             self.worker.core.cache.nbytes,
@@ -87,8 +101,24 @@ class WorkerCollector(Collector):
 
 
 def worker_registry(worker: VllmWorker, worker_id: str) -> CollectorRegistry:
+    """The worker's registry; its writer and resolver are given timed data planes from here on
+    (a later registry for the same worker takes the timing over, it is never doubled)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(WorkerCollector(worker, worker_id))
+    seconds = Histogram(
+        "tokentrail_worker_dataplane_seconds",
+        "duration of data-plane calls by the staging writer and prefix resolver",
+        ["worker", "op", "outcome"],
+        buckets=LATENCY_BUCKETS,
+        registry=registry,
+    )
+
+    def observe(op: str, outcome: str, elapsed: float) -> None:
+        seconds.labels(worker_id, op, outcome).observe(elapsed)
+
+    core = worker.core
+    core.writer.data_plane = timed(core.writer.data_plane, observe)
+    core.resolver.data_plane = timed(core.resolver.data_plane, observe)
     return registry
 
 

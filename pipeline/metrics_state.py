@@ -1,0 +1,99 @@
+"""What a stage process exports from state it does not count itself, read at scrape time.
+
+The lag reading (written by the lag poller), the stage's own ``stats`` and the
+consumer loop's counters already exist; a collector reads them when Prometheus
+scrapes instead of mirroring every change into metric objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pipeline.kafka.consumer import LoopStats
+from pipeline.kafka.lag import PartitionLag
+from stages.finalize.stage import FinalizerStage
+from stages.ledger.stage import LedgerStage
+
+
+class StateCollector(Collector):
+    """State read at scrape time: the lag reading, the stage's and the loop's counters.
+
+    Scrapes run on the server's thread while the stage mutates its state on the event
+    loop; every read here is a single ``len()``, attribute or dict copy, which the
+    interpreter performs atomically.
+    """
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+        self.stage_source: LedgerStage | FinalizerStage | None = None
+        self.loop: tuple[str, LoopStats] | None = None
+        self.lag: dict[str, tuple[tuple[PartitionLag, ...], float]] = {}
+        self.lag_errors: dict[str, int] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._lag()
+        yield from self._stage()
+        yield from self._loop()
+
+    def _lag(self) -> Iterator[Metric]:
+        lag = GaugeMetricFamily(
+            "tokentrail_consumer_lag",
+            "Records not yet committed by the group: highwater - committed, per partition",
+            labels=["group", "topic", "partition"],
+        )
+        updated = GaugeMetricFamily(
+            "tokentrail_consumer_lag_updated_timestamp_seconds",
+            "When the group's lag was last read (Unix time)",
+            labels=["group"],
+        )
+        errors = CounterMetricFamily(
+            "tokentrail_consumer_lag_errors", "Failed lag readings", labels=["group"]
+        )
+        for group, (rows, at) in sorted(self.lag.items()):
+            updated.add_metric([group], at)
+            for row in rows:
+                lag.add_metric([row.group, row.topic, str(row.partition)], row.lag)
+        for group, count in sorted(dict(self.lag_errors).items()):
+            errors.add_metric([group], count)
+        yield from (lag, updated, errors)
+
+    def _stage(self) -> Iterator[Metric]:
+        labels = ["stage"]
+        open_rollouts = GaugeMetricFamily(
+            "tokentrail_open_rollouts",
+            "Rollouts the ledger holds open (admitted, not receipted)",
+            labels=labels,
+        )
+        duplicates = CounterMetricFamily(
+            "tokentrail_stage_duplicates",
+            "Events ignored as already applied (replays, redeliveries)",
+            labels=labels,
+        )
+        late = CounterMetricFamily(
+            "tokentrail_ledger_late_events", "Events for rollouts already receipted", labels=labels
+        )
+        source = self.stage_source
+        if isinstance(source, LedgerStage):
+            open_rollouts.add_metric([self.stage], len(source.open))
+            duplicates.add_metric([self.stage], source.stats.duplicates)
+            late.add_metric([self.stage], source.stats.late)
+        elif isinstance(source, FinalizerStage):
+            duplicates.add_metric([self.stage], source.stats.duplicates)
+        yield from (open_rollouts, duplicates, late)
+
+    def _loop(self) -> Iterator[Metric]:
+        labels = ["stage", "group"]
+        rebalances = CounterMetricFamily(
+            "tokentrail_consumer_rebalances", "Partition revocations seen by this member", labels=labels
+        )
+        commits = CounterMetricFamily(
+            "tokentrail_consumer_commits", "Offset commits made by this member", labels=labels
+        )
+        if self.loop is not None:
+            group, stats = self.loop
+            rebalances.add_metric([self.stage, group], stats.rebalances)
+            commits.add_metric([self.stage, group], stats.commits)
+        yield from (rebalances, commits)
