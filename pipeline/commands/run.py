@@ -1,0 +1,215 @@
+"""``tokentrail run``: the whole pipeline on one machine, end to end, then a clean stop.
+
+Starts the embedded broker (or uses ``--bootstrap``), the embedded data plane, the
+tiny model, one vLLM capture worker, the ledger and finalizer stages and the rollout
+driver; waits until every rollout of the run is finalized and the stages' lag is 0;
+archives the accepted samples to ``DATA_DIR/samples.jsonl``; stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.kafka.broker import STORAGE_MODES
+from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.logs import configure_logging
+
+if TYPE_CHECKING:
+    from pipeline.run_config import RunConfig
+
+EXAMPLES = """\
+examples:
+  tokentrail run                                   # 8 rollouts, groups of 4, 3 turns, in .tokentrail
+  tokentrail run --json --data-dir /tmp/tt          # one JSON summary on stdout
+  tokentrail run --rollouts 32 --group-size 8 --turns 4 --concurrency 8
+  tokentrail run --keep                            # stay up afterwards for replay / lag / export
+  tokentrail run --model ./my-model --temperature 0.7 --max-tokens 128
+  tokentrail run --bootstrap kafka:9092 --security-protocol SASL_SSL \\
+      --sasl-mechanism SCRAM-SHA-512 --sasl-username tt --ssl-cafile ca.pem
+
+Running again on the same --data-dir continues the same durable log: the stages
+resume from their committed offsets and the new run finalizes only its own rollouts.
+Exit status: 0 when every rollout is finalized and the lag is 0; 130 on Ctrl-C,
+143 on SIGTERM; 1 on a timeout or a failure; 2 on bad arguments.
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "run",
+        help="run the whole pipeline end to end on this machine (what `make run` does)",
+        description=(
+            "Start the embedded broker, data plane, tiny model, a vLLM capture worker, the ledger\n"
+            "and finalizer stages and a rollout driver playing an arithmetic tool-use environment;\n"
+            "wait until every rollout of this run is finalized and consumer lag is 0; archive the\n"
+            "accepted samples to DATA_DIR/samples.jsonl (TransferQueue keeps them in memory only);\n"
+            "then stop everything cleanly."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(".tokentrail"),
+        help="broker store, tiny model, data-plane addresses and samples archive (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        metavar="DIR",
+        help="model directory to serve (default: the tiny model in DATA_DIR/tiny-model, built if missing)",
+    )
+    rollouts = parser.add_argument_group("rollouts")
+    rollouts.add_argument("--rollouts", type=int, default=8, help="rollouts to play (default: %(default)s)")
+    rollouts.add_argument(
+        "--group-size",
+        type=int,
+        default=4,
+        help="GRPO group size: each task is played this many times (default: %(default)s)",
+    )
+    rollouts.add_argument(
+        "--turns", type=int, default=3, help="model calls per rollout, at most (default: %(default)s)"
+    )
+    rollouts.add_argument(
+        "--concurrency", type=int, default=4, help="rollouts in flight (default: %(default)s)"
+    )
+    rollouts.add_argument(
+        "--max-tokens", type=int, default=48, help="tokens per model call (default: %(default)s)"
+    )
+    rollouts.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature; 1.0 samples the policy itself, as on-policy RL does (default: %(default)s)",
+    )
+    rollouts.add_argument(
+        "--seed", type=int, default=0, help="task, sampling and engine seed (default: %(default)s)"
+    )
+    timing = parser.add_argument_group("timing")
+    timing.add_argument(
+        "--seal-grace", type=float, default=10.0, help="ledger: seconds a seal waits for calls in flight"
+    )
+    timing.add_argument(
+        "--max-open", type=float, default=600.0, help="ledger: seconds before an unsealed rollout is closed"
+    )
+    timing.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every rollout's FinalizedEvent after driving (default: %(default)s)",
+    )
+    timing.add_argument(
+        "--lag-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for consumer lag 0 (default: %(default)s)",
+    )
+    services = parser.add_argument_group("services")
+    services.add_argument(
+        "--broker-storage",
+        choices=STORAGE_MODES,
+        default="durable",
+        help="embedded broker storage: durable in DATA_DIR, or memory (default: %(default)s)",
+    )
+    services.add_argument(
+        "--dataplane-mode",
+        choices=("embedded", "ray"),
+        default="embedded",
+        help="embedded TransferQueue in this process, or TransferQueue on a Ray cluster (default: %(default)s)",
+    )
+    services.add_argument("--ray-address", help="Ray cluster address for --dataplane-mode ray (e.g. auto)")
+    add_kafka_arguments(parser)
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="after the run, keep broker, data plane, worker and stages serving until Ctrl-C",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
+    parser.set_defaults(run=run)
+
+
+def _quiet_libraries() -> None:
+    """vLLM logs through our JSON lines (and only warnings); nothing it says goes to stdout."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("vllm", "transformers", "transfer_queue", "ray", "aiokafka", "uvicorn", "httpx", "torch"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging()
+    _quiet_libraries()
+    from pipeline.run_config import RunConfig
+
+    try:
+        config = RunConfig(
+            data_dir=args.data_dir,
+            model_dir=args.model,
+            kafka=config_from_args(args),
+            broker_storage=args.broker_storage,
+            dataplane_mode=args.dataplane_mode,
+            ray_address=args.ray_address,
+            rollouts=args.rollouts,
+            group_size=args.group_size,
+            turns=args.turns,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            seal_grace_s=args.seal_grace,
+            max_open_s=args.max_open,
+            finalize_timeout_s=args.timeout,
+            lag_timeout_s=args.lag_timeout,
+            keep=args.keep,
+        )
+    except (ConfigError, ValueError) as exc:
+        print(f"tokentrail run: {exc}", file=sys.stderr)
+        return 2
+    if args.model is not None and not (args.model / "config.json").is_file():
+        print(f"tokentrail run: {args.model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    return _execute(config, as_json=args.json)
+
+
+def _execute(config: RunConfig, *, as_json: bool) -> int:
+    import contextlib
+
+    from pipeline.run import execute
+    from pipeline.run_display import keep_banner, live_progress, summary_table
+    from pipeline.run_report import RunProgress, RunSummary
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    reported: list[RunSummary] = []
+
+    def report(summary: RunSummary) -> None:
+        reported.append(summary)
+        if as_json:
+            sys.stdout.write(json.dumps(summary.document(), sort_keys=True) + "\n")
+            sys.stdout.flush()
+        else:
+            from rich.console import Console
+
+            Console().print(summary_table(summary))
+        if config.keep and summary.status == "completed":
+            print(keep_banner(summary), file=sys.stderr, flush=True)
+
+    progress = RunProgress()
+    display = not as_json and sys.stderr.isatty()
+    try:
+        with live_progress(progress) if display else contextlib.nullcontext():
+            summary = execute(config, progress, on_complete=report)
+    except KeyboardInterrupt:  # before the run's own signal handling was in place
+        return 130
+    if not reported:
+        report(summary)
+    return summary.exit_code

@@ -1,0 +1,404 @@
+"""``tokentrail run``: the whole pipeline in one process, end to end, then a clean stop.
+
+Order of start (each part stops in reverse, through one ``AsyncExitStack``):
+
+1. the model (the tiny model is built in the data directory if missing);
+2. the event log: the embedded tansu broker (durable in the data directory) or an
+   external Kafka, and the topics;
+3. the vLLM engine, which blocks the event loop while it starts and so comes before
+   any Kafka or data-plane client exists;
+4. the data plane (embedded TransferQueue, addresses in ``DATA_DIR/dataplane.json``,
+   or TransferQueue on Ray), the event producer, the lag probe;
+5. the ledger and finalizer stages (consumer groups that resume from their committed
+   offsets, so a second run on the same data directory continues the log);
+6. the follower of ``tokentrail.finalized`` for this run's rollouts and the archiver
+   that copies each accepted sample to ``DATA_DIR/samples.jsonl``;
+7. the capture worker on a free loopback port, and the rollout driver playing the
+   arithmetic tool-use environment against it over HTTP.
+
+A run is complete when every rollout of this run has its ``FinalizedEvent`` (accepted
+or rejected), every accepted sample is archived, and both stages' consumer lag is 0.
+SIGINT/SIGTERM stop it at any point: in-flight rollouts are sealed as interrupted, and
+then every part stops in order (driver, worker drain, stages commit, data plane,
+engine, broker) with nothing left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from aiokafka.errors import KafkaError
+
+from pipeline.chat_http import HttpChatEndpoint
+from pipeline.finalized_watch import FinalizedWatcher, finalized_ends
+from pipeline.kafka.broker import BrokerError
+from pipeline.kafka.config import ConfigError, KafkaConfig
+from pipeline.kafka.log import KafkaEventSink, ensure_topics
+from pipeline.run_archiver import SampleArchiver
+from pipeline.run_config import RunConfig, new_run_id, plan_jobs
+from pipeline.run_driver import SealTrackingClient, play_jobs
+from pipeline.run_report import RunProgress, RunStatus, RunSummary, outcome_totals
+from pipeline.run_services import (
+    RunSetupError,
+    ensure_model,
+    event_log,
+    running_stages,
+    serving_worker,
+    start_engine,
+)
+from pipeline.samples_archive import SampleArchive, archive_path
+from pipeline.stage_lag import StageLagProbe
+from stages.driver import RolloutDriver
+from stages.ledger.stage import LedgerConfig
+from stages.ports import DataPlaneError
+
+log = logging.getLogger(__name__)
+
+LAG_POLL_S = 1.0
+# Failures of the environment rather than of tokentrail: reported without a traceback.
+EXPECTED_ERRORS: tuple[type[Exception], ...] = (
+    RunSetupError,
+    BrokerError,
+    ConfigError,
+    KafkaError,
+    DataPlaneError,
+    OSError,
+)
+
+
+class _Stopped(Exception):
+    """Internal: a stop was requested between start-up steps."""
+
+
+class Shutdown:
+    """Why the run stops early: a signal, or a part that failed. Set from handlers."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.signal: int | None = None
+        self.failure: str | None = None
+
+    def on_signal(self, signum: int) -> None:
+        if self.event.is_set():
+            log.warning("%s received again; already stopping", signal.Signals(signum).name)
+            return
+        self.signal = signum
+        log.warning("%s received: stopping the run", signal.Signals(signum).name)
+        self.event.set()
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            log.error("stopping the run: %s", reason)
+        self.event.set()
+
+    def check(self) -> None:
+        if self.event.is_set():
+            raise _Stopped()
+
+
+class Run:
+    """One execution of the pipeline; ``execute()`` returns its summary once all is stopped."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        progress: RunProgress | None = None,
+        *,
+        on_complete: Callable[[RunSummary], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.run_id = config.run_id or new_run_id()
+        self.jobs = plan_jobs(
+            self.run_id, rollouts=config.rollouts, group_size=config.group_size, seed=config.seed
+        )
+        self.progress = progress if progress is not None else RunProgress()
+        self.progress.run_id = self.run_id
+        self.progress.rollouts = len(self.jobs)
+        self.on_complete = on_complete
+        self.shutdown = Shutdown()
+        self.model_dir: Path = config.resolved_model_dir
+        self.kafka: KafkaConfig | None = None
+        self.worker_url: str | None = None
+        self.dataplane_addresses: str | None = None
+        self.watcher: FinalizedWatcher | None = None
+        self.archiver: SampleArchiver | None = None
+        self.driver: RolloutDriver | None = None
+        self.lag_by_stage: dict[str, int] = {}
+        self._sink: KafkaEventSink | None = None
+        self._endpoint: HttpChatEndpoint | None = None
+        self._probe: StageLagProbe | None = None
+        self._archiving: asyncio.Task[None] | None = None
+        self.timeout: str | None = None
+        self.error: str | None = None
+        self.completed = False
+
+    # -- the run ---------------------------------------------------------------
+
+    async def execute(self) -> RunSummary:
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, self.shutdown.on_signal, sig)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    await self._start(stack)
+                    await self._drive()
+                    if self.completed and self.config.keep:
+                        await self._keep_serving()
+                except _Stopped:
+                    pass
+                self.progress.phase = "stopping"
+                log.info("run %s: stopping", self.run_id)
+        except EXPECTED_ERRORS as exc:  # a clear message is enough; no traceback
+            log.error("run %s failed: %s", self.run_id, exc)
+            self.error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            log.exception("run %s failed", self.run_id)
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+        self.progress.phase = "stopped"
+        summary = self.summary()
+        log.info("run %s: %s", self.run_id, summary.status)
+        return summary
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        config, progress, shutdown = self.config, self.progress, self.shutdown
+        progress.phase = "preparing the model"
+        self.model_dir = await asyncio.to_thread(ensure_model, config)
+        shutdown.check()
+
+        progress.phase = "starting the event log"
+        kafka, _ = await stack.enter_async_context(event_log(config, shutdown.fail))
+        self.kafka = kafka
+        await ensure_topics(kafka)
+        shutdown.check()
+
+        progress.phase = "starting the vLLM engine"
+        log.info("starting the vLLM engine on %s", self.model_dir)
+        engine = start_engine(self.model_dir, config.seed)
+        stack.callback(engine.shutdown)
+        shutdown.check()
+
+        progress.phase = "starting the data plane"
+        from pipeline.dataplane import DataPlaneConfig, open_data_plane
+
+        plane_config = DataPlaneConfig(
+            mode=config.dataplane_mode, data_dir=config.data_dir, ray_address=config.ray_address
+        )
+        plane = await stack.enter_async_context(open_data_plane(plane_config))
+        if config.dataplane_mode == "embedded":
+            self.dataplane_addresses = str(plane_config.addresses_path)
+        sink = await stack.enter_async_context(KafkaEventSink(kafka))
+        probe = await stack.enter_async_context(StageLagProbe(kafka))
+        shutdown.check()
+
+        progress.phase = "starting the stages"
+        ledger = LedgerConfig(seal_grace_s=config.seal_grace_s, max_open_s=config.max_open_s)
+        await stack.enter_async_context(running_stages(kafka, sink, plane, ledger, on_failure=shutdown.fail))
+
+        archive = stack.enter_context(SampleArchive(archive_path(config.data_dir)))
+        self.watcher = watcher = FinalizedWatcher(
+            kafka, [job.rollout_id for job in self.jobs], on_event=progress.record
+        )
+        self.archiver = archiver = SampleArchiver(
+            plane, archive, self.run_id, on_written=lambda n: setattr(progress, "samples_written", n)
+        )
+        start = await finalized_ends(kafka)
+        self._task(stack, watcher.follow(start), "finalized-follower")
+        self._archiving = self._task(stack, archiver.run(watcher.stream), "sample-archiver")
+        self._task(stack, self._poll_lag(probe), "lag-poller")
+        self._probe = probe
+        self._sink = sink
+
+        progress.phase = "starting the worker"
+        server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))
+        self.worker_url = server.url
+        self._endpoint = await stack.enter_async_context(HttpChatEndpoint(server.url))
+        shutdown.check()
+
+    def _task(
+        self, stack: contextlib.AsyncExitStack, coro: Coroutine[Any, Any, None], name: str
+    ) -> asyncio.Task[None]:
+        """A background task that is cancelled (and awaited) when the stack unwinds to it."""
+        task = asyncio.create_task(coro, name=name)
+
+        def failed(done: asyncio.Task[None]) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                self.shutdown.fail(f"{name}: {done.exception()!r}")
+
+        task.add_done_callback(failed)
+
+        async def cancel() -> None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+        stack.push_async_callback(cancel)
+        return task
+
+    async def _drive(self) -> None:
+        """Drive the rollouts and wait for their outcomes, unless a stop comes first."""
+        work = asyncio.create_task(self._work(), name="run-work")
+        stopper = asyncio.create_task(self.shutdown.event.wait(), name="run-stop")
+        try:
+            await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not work.done():
+                work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work  # raises what made the work fail
+
+    async def _work(self) -> None:
+        config, progress = self.config, self.progress
+        assert self._sink is not None and self._endpoint is not None
+        assert self._archiving is not None and self._probe is not None
+        client = SealTrackingClient(self._sink)
+        self.driver = driver = RolloutDriver(
+            client,
+            self._endpoint,
+            temperature=config.temperature,
+            max_tokens=config.max_tokens,
+            max_turns=config.turns,
+            seed=config.seed,
+        )
+        progress.driver = driver.stats
+        progress.phase = "driving rollouts"
+        progress.driving_since = time.monotonic()
+        log.info(
+            "run %s: driving %d rollouts (%d groups of %d) against %s",
+            self.run_id,
+            len(self.jobs),
+            len(self.jobs) // config.group_size,
+            config.group_size,
+            self.worker_url,
+        )
+        try:
+            await play_jobs(driver, client, self.jobs, config.concurrency)
+        finally:
+            progress.driving_until = time.monotonic()
+
+        progress.phase = "waiting for finalized events"
+        try:
+            await asyncio.wait_for(asyncio.shield(self._archiving), config.finalize_timeout_s)
+        except TimeoutError:
+            assert self.watcher is not None
+            self.timeout = f"{len(self.watcher.missing)} rollout(s) not finalized within {config.finalize_timeout_s:.0f}s"
+            log.error("run %s: %s", self.run_id, self.timeout)
+            return
+
+        progress.phase = "waiting for consumer lag 0"
+        self.lag_by_stage = await self._probe.wait_for_zero(config.lag_timeout_s)
+        progress.lag = dict(self.lag_by_stage)
+        if any(self.lag_by_stage.values()):
+            self.timeout = f"consumer lag still {self.lag_by_stage} after {config.lag_timeout_s:.0f}s"
+            log.error("run %s: %s", self.run_id, self.timeout)
+            return
+        self.completed = True
+        log.info("run %s: every rollout finalized, lag 0", self.run_id)
+
+    async def _keep_serving(self) -> None:
+        """``--keep``: report, then serve the broker, data plane and worker until a signal."""
+        self.progress.phase = "serving (Ctrl-C to stop)"
+        if self.on_complete is not None:
+            self.on_complete(self.summary())
+        log.info(
+            "run %s: serving until Ctrl-C: bootstrap %s, data plane addresses %s, worker %s",
+            self.run_id,
+            self.kafka.bootstrap if self.kafka else None,
+            self.dataplane_addresses,
+            self.worker_url,
+        )
+        await self.shutdown.event.wait()
+
+    async def _poll_lag(self, probe: StageLagProbe) -> None:
+        """Keep the progress view's lag current (errors only leave it stale)."""
+        while True:
+            try:
+                self.progress.lag = await probe.read()
+            except Exception as exc:
+                log.debug("lag reading failed: %s", exc)
+            await asyncio.sleep(LAG_POLL_S)
+
+    # -- the account -----------------------------------------------------------
+
+    def status(self) -> RunStatus:
+        if self.completed and self.error is None and self.shutdown.failure is None:
+            return "completed"  # a signal while --keep served a finished run is the normal stop
+        if self.shutdown.signal is not None:
+            return "interrupted"
+        if self.error is not None or self.shutdown.failure is not None:
+            return "failed"
+        if self.timeout is not None:
+            return "timeout"
+        return "failed"
+
+    def summary(self) -> RunSummary:
+        config, progress = self.config, self.progress
+        events = list(self.watcher.events.values()) if self.watcher is not None else []
+        tokens, generated = outcome_totals(events)
+        accepted = sum(1 for event in events if event.status == "accepted")
+        rejected = self.watcher.rejected if self.watcher is not None else {}
+        stats = progress.driver
+        drive_s = None
+        if progress.driving_since is not None:
+            drive_s = (progress.driving_until or time.monotonic()) - progress.driving_since
+        written = self.archiver.written if self.archiver is not None else 0
+        status = self.status()
+        if status == "completed" and written != accepted:
+            status = "failed"
+        errors = [e for e in (self.error, self.shutdown.failure, self.timeout) if e]
+        if self.archiver is not None and self.archiver.failed:
+            errors.append(f"{len(self.archiver.failed)} sample(s) could not be archived")
+        lag = self.lag_by_stage or progress.lag
+        return RunSummary(
+            status=status,
+            run_id=self.run_id,
+            rollouts=len(self.jobs),
+            group_size=config.group_size,
+            turns=config.turns,
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            seed=config.seed,
+            finalized=len(events),
+            accepted=accepted,
+            rejected=dict(rejected),
+            missing=self.watcher.missing if self.watcher is not None else [j.rollout_id for j in self.jobs],
+            calls=stats.calls,
+            capture_failed=stats.capture_failed,
+            broken=stats.broken,
+            tokens_captured=tokens,
+            generated_tokens=generated,
+            samples_written=written,
+            samples_file=str(archive_path(config.data_dir)),
+            data_dir=str(config.data_dir),
+            model_dir=str(self.model_dir),
+            bootstrap=self.kafka.bootstrap_servers
+            if self.kafka is not None
+            else config.kafka.bootstrap_servers,
+            dataplane_mode=config.dataplane_mode,
+            dataplane_addresses=self.dataplane_addresses,
+            worker_url=self.worker_url,
+            lag=sum(lag.values()) if lag else None,
+            lag_by_stage=dict(lag),
+            elapsed_s=time.monotonic() - progress.started,
+            drive_s=drive_s,
+            signal=self.shutdown.signal,
+            error="; ".join(errors) or None,
+        )
+
+
+def execute(config: RunConfig, progress: RunProgress | None = None, **options: Any) -> RunSummary:
+    """Run the pipeline to the end (blocking); see ``Run`` for ``options``."""
+    return asyncio.run(Run(config, progress, **options).execute())

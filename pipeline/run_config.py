@@ -1,0 +1,88 @@
+"""What one ``tokentrail run`` does: its settings, its run id and the rollouts it plays.
+
+Rollout ids start with the run id, so runs that share a data directory (and therefore
+a durable event log whose stages resume from committed offsets) never collide: a
+second run adds new rollouts and never re-finalizes an old one. Groups are GRPO
+groups: each task is played ``group_size`` times under one ``group_id``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pipeline.kafka.broker import StorageMode
+from pipeline.kafka.config import KafkaConfig
+from stages.driver import Job
+from stages.envs.arithmetic import make_tasks
+
+RunDataPlaneMode = Literal["embedded", "ray"]
+DEFAULT_DATA_DIR = Path(".tokentrail")
+TINY_MODEL_DIR_NAME = "tiny-model"
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """Every setting of a run; the defaults are the single-machine demo (``make run``)."""
+
+    data_dir: Path = DEFAULT_DATA_DIR
+    model_dir: Path | None = None
+    """None: the tiny model in ``data_dir/tiny-model``, created there if missing."""
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    """``bootstrap_servers=None`` starts the embedded broker in ``data_dir``."""
+    broker_storage: StorageMode = "durable"
+    dataplane_mode: RunDataPlaneMode = "embedded"
+    ray_address: str | None = None
+    rollouts: int = 8
+    group_size: int = 4
+    turns: int = 3
+    concurrency: int = 4
+    max_tokens: int = 48
+    temperature: float = 1.0
+    seed: int = 0
+    seal_grace_s: float = 10.0
+    max_open_s: float = 600.0
+    finalize_timeout_s: float = 600.0
+    lag_timeout_s: float = 60.0
+    keep: bool = False
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rollouts", "group_size", "turns", "concurrency", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.rollouts % self.group_size:
+            raise ValueError(
+                f"rollouts: {self.rollouts} is not a multiple of the group size {self.group_size} "
+                "(every task is played group-size times)"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        for name in ("seal_grace_s", "max_open_s", "finalize_timeout_s", "lag_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+    @property
+    def resolved_model_dir(self) -> Path:
+        return self.model_dir if self.model_dir is not None else self.data_dir / TINY_MODEL_DIR_NAME
+
+    @property
+    def embedded_broker(self) -> bool:
+        return self.kafka.embedded
+
+
+def new_run_id() -> str:
+    """Sortable by start time, unique across runs: ``run-YYYYMMDD-HHMMSS-xxxxxx`` (UTC)."""
+    return f"run-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+def plan_jobs(run_id: str, *, rollouts: int, group_size: int, seed: int) -> list[Job]:
+    """``rollouts // group_size`` tasks, each played ``group_size`` times as one group."""
+    jobs: list[Job] = []
+    for task in make_tasks(rollouts // group_size, seed):
+        group_id = f"{run_id}.{task.task_id}"
+        jobs.extend(Job(f"{group_id}.{member}", task, group_id) for member in range(group_size))
+    return jobs

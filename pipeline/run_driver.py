@@ -1,0 +1,76 @@
+"""Playing a run's rollouts so that an interruption still gives every started rollout an outcome.
+
+``RolloutDriver.play_all`` is fine when it runs to the end. When a run is stopped
+(Ctrl-C, SIGTERM, a failed component) the in-flight episodes are cancelled, and a
+cancelled episode never reaches its seal: the ledger would hold it open until
+``max_open_s`` and no ``FinalizedEvent`` would follow for a long time. Here each
+cancelled rollout that had not begun sealing is sealed as failed
+(``driver: interrupted``), so the next run's stages reject it promptly; rollouts that
+never started are never admitted and need nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from stages.client import RolloutClient
+from stages.driver import Job, RolloutDriver
+from stages.ports import EventSink
+from topics.records import RolloutSeal
+
+log = logging.getLogger(__name__)
+
+INTERRUPTED = "driver: interrupted"
+
+
+class SealTrackingClient(RolloutClient):
+    """A ``RolloutClient`` that remembers which rollouts began sealing (one seal each)."""
+
+    def __init__(self, sink: EventSink) -> None:
+        super().__init__(sink)
+        self.sealing: set[str] = set()
+
+    async def seal(
+        self,
+        rollout_id: str,
+        *,
+        group_id: str | None = None,
+        reward: float | None = None,
+        terminal_call_id: str | None = None,
+        failed: str | None = None,
+    ) -> RolloutSeal:
+        self.sealing.add(rollout_id)
+        return await super().seal(
+            rollout_id, group_id=group_id, reward=reward, terminal_call_id=terminal_call_id, failed=failed
+        )
+
+
+async def play_jobs(
+    driver: RolloutDriver,
+    client: SealTrackingClient,
+    jobs: Sequence[Job],
+    concurrency: int,
+    *,
+    seal_timeout_s: float = 5.0,
+) -> None:
+    """Play every job, at most ``concurrency`` at once; on cancellation seal the in-flight ones."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(job: Job) -> None:
+        async with gate:
+            try:
+                await driver.play(job)
+            except asyncio.CancelledError:
+                if job.rollout_id not in client.sealing:
+                    try:
+                        await asyncio.wait_for(
+                            client.seal(job.rollout_id, group_id=job.group_id, failed=INTERRUPTED),
+                            seal_timeout_s,
+                        )
+                    except Exception as exc:
+                        log.warning("could not seal interrupted rollout %s: %s", job.rollout_id, exc)
+                raise
+
+    await asyncio.gather(*(one(job) for job in jobs))

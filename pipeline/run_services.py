@@ -1,0 +1,183 @@
+"""The long-lived parts of a run, each as a context that starts it and stops it cleanly.
+
+``pipeline.run`` stacks these in dependency order (an ``AsyncExitStack``), so they stop
+in reverse: the worker drains before the stages commit and stop, the stages before the
+data plane, and the broker last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.kafka.broker import EmbeddedBroker
+from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.log import KafkaEventSink
+from pipeline.run_config import RunConfig
+from pipeline.stage_runner import (
+    FINALIZER_GROUP,
+    LEDGER_GROUP,
+    ConsumerTuning,
+    finalizer_topics,
+    ledger_topics,
+    serve_stage,
+)
+from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
+from stages.capture.vllm_engine import EngineSettings, VllmEngine
+from stages.finalize.stage import FinalizerStage
+from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.ports import DataPlane
+
+log = logging.getLogger(__name__)
+
+# One process hosts the engine's frontend and both stages: a group session of 3 s
+# tolerates short event-loop stalls, and tansu's join pause (half of it) stays short.
+RUN_GROUPS = ConsumerTuning(session_timeout_ms=3_000, heartbeat_interval_ms=500)
+STAGE_STOP_TIMEOUT_S = 30.0
+LOOPBACK = "127.0.0.1"
+
+
+class RunSetupError(RuntimeError):
+    """A run cannot start as configured (a missing model, a busy data directory, ...)."""
+
+
+def ensure_model(config: RunConfig) -> Path:
+    """The model to serve: ``--model`` as given, else the tiny model (built once, offline)."""
+    if config.model_dir is not None:
+        if not (config.model_dir / "config.json").is_file():
+            raise RunSetupError(f"{config.model_dir} is not a model directory (no config.json)")
+        return config.model_dir.resolve()
+    from pipeline.tinymodel import make_tiny_model
+
+    return make_tiny_model(config.resolved_model_dir, seed=0).resolve()
+
+
+@contextlib.asynccontextmanager
+async def event_log(
+    config: RunConfig, on_failure: Callable[[str], None]
+) -> AsyncIterator[tuple[KafkaConfig, EmbeddedBroker | None]]:
+    """The Kafka config to use: an external cluster as given, or an embedded tansu broker
+    in the data directory (durable by default), stopped on exit. ``on_failure`` is called
+    on the event loop if the broker dies while running."""
+    if not config.embedded_broker:
+        yield config.kafka, None
+        return
+    loop = asyncio.get_running_loop()
+    broker = EmbeddedBroker(storage=config.broker_storage, data_dir=config.data_dir)
+    await asyncio.to_thread(broker.start)
+    try:
+
+        def failed(exc: Exception) -> None:  # from the broker's watcher thread
+            loop.call_soon_threadsafe(on_failure, f"broker: {exc}")
+
+        broker.on_failure(failed)
+        log.info("embedded broker (%s) at %s", config.broker_storage, broker.bootstrap)
+        yield config.kafka.with_bootstrap(broker.bootstrap), broker
+    finally:
+        await asyncio.to_thread(broker.stop)
+        log.info("embedded broker stopped")
+
+
+def start_engine(model_dir: Path, seed: int) -> VllmEngine:
+    """The vLLM engine (blocks the loop for tens of seconds; start it before any client)."""
+    return VllmEngine.start(EngineSettings(model=str(model_dir), seed=seed))
+
+
+@dataclass(slots=True)
+class RunningStages:
+    ledger: LedgerStage
+    finalizer: FinalizerStage
+    tasks: dict[str, asyncio.Task[object]]
+
+
+@contextlib.asynccontextmanager
+async def running_stages(
+    kafka: KafkaConfig,
+    sink: KafkaEventSink,
+    data_plane: DataPlane,
+    ledger_config: LedgerConfig,
+    *,
+    on_failure: Callable[[str], None],
+    tuning: ConsumerTuning = RUN_GROUPS,
+) -> AsyncIterator[RunningStages]:
+    """The ledger and finalizer as consumer-group members; on exit they finish their batch,
+    commit and leave their groups. A stage that stops on its own calls ``on_failure``."""
+    stop = asyncio.Event()
+    ledger = LedgerStage(sink, ledger_config)
+    finalizer = FinalizerStage(data_plane, sink)
+    names = kafka.names
+    tasks: dict[str, asyncio.Task[object]] = {
+        "ledger": asyncio.create_task(
+            serve_stage(
+                ledger,
+                kafka,
+                sink,
+                stage="ledger",
+                group=LEDGER_GROUP,
+                topics=ledger_topics(names),
+                stop=stop,
+                tuning=tuning,
+            ),
+            name="stage-ledger",
+        ),
+        "finalizer": asyncio.create_task(
+            serve_stage(
+                finalizer,
+                kafka,
+                sink,
+                stage="finalizer",
+                group=FINALIZER_GROUP,
+                topics=finalizer_topics(names),
+                stop=stop,
+                tuning=tuning,
+            ),
+            name="stage-finalizer",
+        ),
+    }
+
+    def watch(name: str) -> Callable[[asyncio.Task[object]], None]:
+        def done(task: asyncio.Task[object]) -> None:
+            if stop.is_set() or task.cancelled():
+                return
+            exc = task.exception()
+            on_failure(f"stage {name} stopped: {exc!r}" if exc is not None else f"stage {name} stopped")
+
+        return done
+
+    for name, task in tasks.items():
+        task.add_done_callback(watch(name))
+    try:
+        yield RunningStages(ledger, finalizer, tasks)
+    finally:
+        stop.set()
+        _, pending = await asyncio.wait(tasks.values(), timeout=STAGE_STOP_TIMEOUT_S)
+        for task in pending:
+            log.warning(
+                "stage task %s did not stop in %.0fs; cancelling", task.get_name(), STAGE_STOP_TIMEOUT_S
+            )
+            task.cancel()
+        for task in tasks.values():
+            with contextlib.suppress(BaseException):
+                await task
+        log.info("stages stopped and committed")
+
+
+@contextlib.asynccontextmanager
+async def serving_worker(
+    model_dir: Path, engine: VllmEngine, data_plane: DataPlane, sink: KafkaEventSink
+) -> AsyncIterator[WorkerServer]:
+    """The capture worker on a free loopback port; on exit it finishes in-flight requests
+    and drains its staging writer (the engine itself belongs to the caller)."""
+    config = WorkerConfig(model_dir=model_dir, host=LOOPBACK, port=0, graceful_timeout_s=30.0)
+    worker = build_worker(config, engine, data_plane, sink)
+    server = WorkerServer(build_app(worker, config), host=LOOPBACK, port=0, graceful_timeout_s=30.0)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+        log.info("worker drained")

@@ -1,0 +1,69 @@
+"""Writing archived samples out for a trainer: JSON lines or Parquet.
+
+Both formats carry the same columns (``samples_archive.ARCHIVE_FIELDS``). Parquet gets
+an explicit schema so that an empty export, or one whose rewards are all null, still
+has the right column types; logprobs stay float64 (the archive's exact values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import orjson
+
+from pipeline.samples_archive import ARCHIVE_FIELDS
+
+ExportFormat = Literal["jsonl", "parquet"]
+FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
+
+
+def export_row(record: dict[str, Any]) -> dict[str, Any]:
+    """The exported object: the archive fields, in a fixed order."""
+    return {name: record.get(name) for name in ARCHIVE_FIELDS}
+
+
+def write_jsonl(records: Sequence[dict[str, Any]], stream: IO[bytes]) -> int:
+    """One JSON object per line; returns the number written."""
+    for record in records:
+        stream.write(orjson.dumps(export_row(record)) + b"\n")
+    stream.flush()
+    return len(records)
+
+
+def parquet_schema() -> Any:
+    import pyarrow as pa
+
+    span = pa.struct(
+        [
+            ("call_id", pa.string()),
+            ("start", pa.int64()),
+            ("carry_len", pa.int64()),
+            ("gen_len", pa.int64()),
+        ]
+    )
+    return pa.schema(
+        [
+            ("run_id", pa.string()),
+            ("rollout_id", pa.string()),
+            ("group_id", pa.string()),
+            ("token_ids", pa.list_(pa.int64())),
+            ("token_mask", pa.list_(pa.float32())),
+            ("logprobs", pa.list_(pa.float64())),
+            ("weight_versions", pa.list_(pa.int64())),
+            ("reward", pa.float64()),
+            ("cumulative_hash", pa.string()),
+            ("spans", pa.list_(span)),
+        ]
+    )
+
+
+def write_parquet(records: Sequence[dict[str, Any]], path: Path) -> int:
+    """A Parquet file with one row per sample; returns the number written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([export_row(record) for record in records], schema=parquet_schema())
+    pq.write_table(table, path)
+    return len(records)

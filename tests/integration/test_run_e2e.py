@@ -1,0 +1,182 @@
+"""``tokentrail run`` end to end, as a user runs it: a subprocess on the embedded defaults.
+
+Each run starts the durable tansu broker, the embedded TransferQueue, a vLLM CPU engine
+on the tiny model, both stages and the driver, so every test here costs about a minute
+of engine start-up. The first test runs twice on one data directory (the second run
+must continue the same log and finalize only its own rollouts); the second interrupts
+a run with SIGINT and checks that nothing it started is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.mark.dataplane]
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--rollouts", "4", "--group-size", "2", "--turns", "2", "--max-tokens", "16"]
+
+
+def tokentrail(*args: str, timeout: float, stderr: Any = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_small(data_dir: Path, log: Path) -> dict[str, Any]:
+    with log.open("w") as err:
+        done = tokentrail("run", "--json", *SMALL, "--data-dir", str(data_dir), timeout=300, stderr=err)
+    assert done.returncode == 0, f"run exited {done.returncode}; log tail:\n{log.read_text()[-4000:]}"
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"--json must print exactly one document, got: {done.stdout!r}"
+    summary: dict[str, Any] = json.loads(lines[0])
+    return summary
+
+
+def export(data_dir: Path, *extra: str) -> list[dict[str, Any]]:
+    done = tokentrail(
+        "samples", "export", "--data-dir", str(data_dir), "--format", "jsonl", *extra, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def check_summary(summary: dict[str, Any], data_dir: Path) -> None:
+    assert summary["status"] == "completed", summary
+    assert summary["rollouts"] == 4
+    assert summary["finalized"] == 4 and summary["missing"] == 0
+    assert summary["accepted"] + sum(summary["rejected"].values()) == 4
+    assert all(reason and count > 0 for reason, count in summary["rejected"].items())
+    assert summary["lag"] == 0 and set(summary["lag_by_stage"]) == {"ledger", "finalizer"}
+    assert all(value == 0 for value in summary["lag_by_stage"].values())
+    assert summary["calls"] >= 4  # at least one call per rollout, at most --turns
+    assert summary["temperature"] == 1.0
+    assert summary["samples_written"] == summary["accepted"]
+    assert Path(summary["data_dir"]) == data_dir
+    assert Path(summary["samples_file"]) == data_dir / "samples.jsonl"
+    assert Path(summary["model_dir"]) == data_dir / "tiny-model"
+
+
+def check_sample(sample: dict[str, Any]) -> None:
+    n = len(sample["token_ids"])
+    assert n > 0
+    assert len(sample["token_mask"]) == len(sample["logprobs"]) == len(sample["weight_versions"]) == n
+    assert set(sample["token_mask"]) <= {0.0, 1.0} and 1.0 in sample["token_mask"]
+    assert all(lp == 0.0 for lp, m in zip(sample["logprobs"], sample["token_mask"], strict=True) if m == 0.0)
+    assert all(lp <= 0.0 for lp in sample["logprobs"])
+    assert "reward" in sample and isinstance(sample["reward"], float)
+    assert sample["rollout_id"].startswith(sample["run_id"] + ".")
+    assert sample["group_id"] is not None and sample["rollout_id"].startswith(sample["group_id"] + ".")
+    covered = sum(span["carry_len"] + span["gen_len"] for span in sample["spans"])
+    assert covered == n
+
+
+@pytest.mark.timeout(600)
+def test_two_runs_on_one_data_dir_finalize_each_rollout_once(tmp_path: Path) -> None:
+    data_dir = tmp_path / "tt"
+    first = run_small(data_dir, tmp_path / "run1.log")
+    check_summary(first, data_dir)
+    samples = export(data_dir)
+    assert len(samples) == first["accepted"]
+    for sample in samples:
+        check_sample(sample)
+        assert sample["run_id"] == first["run_id"]
+    assert sum(len(s["token_ids"]) for s in samples) == first["tokens_captured"]
+    groups = Counter(s["group_id"] for s in samples)
+    assert len(groups) <= 2 and all(count <= 2 for count in groups.values())
+
+    second = run_small(data_dir, tmp_path / "run2.log")
+    check_summary(second, data_dir)
+    assert second["run_id"] != first["run_id"]
+
+    # The archive itself, not the (deduplicating) export: every rollout once.
+    archived = [json.loads(line) for line in (data_dir / "samples.jsonl").read_text().splitlines()]
+    ids = Counter(record["rollout_id"] for record in archived)
+    assert all(count == 1 for count in ids.values()), ids
+    runs = Counter(record["run_id"] for record in archived)
+    assert runs == {first["run_id"]: first["accepted"], second["run_id"]: second["accepted"]}
+    assert len(export(data_dir)) == first["accepted"] + second["accepted"]
+    only_second = export(data_dir, "--run", second["run_id"])
+    assert {s["rollout_id"] for s in only_second} == {
+        r["rollout_id"] for r in archived if r["run_id"] == second["run_id"]
+    }
+
+
+@pytest.mark.timeout(400)
+def test_sigint_stops_every_child_and_exits_130(tmp_path: Path) -> None:
+    data_dir = tmp_path / "tt"
+    log = tmp_path / "run.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.cli",
+                "run",
+                "--json",
+                "--data-dir",
+                str(data_dir),
+                "--rollouts",
+                "64",
+                "--group-size",
+                "4",
+                "--max-tokens",
+                "32",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while b"driving 64 rollouts" not in log.read_bytes():
+            assert proc.poll() is None, f"run exited early ({proc.returncode}):\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "the run did not start driving in time"
+            time.sleep(0.5)
+        assert (data_dir / "dataplane.json").is_file()
+        time.sleep(2)  # rollouts in flight
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(child.cmdline()) for child in children)
+        assert "tansu" in names and "localbucket" in names, names
+        assert len(children) >= 3  # broker, its store, the engine core (at least)
+
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:  # the test failed before the run stopped: do not leak it
+            leftovers = psutil.Process(proc.pid).children(recursive=True)
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                for process in [proc, *leftovers]:
+                    with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                        process.kill()
+                proc.wait()
+    assert proc.returncode == 130, log.read_text()[-4000:]
+    assert took < 60
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    summary = json.loads(out)
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT"
+    assert summary["finalized"] + summary["missing"] == 64
+    assert not (data_dir / "dataplane.json").exists()  # the owner removed its address file

@@ -1,0 +1,201 @@
+"""The engine-free parts of ``tokentrail run``: planning, the archive, export, outcomes.
+
+The end-to-end behaviour is in tests/integration/test_run_e2e.py (a minute per run);
+these pin the pieces that decide which rollouts a run owns, what is archived and
+exported, and how an interruption still seals what was in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.finalized_watch import FinalizedWatcher
+from pipeline.kafka.config import KafkaConfig
+from pipeline.run_archiver import SampleArchiver
+from pipeline.run_config import RunConfig, new_run_id, plan_jobs
+from pipeline.run_driver import INTERRUPTED, SealTrackingClient, play_jobs
+from pipeline.samples_archive import SampleArchive, read_archive, sample_record
+from pipeline.samples_export import export_row, write_jsonl, write_parquet
+from stages.driver import RolloutDriver
+from stages.memory import MemoryDataPlane, RecordingSink
+from topics import digest
+from topics.codec import encode
+from topics.events import envelope
+from topics.records import IDENT_PATTERN, FinalizedEvent, RolloutSeal, TrainingSample
+
+
+def sample(rollout_id: str, n: int = 5, reward: float | None = 1.0) -> TrainingSample:
+    ids = list(range(10, 10 + n))
+    return TrainingSample.model_validate(
+        {
+            "rollout_id": rollout_id,
+            "group_id": rollout_id.rsplit(".", 1)[0],
+            "token_ids": ids,
+            "token_mask": [0.0, 0.0] + [1.0] * (n - 2),
+            "logprobs": [0.0, 0.0] + [-0.5] * (n - 2),
+            "weight_versions": [0] * n,
+            "spans": [{"call_id": "c1", "start": 0, "carry_len": 2, "gen_len": n - 2}],
+            "reward": reward,
+            "cumulative_hash": digest.cumulative_hash(ids),
+        }
+    )
+
+
+def finalized(rollout_id: str, status: str = "accepted") -> FinalizedEvent:
+    fields: dict[str, Any] = {
+        "rollout_id": rollout_id,
+        "status": status,
+        "prompt_len": 2,
+        "total_len": 5,
+        "generated_tokens": 3,
+        "call_count": 1,
+        "finalized_at": time.time(),
+    }
+    if status == "accepted":
+        fields["sample_key"] = rollout_id
+    else:
+        fields.update(rejection_reason="missing_row", prompt_len=0, total_len=0, generated_tokens=0)
+    return FinalizedEvent.model_validate(fields)
+
+
+def test_jobs_are_groups_of_one_task_with_run_scoped_ids() -> None:
+    run_id = new_run_id()
+    jobs = plan_jobs(run_id, rollouts=8, group_size=4, seed=0)
+    assert len(jobs) == 8 and len({job.rollout_id for job in jobs}) == 8
+    assert all(re.fullmatch(IDENT_PATTERN, job.rollout_id) for job in jobs)
+    groups: dict[str, set[str]] = {}
+    for job in jobs:
+        assert job.rollout_id.startswith(job.group_id + ".") and job.group_id.startswith(run_id + ".")
+        groups.setdefault(job.group_id, set()).add(job.task.expression)
+    assert len(groups) == 2 and all(len(tasks) == 1 for tasks in groups.values())
+    assert not {j.rollout_id for j in jobs} & {
+        j.rollout_id for j in plan_jobs(new_run_id(), rollouts=8, group_size=4, seed=0)
+    }
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"rollouts": 6, "group_size": 4}, {"turns": 0}, {"temperature": -1.0}, {"lag_timeout_s": 0.0}],
+)
+def test_config_refuses_what_cannot_run(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        RunConfig(**bad)
+
+
+def test_default_model_lives_in_the_data_dir() -> None:
+    assert RunConfig(data_dir=Path("d")).resolved_model_dir == Path("d/tiny-model")
+    assert RunConfig(model_dir=Path("m")).resolved_model_dir == Path("m")
+    assert RunConfig().embedded_broker and not RunConfig(kafka=KafkaConfig("k:9092")).embedded_broker
+
+
+def test_archive_keeps_one_record_per_rollout_and_skips_a_torn_line(tmp_path: Path) -> None:
+    path = tmp_path / "samples.jsonl"
+    with SampleArchive(path) as archive:
+        archive.append(sample_record(sample("run-a.t.0"), "run-a"))
+        archive.append(sample_record(sample("run-a.t.0"), "run-a"))  # a repeat never counts twice
+    with SampleArchive(path) as archive:  # a second run appends
+        archive.append(sample_record(sample("run-b.t.0", reward=None), "run-b"))
+    with path.open("ab") as handle:
+        handle.write(b'{"run_id": "run-b", "rollout_id": "run-b.t.1", "tok')  # killed mid-write
+    contents = read_archive(path)
+    assert [r["rollout_id"] for r in contents.records] == ["run-a.t.0", "run-b.t.0"]
+    assert contents.duplicates == 1 and contents.skipped_lines == 1
+    assert contents.runs == ["run-a", "run-b"]
+    assert [r["rollout_id"] for r in read_archive(path, run_id="run-b").records] == ["run-b.t.0"]
+    assert read_archive(tmp_path / "absent.jsonl").records == []
+
+
+def test_export_carries_the_design_fields_in_both_formats(tmp_path: Path) -> None:
+    records = [
+        sample_record(sample("run-a.t.0"), "run-a"),
+        sample_record(sample("run-a.t.1", 7, None), "run-a"),
+    ]
+    with (tmp_path / "out.jsonl").open("wb") as handle:
+        assert write_jsonl(records, handle) == 2
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    required = {"rollout_id", "group_id", "token_ids", "token_mask", "logprobs", "weight_versions", "reward"}
+    assert all(required | {"run_id"} <= line.keys() for line in lines)
+    assert lines[0]["spans"] == [{"call_id": "c1", "start": 0, "carry_len": 2, "gen_len": 3}]
+    assert write_parquet(records, tmp_path / "out.parquet") == 2
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.to_pylist() == [export_row(record) for record in records]
+    assert write_parquet([], tmp_path / "empty.parquet") == 0
+    assert pq.read_table(tmp_path / "empty.parquet").schema.names == table.schema.names
+
+
+def test_watcher_keeps_the_first_outcome_of_its_own_rollouts_only() -> None:
+    seen: list[str] = []
+    watcher = FinalizedWatcher(
+        KafkaConfig("k:9092"), ["r.1", "r.2"], on_event=lambda e: seen.append(e.rollout_id)
+    )
+    for event in [
+        finalized("old.1"),
+        finalized("r.1"),
+        finalized("r.1", "rejected"),
+        finalized("r.2", "rejected"),
+    ]:
+        key, value, headers = encode(envelope(event))
+        watcher.offer(key, value, headers)
+    watcher.offer(b"r.1", b"not json", [])
+    assert seen == ["r.1", "r.2"] and watcher.complete.is_set()
+    assert [e.rollout_id for e in watcher.accepted] == ["r.1"]
+    assert watcher.rejected == {"missing_row": 1} and watcher.repeats == 1 and watcher.undecodable == 1
+
+
+def test_archiver_fetches_accepted_samples_and_survives_a_failed_fetch(tmp_path: Path) -> None:
+    async def go() -> tuple[SampleArchiver, list[dict[str, Any]]]:
+        plane = MemoryDataPlane()
+        await plane.put_samples([sample("r.1"), sample("r.3")])
+        watcher = FinalizedWatcher(KafkaConfig("k:9092"), ["r.1", "r.2", "r.3", "r.4"])
+        for event in [finalized("r.1"), finalized("r.2", "rejected"), finalized("r.4"), finalized("r.3")]:
+            watcher.offer(*encode(envelope(event)))
+        watcher.end()  # what follow() does when it stops
+        with SampleArchive(tmp_path / "s.jsonl") as archive:
+            archiver = SampleArchiver(plane, archive, "run-x")
+            await archiver.run(watcher.stream)
+        return archiver, read_archive(tmp_path / "s.jsonl").records
+
+    archiver, records = asyncio.run(go())
+    assert [r["rollout_id"] for r in records] == ["r.1", "r.3"]  # r.4's sample is missing
+    assert archiver.written == 2 and len(archiver.failed) == 1 and archiver.tokens == 10
+    assert all(r["run_id"] == "run-x" for r in records)
+
+
+class SlowEndpoint:
+    """A chat endpoint that never answers (so every rollout is in flight when stopped)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls += 1
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+def test_an_interrupted_run_seals_its_in_flight_rollouts_once() -> None:
+    async def go() -> RecordingSink:
+        sink = RecordingSink()
+        client = SealTrackingClient(sink)
+        driver = RolloutDriver(client, SlowEndpoint(), max_turns=2)
+        jobs = plan_jobs("run-z", rollouts=6, group_size=2, seed=0)
+        task = asyncio.create_task(play_jobs(driver, client, jobs, concurrency=2))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return sink
+
+    sink = asyncio.run(go())
+    seals = [seal for seal in sink.payloads(RolloutSeal) if isinstance(seal, RolloutSeal)]
+    assert len(seals) == 2  # the two in flight; the four never started were never admitted
+    assert all(seal.status == "failed" and seal.failure_reason == INTERRUPTED for seal in seals)
+    assert len({seal.rollout_id for seal in seals}) == 2
