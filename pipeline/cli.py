@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 # Verb modules, in the order ``--help`` lists them.
 VERBS: tuple[str, ...] = (
+    "run",
     "broker",
     "dataplane",
     "worker",
@@ -17,7 +18,9 @@ VERBS: tuple[str, ...] = (
     "lag",
     "replay",
     "ledger",
+    "samples",
     "make_tiny_model",
+    "bench",
 )
 
 

@@ -46,6 +46,14 @@ async def read_log(
 
     Yields ``(events, timestamps_ms, undecodable_count)``. Partitions not in ``start``
     are read from their beginning.
+
+    Batches follow log time across all partitions: an event is yielded only once every
+    unfinished partition has been read up to its timestamp, and each fetch reads only the
+    partitions not ahead of the slowest by more than ``TIME_SLICE_MS`` (so at most about
+    one fetch per partition waits here). Left to itself the consumer drains one partition's
+    buffer before the next, so a rebuild would read every admission and seal before any
+    staged event; since ``rebuild`` keeps log time, seal grace periods would then expire
+    for staged events that are in the log, in time, but not read yet.
     """
     async with LagReader(config) as reader:
         partitions = await reader.partitions(topics)
@@ -63,10 +71,12 @@ async def read_log(
         remaining = {tp for tp in partitions if ends[tp] > begin[tp]}
         total = sum(ends[tp] - begin[tp] for tp in remaining)
         done = 0
+        latest: dict[TopicPartition, int] = {}  # log time of the last record read, per partition
+        held: list[tuple[int, Consumed]] = []  # read, but later than some partition's progress
         while remaining:
-            fetched = await consumer.getmany(*remaining, timeout_ms=500, max_records=batch)
-            events: list[Consumed] = []
-            stamps: list[int] = []
+            floor = min(latest.get(tp, -1) for tp in remaining)
+            due = [tp for tp in remaining if latest.get(tp, -1) <= floor + TIME_SLICE_MS]
+            fetched = await consumer.getmany(*due, timeout_ms=500, max_records=batch)
             bad = 0
             for tp, records in fetched.items():
                 for record in records:
@@ -77,15 +87,19 @@ async def read_log(
                     except DecodeError:
                         bad += 1
                         continue
-                    events.append(Consumed(tp.topic, tp.partition, record.offset, event))
-                    stamps.append(record.timestamp)
+                    held.append((record.timestamp, Consumed(tp.topic, tp.partition, record.offset, event)))
+                if records:
+                    latest[tp] = max(latest.get(tp, -1), records[-1].timestamp)
                 done += len(records)
             for tp in list(remaining):
                 if await consumer.position(tp) >= ends[tp]:
                     remaining.discard(tp)
+            watermark = min((latest.get(tp, -1) for tp in remaining), default=math.inf)
+            ready = [pair for pair in held if pair[0] <= watermark]
+            held = [pair for pair in held if pair[0] > watermark]
             if progress is not None:
                 progress(done, total)
-            yield events, stamps, bad
+            yield [item for _, item in ready], [stamp for stamp, _ in ready], bad
     finally:
         await consumer.stop()
 

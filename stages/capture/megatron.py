@@ -25,7 +25,7 @@ coordinates (lengths, keys, hashes), so ``stage`` reads the payload into numpy a
 and hashes them with the row's own digest functions (``megatron_coords``): 0.4, 1.1
 and 3.2 ms for list payloads, 0.3, 0.6 and 1.3 ms for arrays, a third to a half of it
 hashing (medians on a loaded 2-core machine; bench/megatron_hooks.py and
-bench/RESULTS_megatron.md). Provisional coords without
+bench/RESULTS.md). Provisional coords without
 hashes were not an option: a child's admission needs its parent's chain hash. The
 capture task checks that ``complete`` produced the same coords; if the writer later
 fails the call (queue full, data plane down), its staged event says so and supersedes

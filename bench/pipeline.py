@@ -1,0 +1,457 @@
+"""Pipeline throughput and finalize latency: ledger + finalizer on the embedded broker.
+
+The stages are the real ones (``LedgerStage``, ``FinalizerStage``) served by
+``pipeline.stage_runner.serve_stage`` as in-process consumer-group members, on an
+embedded tansu broker (memory engine) and the real TransferQueue. The rows are real
+(``bench.rollouts``): the finalizer fetches, verifies every digest and chain hash,
+writes the samples and deletes the rows, as in production.
+
+For each number of stage instances (that many ledger and finalizer members in the two
+groups, each with its own producer and data-plane client) and each rollout length:
+
+1. throughput: the rows are staged and a backlog of rollouts (admissions, staged
+   events, seals) is published while the stages are held at a gate; the groups settle,
+   the gate opens, and the clock runs until the last rollout is finalized
+   (calls/s and rollouts/s);
+2. latency: further rollouts are published at ``load`` × that throughput, each seal
+   one pacing interval after its rollout's call events, with ``sealed_at`` set when it
+   is published; seal-to-finalized latency is ``FinalizedEvent.finalized_at − sealed_at``.
+
+All members run in one process, so they share one interpreter: more instances measure
+partitioning and batching overhead, not more CPU. The ledger's memory per open rollout
+is measured separately (``bench.ledger_memory``).
+
+    tokentrail bench pipeline [--quick] [--json] [--plot bench/pipeline_latency_cdf.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shlex
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from bench.common import cdf, emit, machine, parse_list, percentiles, versions
+from bench.planes import PLACEMENTS, Placement, open_plane
+from bench.rollouts import Rollout, capture_rollouts
+from bench.stage_probes import Finalized, FinalizedTap, Gated, settled
+from stages.ports import SAMPLES_PARTITION, STAGING_PARTITION, DataPlane
+from topics.records import Record
+
+TARGET_CALLS_PER_S = 2_000  # DESIGN §9, through ledger + finalizer on one 2-core machine
+TARGET_P99_MS = 250.0  # DESIGN §9, finalize latency after seal
+
+
+def _bench_groups() -> Any:
+    """Group timings for members that share one busy event loop: heartbeats run on that
+    loop, so a 1 s session (the tests' setting) expires whenever the loop is busy for a
+    second, and each expiry is a rebalance in the middle of the measurement."""
+    from pipeline.stage_runner import ConsumerTuning
+
+    return ConsumerTuning(session_timeout_ms=6_000, heartbeat_interval_ms=1_000)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """The sweep; ``calls`` is the throughput backlog, ``latency_calls`` the paced phase."""
+
+    instances: tuple[int, ...] = (1, 2, 4)
+    lengths: tuple[int, ...] = (4, 16, 64)
+    calls: int = 4096
+    latency_calls: int = 2048
+    min_latency_rollouts: int = 50
+    load: float = 0.5
+    partitions: int = 4
+    placement: Placement = "embedded"
+    memory_rollouts: int = 1000
+    quiet_s: float = 2.0
+
+    def rollouts(self, length: int) -> tuple[int, int]:
+        """Rollouts in the backlog and in the paced phase, for rollouts of ``length`` calls."""
+        return max(1, self.calls // length), max(self.min_latency_rollouts, self.latency_calls // length)
+
+
+QUICK = PipelineConfig(
+    instances=(1,),
+    lengths=(4, 16),
+    calls=512,
+    latency_calls=128,
+    min_latency_rollouts=20,
+    memory_rollouts=200,
+)
+
+
+async def put_rows(plane: DataPlane, rollouts: Sequence[Rollout], batch: int = 64) -> None:
+    rows = [row for rollout in rollouts for row in rollout.rows]
+    for start in range(0, len(rows), batch):
+        await plane.put_calls(rows[start : start + batch])
+
+
+async def publish_all(sink: Any, events: Sequence[Record], *, chunk: int = 2000, lanes: int = 4) -> None:
+    """Publish ``events`` in chunks over a few concurrent lanes (the producer batches them)."""
+    chunks = [events[i : i + chunk] for i in range(0, len(events), chunk)]
+
+    async def lane(index: int) -> None:
+        for part in chunks[index::lanes]:
+            await sink.publish(part)
+
+    await asyncio.gather(*(lane(i) for i in range(lanes)))
+
+
+@dataclass(slots=True)
+class Members:
+    """The running stage members of one configuration."""
+
+    gate: asyncio.Event
+    stop: asyncio.Event
+    started: list[asyncio.Event]
+    revocations: list[float]
+    tasks: list[asyncio.Task[Any]]
+    ledgers: list[Any]
+    finalizers: list[Any]
+
+
+@contextlib.asynccontextmanager
+async def members(
+    kafka: Any,
+    count: int,
+    attach: Callable[[], Any],
+    finalized: dict[str, Finalized],
+    tag: str,
+) -> AsyncIterator[Members]:
+    """``count`` ledger and ``count`` finalizer members, gated; stopped (and committed) on exit."""
+    from pipeline.kafka.log import KafkaEventSink
+    from pipeline.stage_runner import (
+        FINALIZER_GROUP,
+        LEDGER_GROUP,
+        finalizer_topics,
+        ledger_topics,
+        serve_stage,
+    )
+    from stages.finalize.stage import FinalizerStage
+    from stages.ledger.stage import LedgerStage
+
+    names = kafka.names
+    running = Members(asyncio.Event(), asyncio.Event(), [], [], [], [], [])
+    async with contextlib.AsyncExitStack() as stack:
+        for index in range(count):
+            for stage in ("ledger", "finalizer"):
+                sink = await stack.enter_async_context(KafkaEventSink(kafka))
+                handler: Any
+                if stage == "ledger":
+                    handler = LedgerStage(sink)
+                    running.ledgers.append(handler)
+                    group, topics = f"{LEDGER_GROUP}-{tag}", ledger_topics(names)
+                else:
+                    handler = FinalizerStage(
+                        await stack.enter_async_context(attach()), FinalizedTap(sink, finalized)
+                    )
+                    running.finalizers.append(handler)
+                    group, topics = f"{FINALIZER_GROUP}-{tag}", finalizer_topics(names)
+                started = asyncio.Event()
+                running.started.append(started)
+                gated = Gated(handler, running.gate, running.revocations)
+                running.tasks.append(
+                    asyncio.create_task(
+                        serve_stage(
+                            gated,
+                            kafka,
+                            sink,
+                            stage=stage,
+                            group=group,
+                            topics=topics,
+                            stop=running.stop,
+                            tuning=_bench_groups(),
+                            started=started,
+                        ),
+                        name=f"bench-{stage}-{index}",
+                    )
+                )
+        try:
+            yield running
+        finally:
+            running.gate.set()
+            running.stop.set()
+            results = await asyncio.gather(*running.tasks, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise RuntimeError(f"{len(errors)} stage member(s) failed") from errors[0]
+
+
+async def wait_for(finalized: dict[str, Finalized], rollout_ids: Sequence[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(r not in finalized for r in rollout_ids):
+        if time.monotonic() > deadline:
+            missing = sum(r not in finalized for r in rollout_ids)
+            raise TimeoutError(f"{missing} rollout(s) not finalized within {timeout_s:g}s")
+        await asyncio.sleep(0.01)
+
+
+async def paced(sink: Any, rollouts: Sequence[Rollout], per_s: float) -> dict[str, float]:
+    """Publish rollouts at ``per_s``: each tick the next rollout's call events, then the
+    previous rollout's seal stamped now. Returns each rollout's ``sealed_at``."""
+    sealed: dict[str, float] = {}
+    interval = 1.0 / per_s
+    due = time.monotonic()
+    previous: Rollout | None = None
+    for rollout in [*rollouts, None]:
+        batch: list[Record] = [] if rollout is None else list(rollout.events)
+        if previous is not None:
+            now = time.time()
+            batch.append(previous.seal.model_copy(update={"sealed_at": now}))
+            sealed[previous.rollout_id] = now
+        await sink.publish(batch)
+        previous = rollout
+        due += interval
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+    return sealed
+
+
+async def measure(
+    broker: Any,
+    seed_plane: DataPlane,
+    attach: Callable[[], Any],
+    config: PipelineConfig,
+    count: int,
+    backlog: Sequence[Rollout],
+    later: Sequence[Rollout],
+) -> dict[str, Any]:
+    """One configuration: throughput on the backlog, then latency at ``config.load``."""
+    from pipeline.kafka.log import KafkaEventSink, ensure_topics
+    from topics.names import TopicNames
+
+    tag = uuid.uuid4().hex[:8]
+    kafka = broker.kafka_config(TopicNames(prefix=f"bench{tag}", partitions=config.partitions))
+    await ensure_topics(kafka)
+    await put_rows(seed_plane, [*backlog, *later])
+    finalized: dict[str, Finalized] = {}
+    length = backlog[0].calls
+    async with (
+        KafkaEventSink(kafka, linger_ms=20) as publisher,
+        members(kafka, count, attach, finalized, tag) as run,
+    ):
+        await settled(run.started, run.revocations, quiet_s=config.quiet_s)
+        # Seals after every call event, as a driver seals only once its admissions are acknowledged.
+        await publish_all(publisher, [e for r in backlog for e in r.events])
+        await publish_all(publisher, [r.seal for r in backlog])
+        start = time.time()
+        run.gate.set()
+        await wait_for(finalized, [r.rollout_id for r in backlog], timeout_s=600)
+        seconds = max(finalized[r.rollout_id].acked_at for r in backlog) - start
+        calls = sum(r.calls for r in backlog)
+        rollouts_per_s = len(backlog) / seconds
+        offered = config.load * rollouts_per_s
+        sealed = await paced(publisher, later, offered)
+        await wait_for(finalized, [r.rollout_id for r in later], timeout_s=600)
+        ledger_duplicates = sum(ledger.stats.duplicates for ledger in run.ledgers)
+        finalizer_duplicates = sum(f.stats.duplicates for f in run.finalizers)
+        rebalances = len(run.revocations)
+    latencies = [(finalized[r].event.finalized_at - at) * 1e3 for r, at in sealed.items()]
+    statuses = Counter(
+        f.event.status if f.event.status == "accepted" else str(f.event.rejection_reason)
+        for f in finalized.values()
+    )
+    await _clean(seed_plane, [*backlog, *later])
+    return {
+        "instances": count,
+        "calls_per_rollout": length,
+        "backlog": {
+            "rollouts": len(backlog),
+            "calls": calls,
+            "seconds": round(seconds, 2),
+            "calls_per_s": round(calls / seconds, 1),
+            "rollouts_per_s": round(rollouts_per_s, 1),
+        },
+        "latency": {
+            "rollouts": len(later),
+            "offered_rollouts_per_s": round(offered, 1),
+            "offered_calls_per_s": round(offered * length, 1),
+            **{f"{k}_ms": round(v, 1) for k, v in percentiles(latencies, (50, 99)).items()},
+            "max_ms": round(max(latencies), 1),
+            "cdf_ms": [round(v, 2) for v in cdf(latencies)],
+        },
+        "finalized": dict(statuses),
+        "duplicates": {"ledger": ledger_duplicates, "finalizer": finalizer_duplicates},
+        "revocations": rebalances,
+    }
+
+
+async def _clean(plane: DataPlane, rollouts: Sequence[Rollout]) -> None:
+    """Remove the samples and any rows left (untimed), so configurations start alike."""
+    await plane.delete_samples([r.rollout_id for r in rollouts])
+    left = await plane.list_keys(STAGING_PARTITION)
+    if left:
+        await plane.delete_calls(left)
+    if await plane.list_keys(SAMPLES_PARTITION):
+        await plane.delete_samples(await plane.list_keys(SAMPLES_PARTITION))
+
+
+def attacher(plane: DataPlane) -> Callable[[], Any]:
+    """A factory of data-plane clients for finalizer members: one TransferQueue client each
+    (as separate processes would have), or the shared plane itself when it is in memory."""
+    addresses = getattr(plane, "addresses", None)
+
+    @contextlib.asynccontextmanager
+    async def attach() -> AsyncIterator[DataPlane]:
+        if addresses is None:
+            yield plane
+            return
+        from pipeline.dataplane.transferqueue import TransferQueueDataPlane
+
+        async with await TransferQueueDataPlane.attach(addresses, timeout_s=60.0) as client:
+            yield client
+
+    return attach
+
+
+async def run_async(config: PipelineConfig) -> dict[str, Any]:
+    from bench import ledger_memory
+    from pipeline.kafka.broker import EmbeddedBroker
+
+    started = time.perf_counter()
+    load_before = machine()["load_average"]
+    fixtures: dict[int, tuple[list[Rollout], list[list[Rollout]]]] = {}
+    for length in config.lengths:
+        backlog_n, later_n = config.rollouts(length)
+        made = await capture_rollouts(f"L{length}", backlog_n + later_n * len(config.instances), length)
+        laters = [
+            made[backlog_n + i * later_n : backlog_n + (i + 1) * later_n]
+            for i in range(len(config.instances))
+        ]
+        fixtures[length] = (made[:backlog_n], laters)
+    results: list[dict[str, Any]] = []
+    broker = EmbeddedBroker(storage="memory")
+    await asyncio.to_thread(broker.start)
+    try:
+        async with open_plane(config.placement) as plane:
+            for length in config.lengths:
+                backlog, laters = fixtures[length]
+                for count, later in zip(config.instances, laters, strict=True):
+                    results.append(
+                        await measure(broker, plane, attacher(plane), config, count, backlog, later)
+                    )
+    finally:
+        await asyncio.to_thread(broker.stop)
+    memory = [await ledger_memory.measure(config.memory_rollouts, n) for n in config.lengths]
+    best = max(r["backlog"]["calls_per_s"] for r in results)
+    worst_p99 = max(r["latency"]["p99_ms"] for r in results)
+    return {
+        "benchmark": "pipeline",
+        "config": asdict(config),
+        "machine": machine() | {"load_average_at_start": load_before},
+        "versions": versions(),
+        "results": results,
+        "ledger_memory": memory,
+        "summary": {
+            "best_calls_per_s": best,
+            "target_calls_per_s": TARGET_CALLS_PER_S,
+            "calls_target_met": best >= TARGET_CALLS_PER_S,
+            "worst_p99_ms": worst_p99,
+            "target_p99_ms": TARGET_P99_MS,
+            "latency_target_met": worst_p99 < TARGET_P99_MS,
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def run(
+    config: PipelineConfig | None = None, *, plot: Any = None, command: str | None = None
+) -> dict[str, Any]:
+    """Run the sweep and return the report; ``plot`` (a path) also draws the latency CDFs."""
+    report = asyncio.run(run_async(config or PipelineConfig()))
+    if command is not None:
+        report["command"] = command
+    if plot is not None:
+        from bench.plots import latency_cdf
+
+        report["plot"] = str(latency_cdf(report, plot))
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        "| instances | calls/rollout | calls/s | rollouts/s | offered calls/s | seal→finalized p50 ms | p99 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        b, lat = r["backlog"], r["latency"]
+        lines.append(
+            f"| {r['instances']} | {r['calls_per_rollout']} | {b['calls_per_s']:,.0f} | {b['rollouts_per_s']:,.1f} | "
+            f"{lat['offered_calls_per_s']:,.0f} | {lat['p50_ms']:.0f} | {lat['p99_ms']:.0f} |"
+        )
+    lines += ["", "| calls/rollout | bytes per open rollout | per open call | growth per finished rollout |"]
+    lines.append("|---:|---:|---:|---:|")
+    for m in report["ledger_memory"]:
+        lines.append(
+            f"| {m['calls_per_rollout']} | {m['bytes_per_open_rollout']:,} | {m['bytes_per_open_call']:,} | "
+            f"{m['growth_bytes_per_finished_rollout']} |"
+        )
+    s = report["summary"]
+    lines.append(
+        f"best {s['best_calls_per_s']:,.0f} calls/s (target {s['target_calls_per_s']:,}); "
+        f"worst p99 {s['worst_p99_ms']:.0f} ms (target < {s['target_p99_ms']:.0f})"
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tokentrail bench pipeline`` (and ``python -m bench.pipeline``)."""
+    default = PipelineConfig()
+    parser.add_argument("--quick", action="store_true", help="one instance, lengths 4 and 16, small backlog")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument("--instances", type=str, help="stage instances per group (default 1,2,4)")
+    parser.add_argument("--lengths", type=str, help="calls per rollout (default 4,16,64)")
+    parser.add_argument(
+        "--calls", type=int, help=f"calls in the throughput backlog (default {default.calls})"
+    )
+    parser.add_argument(
+        "--latency-calls",
+        type=int,
+        help=f"calls in the paced latency phase (default {default.latency_calls})",
+    )
+    parser.add_argument(
+        "--load", type=float, help=f"paced rate as a fraction of throughput (default {default.load})"
+    )
+    parser.add_argument("--placement", choices=PLACEMENTS, help="where TransferQueue runs (default embedded)")
+    parser.add_argument("--plot", help="write the seal-to-finalized latency CDFs to this PNG")
+
+
+def config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    config = QUICK if args.quick else PipelineConfig()
+    changes: dict[str, Any] = {
+        "instances": tuple(parse_list(args.instances)) if args.instances else None,
+        "lengths": tuple(parse_list(args.lengths)) if args.lengths else None,
+        "calls": args.calls,
+        "latency_calls": args.latency_calls,
+        "load": args.load,
+        "placement": args.placement,
+    }
+    return replace(config, **{k: v for k, v in changes.items() if v is not None})
+
+
+def run_args(args: argparse.Namespace, command: str) -> int:
+    report = run(config_from_args(args), plot=args.plot, command=command)
+    emit(report, as_json=args.json, text=render(report))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pipeline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", "pipeline", *argv]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

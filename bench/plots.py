@@ -1,0 +1,96 @@
+"""Plots for ``bench/RESULTS.md``: engine throughput vs data-plane delay, latency CDFs.
+
+matplotlib with the Agg backend (no display); imported only when a plot is asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MODE_STYLE = {
+    "off": ("capture off", "tab:gray", "o"),
+    "inline": ("inline (upstream style)", "tab:red", "s"),
+    "tokentrail": ("tokentrail", "tab:blue", "^"),
+}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def engine_throughput(report: dict[str, Any], path: str | Path) -> Path:
+    """One panel per finishing rate: tokens/s of each mode against the injected delay."""
+    plt = _pyplot()
+    cells = report["cells"]
+    rates = sorted({c["finishing"] for c in cells})
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.6 * len(rates), 4.2), squeeze=False, sharey=True)
+    for ax, rate in zip(axes[0], rates, strict=True):
+        mine = sorted((c for c in cells if c["finishing"] == rate), key=lambda c: c["latency_ms"])
+        labels = [f"+{c['latency_ms']:g} ms" if c["injected"] else "real" for c in mine]
+        for mode, (label, color, marker) in MODE_STYLE.items():
+            values = [c["modes"][mode]["tokens_per_s"] for c in mine]
+            ax.plot(labels, values, marker=marker, color=color, label=label)
+        ax.set_title(f"{rate} request(s) finishing per step")
+        ax.set_xlabel("data-plane delay per call")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("engine tokens/s")
+    axes[0][0].set_ylim(bottom=0)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(MODE_STYLE), frameon=False)
+    probe = report.get("data_plane_ms", {})
+    fig.suptitle(
+        "Engine throughput vs data-plane latency "
+        f"(real put/get p50 {probe.get('put_p50', '?')}/{probe.get('get_p50', '?')} ms)"
+    )
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return _save(fig, plt, path)
+
+
+def latency_cdf(report: dict[str, Any], path: str | Path) -> Path:
+    """One panel per rollout length: seal-to-finalized CDF per number of stage instances."""
+    plt = _pyplot()
+    results = report["results"]
+    lengths = sorted({r["calls_per_rollout"] for r in results})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 4.2), squeeze=False, sharey=True)
+    target = report.get("summary", {}).get("target_p99_ms")
+    for ax, length in zip(axes[0], lengths, strict=True):
+        for r in sorted(
+            (r for r in results if r["calls_per_rollout"] == length), key=lambda r: r["instances"]
+        ):
+            points = r["latency"]["cdf_ms"]
+            if not points:
+                continue
+            levels = [i / (len(points) - 1) for i in range(len(points))]
+            offered = r["latency"]["offered_calls_per_s"]
+            ax.plot(points, levels, label=f"{r['instances']} instance(s), {offered:,.0f} calls/s")
+        if target is not None:
+            ax.axvline(
+                target, color="tab:red", linestyle="--", linewidth=1, label=f"target p99 {target:g} ms"
+            )
+        ax.axhline(0.99, color="gray", linestyle=":", linewidth=1)
+        ax.set_title(f"{length} calls per rollout")
+        ax.set_xlabel("seal → finalized (ms)")
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize="small")
+    axes[0][0].set_ylabel("fraction of rollouts")
+    fig.suptitle("Finalize latency after seal (ledger + finalizer, embedded broker and TransferQueue)")
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def _save(fig: Any, plt: Any, path: str | Path) -> Path:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target
+
+
+__all__ = ["engine_throughput", "latency_cdf"]

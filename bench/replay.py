@@ -1,0 +1,220 @@
+"""Replay speed: events/s rebuilding the ledger from the beginning of the log.
+
+For each size, an embedded tansu broker (memory engine) is filled with that many
+ledger input events (admissions, staged events and seals of 8-call rollouts,
+``bench.events``), then ``pipeline.replay.rebuild`` reads them back and runs the
+ledger stage's own logic into a SQLite ``LedgerStore``, exactly as ``tokentrail replay``
+does. Only the rebuild is timed.
+
+To say where the time goes, the same events are also measured without the broker:
+decoding alone (``topics.codec.decode``: orjson + pydantic validation) and the ledger
+stage alone on already decoded events (in memory, outputs kept in a list).
+
+    tokentrail bench replay [--quick] [--json] [--sizes 10000,100000,1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.common import emit, machine, parse_list, versions
+from bench.events import rollout_events
+from topics.records import Record
+
+TARGET_EVENTS_PER_S = 50_000  # DESIGN §9
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)
+    calls: int = 8
+    partitions: int = 4
+    sample: int = 50_000  # events for the broker-free measurements
+
+
+QUICK = ReplayConfig(sizes=(10_000,), sample=10_000)
+
+
+def events(total: int, calls: int, *, chunk: int = 5_000) -> Iterator[list[Record]]:
+    """About ``total`` events in chunks of whole rollouts (``2 * calls + 1`` events each)."""
+    per_rollout = 2 * calls + 1
+    rollouts = max(1, total // per_rollout)
+    batch: list[Record] = []
+    for number in range(rollouts):
+        batch += rollout_events(f"r{number}", calls)
+        if len(batch) >= chunk:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def decode_rate(sample: Sequence[Record]) -> float:
+    """Events/s of the contract's decoder alone (bytes already in memory)."""
+    from topics.codec import decode, encode_record
+
+    encoded = [encode_record(event) for event in sample]
+    start = time.perf_counter()
+    for key, value, headers in encoded:
+        decode(key, value, headers)
+    return len(sample) / (time.perf_counter() - start)
+
+
+async def ledger_rate(sample: Sequence[Record], batch: int = 500) -> float:
+    """Events/s of the ledger stage's own logic on decoded events, outputs into a list."""
+    from stages.ledger.stage import LedgerStage
+    from stages.memory import RecordingSink
+    from stages.ports import Consumed
+    from topics.events import envelope
+
+    items = [Consumed("in", 0, i, envelope(e)) for i, e in enumerate(sample)]
+    stage = LedgerStage(RecordingSink())
+    start = time.perf_counter()
+    for i in range(0, len(items), batch):
+        await stage.handle(items[i : i + batch])
+        stage.committable({("in", 0): i + batch})
+    return len(items) / (time.perf_counter() - start)
+
+
+async def fill(broker: Any, size: int, config: ReplayConfig, tag: str) -> tuple[Any, int]:
+    """Topics for one size, filled; returns their Kafka config and the events published."""
+    from pipeline.kafka.log import KafkaEventSink, ensure_topics
+    from topics.names import TopicNames
+
+    kafka = broker.kafka_config(TopicNames(prefix=tag, partitions=config.partitions))
+    await ensure_topics(kafka)
+    published = 0
+    async with KafkaEventSink(kafka, linger_ms=20) as sink:
+        pending: set[asyncio.Task[None]] = set()
+        for chunk in events(size, config.calls):
+            if len(pending) >= 4:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            pending.add(asyncio.create_task(sink.publish(chunk)))
+            published += len(chunk)
+        for task in asyncio.as_completed(pending):
+            await task
+    return kafka, published
+
+
+async def replay_once(broker: Any, size: int, config: ReplayConfig) -> dict[str, Any]:
+    from pipeline.ledger_store import LedgerStore
+    from pipeline.replay import rebuild
+
+    kafka, published = await fill(broker, size, config, f"replay{size}")
+    with tempfile.TemporaryDirectory() as tmp, LedgerStore(Path(tmp) / "ledger.sqlite") as store:
+        start = time.perf_counter()
+        result = await rebuild(kafka, store)
+        seconds = time.perf_counter() - start
+    if result.events != published or result.open_rollouts or result.stored.get("call_failed"):
+        # Every generated call is staged in time: anything else is a wrong ledger, not a speed.
+        raise RuntimeError(
+            f"replayed {result.events} of {published} events into {result.stored}, "
+            f"{result.open_rollouts} rollout(s) left open"
+        )
+    return {
+        "events": result.events,
+        "seconds": round(seconds, 2),
+        "events_per_s": round(result.events / seconds),
+        "stored": result.stored,
+    }
+
+
+async def run_async(config: ReplayConfig) -> dict[str, Any]:
+    from pipeline.kafka.broker import EmbeddedBroker
+
+    started = time.perf_counter()
+    load_before = machine()["load_average"]
+    sample = [e for chunk in events(config.sample, config.calls) for e in chunk]
+    parts = {
+        "decode_events_per_s": round(decode_rate(sample)),
+        "ledger_events_per_s": round(await ledger_rate(sample)),
+    }
+    broker = EmbeddedBroker(storage="memory")
+    await asyncio.to_thread(broker.start)
+    try:
+        results = [await replay_once(broker, size, config) for size in config.sizes]
+    finally:
+        await asyncio.to_thread(broker.stop)
+    best = max(r["events_per_s"] for r in results)
+    return {
+        "benchmark": "replay",
+        "config": asdict(config),
+        "machine": machine() | {"load_average_at_start": load_before},
+        "versions": versions(),
+        "without_broker": parts,
+        "results": results,
+        "summary": {
+            "best_events_per_s": best,
+            "target_events_per_s": TARGET_EVENTS_PER_S,
+            "target_met": best >= TARGET_EVENTS_PER_S,
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def run(config: ReplayConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
+    """Run every size and return the report."""
+    report = asyncio.run(run_async(config or ReplayConfig()))
+    if command is not None:
+        report["command"] = command
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = ["| events | seconds | events/s |", "|---:|---:|---:|"]
+    for r in report["results"]:
+        lines.append(f"| {r['events']:,} | {r['seconds']:.1f} | {r['events_per_s']:,} |")
+    parts = report["without_broker"]
+    lines.append(
+        f"without the broker: decode {parts['decode_events_per_s']:,} events/s, "
+        f"ledger logic {parts['ledger_events_per_s']:,} events/s "
+        f"(target {report['summary']['target_events_per_s']:,} events/s)"
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tokentrail bench replay`` (and ``python -m bench.replay``)."""
+    parser.add_argument("--quick", action="store_true", help="10,000 events only")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument("--sizes", type=str, help="events per replay (default 10000,100000,1000000)")
+    parser.add_argument("--calls", type=int, help="calls per rollout (default 8)")
+
+
+def config_from_args(args: argparse.Namespace) -> ReplayConfig:
+    config = QUICK if args.quick else ReplayConfig()
+    changes: dict[str, Any] = {
+        "sizes": tuple(parse_list(args.sizes)) if args.sizes else None,
+        "calls": args.calls,
+    }
+    return replace(config, **{k: v for k, v in changes.items() if v is not None})
+
+
+def run_args(args: argparse.Namespace, command: str) -> int:
+    report = run(config_from_args(args), command=command)
+    emit(report, as_json=args.json, text=render(report))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.replay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", "replay", *argv]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

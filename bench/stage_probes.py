@@ -1,0 +1,82 @@
+"""Probes around real stages, so that a benchmark can time them without changing them.
+
+- ``Gated`` holds a stage's first batch until the benchmark opens the gate: every
+  member joins its group and the groups settle before the clock starts, so group joins
+  and rebalances are not timed as throughput. It also notes when partitions are revoked,
+  which says when the groups have settled.
+- ``FinalizedTap`` is the finalizer's sink: it publishes as usual and, once the broker
+  acknowledged, notes each ``FinalizedEvent`` and when it was acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from stages.ports import Consumed, EventSink, StageHandler, TopicPartition
+from topics.records import FinalizedEvent, Record
+
+
+class Gated:
+    """A ``StageHandler`` that waits for ``gate`` before handling anything."""
+
+    def __init__(self, inner: StageHandler, gate: asyncio.Event, revocations: list[float]) -> None:
+        self.inner = inner
+        self.gate = gate
+        self.revocations = revocations
+
+    async def handle(self, batch: Sequence[Consumed]) -> None:
+        await self.gate.wait()
+        await self.inner.handle(batch)
+
+    async def tick(self, now: float) -> None:
+        await self.inner.tick(now)
+
+    def committable(self, positions: Mapping[TopicPartition, int]) -> Mapping[TopicPartition, int]:
+        return self.inner.committable(positions)
+
+    def on_revoked(self, partitions: Sequence[TopicPartition]) -> None:
+        self.revocations.append(time.monotonic())
+        self.inner.on_revoked(partitions)
+
+
+@dataclass(frozen=True, slots=True)
+class Finalized:
+    """A finalized rollout as the tap saw it: the event and its acknowledgement time."""
+
+    event: FinalizedEvent
+    acked_at: float
+
+
+class FinalizedTap:
+    """An ``EventSink`` that forwards to ``inner`` and records acknowledged ``FinalizedEvent``s."""
+
+    def __init__(self, inner: EventSink, seen: dict[str, Finalized]) -> None:
+        self.inner = inner
+        self.seen = seen
+
+    async def publish(self, records: Sequence[Record]) -> None:
+        await self.inner.publish(records)
+        now = time.time()
+        for record in records:
+            if isinstance(record, FinalizedEvent):
+                self.seen.setdefault(record.rollout_id, Finalized(record, now))
+
+
+async def settled(started: Sequence[asyncio.Event], revocations: list[float], *, quiet_s: float) -> None:
+    """Until every member has its first assignment, and then no partition moved for ``quiet_s``."""
+    for event in started:
+        await event.wait()
+    ready = time.monotonic()
+    while True:
+        last = max(revocations, default=ready)
+        last = max(last, ready)
+        wait = last + quiet_s - time.monotonic()
+        if wait <= 0:
+            return
+        await asyncio.sleep(wait)
+
+
+__all__ = ["Finalized", "FinalizedTap", "Gated", "settled"]

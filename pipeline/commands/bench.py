@@ -1,0 +1,61 @@
+"""``tokentrail bench engine|pipeline|replay``: the DESIGN §9 benchmarks from the CLI.
+
+Each benchmark lives in ``bench/`` (``bench.engine``, ``bench.pipeline``,
+``bench.replay``) with a ``run(...) -> dict`` for programs and the same options here;
+this verb only wires them in. Their heavy imports (torch, TransferQueue, the broker)
+happen when a benchmark runs, not when the CLI starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+from typing import Any
+
+BENCHMARKS: dict[str, str] = {
+    "engine": "engine throughput with capture off, inline and tokentrail, vs data-plane delay",
+    "pipeline": "calls/s, rollouts/s and seal-to-finalized latency through ledger + finalizer",
+    "replay": "events/s rebuilding the ledger from the log",
+}
+
+EXAMPLES = """\
+examples:
+  tokentrail bench engine --quick
+  tokentrail bench engine --json --plot bench/engine_throughput.png
+  tokentrail bench pipeline --instances 1,2 --lengths 16 --json
+  tokentrail bench replay --sizes 10000,100000
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``bench`` and its three benchmarks on the CLI's subparsers."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "bench",
+        help="run a benchmark (engine, pipeline, replay)",
+        description="Run one of the DESIGN §9 benchmarks; --json prints the full report.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    which = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, summary in BENCHMARKS.items():
+        module = importlib.import_module(f"bench.{name}")
+        sub: argparse.ArgumentParser = which.add_parser(
+            name,
+            help=summary,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(run=_runner(name))
+
+
+def _runner(name: str) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        module = importlib.import_module(f"bench.{name}")
+        command = shlex.join(["tokentrail", *sys.argv[1:]])
+        result: int = module.run_args(args, command)
+        return result
+
+    return run

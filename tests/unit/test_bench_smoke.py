@@ -1,0 +1,132 @@
+"""Each benchmark's smallest configuration runs and reports the right shape.
+
+Only shapes and positivity are checked, never timings: the numbers belong in
+bench/RESULTS.md, measured side by side, not in assertions on a shared machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import ledger_memory
+from bench.engine import MODES, EngineConfig
+from bench.pipeline import PipelineConfig
+from bench.replay import ReplayConfig
+from pipeline import cli
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def engine_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from bench import engine
+
+    config = EngineConfig(
+        concurrency=4,
+        max_batch=2,
+        turns=2,
+        first_prompt=8,
+        user_tokens=4,
+        warmup_s=0.2,
+        measure_s=0.5,
+        trials=1,
+        latencies_ms=(0.0, 2.0),
+        finishing=(2,),
+        placement="memory",
+    )
+    yield engine.run(config, model_dir=tmp_path_factory.mktemp("bench") / "model", command="test")
+
+
+def test_engine_report_has_every_mode_per_cell(engine_report: dict[str, Any]) -> None:
+    assert engine_report["benchmark"] == "engine" and engine_report["command"] == "test"
+    cells = engine_report["cells"]
+    assert [(c["latency_ms"], c["finishing"]) for c in cells] == [(0.0, 2), (2.0, 2)]
+    for cell in cells:
+        assert set(cell["modes"]) == set(MODES)
+        for mode in MODES:
+            numbers = cell["modes"][mode]
+            assert numbers["tokens_per_s"] > 0
+            assert numbers["step_ms"]["p99"] >= numbers["step_ms"]["p50"] > 0
+            assert numbers["capture_failed"] == 0
+        assert cell["tokentrail_over_off"] > 0 and cell["inline_over_off"] > 0
+    assert len(engine_report["trials"]) == 2 * len(MODES)
+    assert engine_report["machine"]["cpus"] >= 1 and "numpy" in engine_report["versions"]
+
+
+def test_engine_plot_is_a_png(engine_report: dict[str, Any], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from bench.plots import engine_throughput
+
+    path = engine_throughput(engine_report, tmp_path / "engine.png")
+    assert path.read_bytes().startswith(PNG)
+
+
+def test_ledger_memory_reports_positive_bytes_per_open_rollout() -> None:
+    result = ledger_memory.run(rollouts=20, lengths=(2,))
+    assert [r["calls_per_rollout"] for r in result] == [2]
+    for r in result:
+        assert r["bytes_per_open_rollout"] > 0 and r["bytes_per_open_call"] > 0
+        assert len(r["bytes_left_after_wave"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.dataplane
+def test_pipeline_smallest_configuration(tmp_path: Path) -> None:
+    pytest.importorskip("transfer_queue")
+    from bench import pipeline
+
+    config = PipelineConfig(
+        instances=(1,),
+        lengths=(2,),
+        calls=32,
+        latency_calls=8,
+        min_latency_rollouts=6,
+        memory_rollouts=20,
+        quiet_s=0.5,
+    )
+    report = pipeline.run(config, plot=tmp_path / "cdf.png")
+    (result,) = report["results"]
+    assert result["instances"] == 1 and result["calls_per_rollout"] == 2
+    assert result["backlog"]["calls"] == 32 and result["backlog"]["calls_per_s"] > 0
+    assert (
+        result["latency"]["rollouts"] == 6 and result["latency"]["p99_ms"] >= result["latency"]["p50_ms"] > 0
+    )
+    assert len(result["latency"]["cdf_ms"]) == 101
+    assert result["finalized"] == {"accepted": 16 + 6}  # real digests, verified by the finalizer
+    assert report["ledger_memory"][0]["bytes_per_open_rollout"] > 0
+    assert Path(report["plot"]).read_bytes().startswith(PNG)
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+def test_replay_smallest_configuration() -> None:
+    from bench import replay
+
+    report = replay.run(ReplayConfig(sizes=(340,), sample=340))
+    (result,) = report["results"]
+    assert result["events"] == 340 and result["events_per_s"] > 0
+    assert result["stored"]["receipt"] == 20
+    assert report["without_broker"]["decode_events_per_s"] > 0
+    assert report["without_broker"]["ledger_events_per_s"] > 0
+
+
+def test_cli_wires_the_three_benchmarks() -> None:
+    parser = cli.build_parser()
+    engine = parser.parse_args(["bench", "engine", "--quick", "--latencies", "0,5", "--json"])
+    assert engine.benchmark == "engine" and engine.quick and engine.json and callable(engine.run)
+    from bench import engine as engine_bench
+    from bench import pipeline as pipeline_bench
+    from bench import replay as replay_bench
+
+    assert engine_bench.config_from_args(engine).latencies_ms == (0.0, 5.0)
+    piped = parser.parse_args(["bench", "pipeline", "--instances", "1,2", "--lengths", "4"])
+    assert pipeline_bench.config_from_args(piped).instances == (1, 2)
+    replayed = parser.parse_args(["bench", "replay", "--sizes", "1000"])
+    assert replay_bench.config_from_args(replayed).sizes == (1000,)
