@@ -663,7 +663,9 @@ async def test_ray_mode_attaches_to_transferqueue_on_a_ray_cluster(rng: np.rando
     try:
         assert owner.stdout is not None
         assert (await anyio.to_thread.run_sync(owner.stdout.readline)).strip() == "READY"
-        config = DataPlaneConfig(mode="ray", ray_address="auto", timeout_s=180.0)  # Ray is slow on 2 busy cores
+        config = DataPlaneConfig(
+            mode="ray", ray_address="auto", timeout_s=180.0
+        )  # Ray is slow on 2 busy cores
         calls = build_rollout(rng, unique("ray"), [300, 500])
         async with open_data_plane(config) as plane:
             assert plane.addresses is not None and plane.addresses.mode == "ray"

@@ -75,7 +75,9 @@ def test_three_turn_rows_concatenate_to_engine_ids() -> None:
         rows[2].token_ids_delta,
     )
     assert all(c.disposition == "staged" for c in coords)
-    assert all(CommitCoords.model_validate(c.model_dump()) == c for c in coords)  # built unvalidated, yet valid
+    assert all(
+        CommitCoords.model_validate(c.model_dump()) == c for c in coords
+    )  # built unvalidated, yet valid
     assert len(sink.payloads(StagedEvent)) == 3
 
 

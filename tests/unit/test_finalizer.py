@@ -35,7 +35,8 @@ async def captured_rollout(
     data_plane: MemoryDataPlane,
     *,
     versions: tuple[int, int, int] = (0, 0, 0),
-    dead_branch: bool = True, rollout_id: str = "r1",
+    dead_branch: bool = True,
+    rollout_id: str = "r1",
     extras: dict[str, Any] | None = None,
 ) -> tuple[list[Record], list[int], list[float]]:
     """A real 3-turn capture (plus an abandoned retry) through the capture core; returns driver+worker events."""
@@ -216,6 +217,7 @@ def test_group_collector_marks_rejected_members() -> None:
 
 def test_one_batch_of_receipts_one_with_a_missing_row() -> None:
     """Rows of a whole batch are read together; one rollout's loss does not touch the others."""
+
     async def go() -> list[FinalizedEvent]:
         data_plane = MemoryDataPlane()
         receipts = []
@@ -229,9 +231,14 @@ def test_one_batch_of_receipts_one_with_a_missing_row() -> None:
         del data_plane.calls[victim]
         sink = RecordingSink()
         await FinalizerStage(data_plane, sink).handle(
-            [Consumed("c", 0, i, envelope(r)) for i, r in enumerate(receipts)])
+            [Consumed("c", 0, i, envelope(r)) for i, r in enumerate(receipts)]
+        )
         assert data_plane.calls == {}
         return sink.payloads(FinalizedEvent)  # type: ignore[return-value]
+
     events = asyncio.run(go())
     assert [(e.rollout_id, e.status, e.rejection_reason) for e in events] == [
-        ("ra", "accepted", None), ("rb", "rejected", "missing_row"), ("rc", "accepted", None)]
+        ("ra", "accepted", None),
+        ("rb", "rejected", "missing_row"),
+        ("rc", "accepted", None),
+    ]
