@@ -35,16 +35,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+import transformers
+from megatron.core.inference import inference_request
+from megatron.core.inference import sampling_params as sampling
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-inference_request = pytest.importorskip("megatron.core.inference.inference_request")
-sampling = pytest.importorskip("megatron.core.inference.sampling_params")
-
-from pipeline.tinymodel import make_tiny_model, read_manifest  # noqa: E402
-from stages.capture.cache import ChainCache  # noqa: E402
-from stages.capture.core import AckPolicy, CaptureCore  # noqa: E402
-from stages.capture.megatron import (  # noqa: E402
+from pipeline.tinymodel import make_tiny_model, read_manifest
+from stages.capture.cache import ChainCache
+from stages.capture.core import AckPolicy, CaptureCore
+from stages.capture.megatron import (
     FAILURE_FIELD,
     MISSING_HOOKS,
     TEMPLATE_PREFIX_FIELD,
@@ -56,15 +55,15 @@ from stages.capture.megatron import (  # noqa: E402
     StageResult,
     install_capture_hooks,
 )
-from stages.capture.resolve import PrefixResolver  # noqa: E402
-from stages.capture.writer import StagingWriter  # noqa: E402
-from stages.client import COORDS_FIELD, RolloutClient  # noqa: E402
-from stages.finalize.stage import FinalizerStage  # noqa: E402
-from stages.ledger.stage import LedgerConfig, LedgerStage  # noqa: E402
-from stages.memory import MemoryDataPlane, RecordingSink  # noqa: E402
-from stages.ports import Consumed  # noqa: E402
-from topics.events import envelope  # noqa: E402
-from topics.records import (  # noqa: E402
+from stages.capture.resolve import PrefixResolver
+from stages.capture.writer import StagingWriter
+from stages.client import COORDS_FIELD, RolloutClient
+from stages.finalize.stage import FinalizerStage
+from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.memory import MemoryDataPlane, RecordingSink
+from stages.ports import Consumed
+from topics.events import envelope
+from topics.records import (
     EXTRAS_WEIGHT_SPANS,
     CommitCoords,
     FinalizedEvent,

@@ -23,8 +23,6 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def engine_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     from bench import engine
 
     config = EngineConfig(
@@ -60,7 +58,6 @@ def test_engine_report_has_every_mode_per_cell(engine_report: dict[str, Any]) ->
 
 
 def test_engine_plot_is_a_png(engine_report: dict[str, Any], tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     from bench.plots import engine_throughput
 
     path = engine_throughput(engine_report, tmp_path / "engine.png")
@@ -79,7 +76,6 @@ def test_ledger_memory_reports_positive_bytes_per_open_rollout() -> None:
 @pytest.mark.broker
 @pytest.mark.dataplane
 def test_pipeline_smallest_configuration(tmp_path: Path) -> None:
-    pytest.importorskip("transfer_queue")
     from bench import pipeline
 
     config = PipelineConfig(

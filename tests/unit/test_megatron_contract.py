@@ -14,12 +14,11 @@ from typing import Any, Optional
 
 import numpy as np
 import pytest
+import torch
+from megatron.core.inference import inference_request
+from megatron.core.inference import sampling_params as sampling
 
-torch = pytest.importorskip("torch")
-inference_request = pytest.importorskip("megatron.core.inference.inference_request")
-sampling = pytest.importorskip("megatron.core.inference.sampling_params")
-
-from stages.capture.megatron_payload import (  # noqa: E402
+from stages.capture.megatron_payload import (
     InvalidPayload,
     PayloadDefect,
     epoch_boundaries,
