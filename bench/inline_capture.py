@@ -22,20 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from stages.capture.cache import ChainCache, ChainLink
-from stages.capture.core import CaptureCore, PreparedCall
+from stages.capture.core import CaptureCore, PreparedCall, capture_row, failed_coords
 from stages.capture.errors import CaptureFailure
 from stages.capture.megatron import parse_admission
-from stages.capture.megatron_coords import failed_coords, staged_coords
 from stages.capture.megatron_payload import generation_versions, read_finished_call
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
 from stages.client import CAPTURE_FIELD, COORDS_FIELD
 from stages.memory import RecordingSink
 from stages.ports import DataPlane, DataPlaneError
-from topics.digest import build_delta
 from topics.failures import WorkerFailure
 from topics.records import CommitCoords
-from topics.rows import stage_row
 
 T = TypeVar("T")
 PREPARED_FIELD = "bench_inline_prepared"
@@ -126,28 +123,17 @@ class InlineCapture:
         if prepared.failure is not None:
             return failed_coords(admission, prepared.failure.code, version)
         try:
-            coords = staged_coords(prepared, call, weight_version=version)
-            delta = build_delta(
-                call.prompt_ids, call.generated_ids, call.generated_logprobs, admission.prev_len
+            captured = capture_row(
+                prepared, call.prompt_ids, call.generated_ids, call.generated_logprobs, weight_version=version
             )
-            row = stage_row(
-                rollout_id=admission.rollout_id,
-                call_id=admission.call_id,
-                parent_call_id=admission.parent_call_id,
-                parent_chain_hash=prepared.parent_chain_hash,
-                prefix_ids=prepared.prefix_ids,
-                delta=delta,
-                weight_version=version,
-            )
-        except (CaptureFailure, ValueError) as exc:
-            code = exc.code if isinstance(exc, CaptureFailure) else WorkerFailure.INVALID_DELTA
-            return failed_coords(admission, code, version)
+        except CaptureFailure as exc:
+            return failed_coords(admission, exc.code, version)
         try:
-            self._wait(self.data_plane.put_calls([row]))
+            self._wait(self.data_plane.put_calls([captured.row]))
         except (DataPlaneError, TimeoutError):
             return failed_coords(admission, WorkerFailure.STAGING_WRITE_FAILED, version)
         self.stats.writes += 1
-        return coords
+        return captured.coords
 
     def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the capture loop and block this (engine) thread until it is done."""

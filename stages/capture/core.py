@@ -97,17 +97,31 @@ class CaptureCore:
         if prepared.failure is not None:
             return self.fail(prepared, prepared.failure.code, weight_version, response_id)
         try:
-            row = self._row(prepared, prompt_ids, generated_ids, generated_logprobs, weight_version, extras)
+            captured = capture_row(
+                prepared,
+                prompt_ids,
+                generated_ids,
+                generated_logprobs,
+                weight_version=weight_version,
+                extras=extras,
+            )
         except CaptureFailure as failure:
             return self.fail(prepared, failure.code, weight_version, response_id)
-        delta = np.asarray(row.token_ids_delta, dtype=np.int64)
-        self.cache.put(ChainLink(row.staging_key, delta, row.chain_hash, row.cum_len))
-        coords = _coords(prepared.admission, row)
+        return self.submit(prepared, captured, response_id)
+
+    def submit(
+        self, prepared: PreparedCall, captured: CapturedRow, response_id: str | None = None
+    ) -> Completion:
+        """Cache a built row for children on this worker and queue it for staging (event loop only)."""
+        row = captured.row
+        self.cache.put(ChainLink(row.staging_key, captured.delta_ids, row.chain_hash, row.cum_len))
         done = self._future()
-        if not self.writer.submit(PendingCall(coords, row, response_id, done)):
+        if not self.writer.submit(PendingCall(captured.coords, row, response_id, done)):
             self.cache.discard(row.staging_key)
-            return self.fail(prepared, WorkerFailure.STAGING_WRITE_FAILED, weight_version, response_id, row)
-        return Completion(coords, done)
+            return self.fail(
+                prepared, WorkerFailure.STAGING_WRITE_FAILED, row.weight_version, response_id, row
+            )
+        return Completion(captured.coords, done)
 
     def fail(
         self,
@@ -118,22 +132,7 @@ class CaptureCore:
         row: StagedCall | None = None,
     ) -> Completion:
         """Report a served call whose capture failed; the driver still gets coords."""
-        admission = prepared.admission
-        key = staging_key(admission.rollout_id, admission.call_id)
-        coords = CommitCoords(
-            rollout_id=admission.rollout_id,
-            call_id=admission.call_id,
-            parent_call_id=admission.parent_call_id,
-            mode=admission.mode,
-            prev_len=admission.prev_len,
-            delta_len=0 if row is None else row.delta_len,
-            cum_len=admission.prev_len if row is None else row.cum_len,
-            weight_version=weight_version,
-            staging_key=key,
-            staging_chain=[*(admission.staging_chain or []), key],
-            disposition="capture_failed",
-            failure_reason=code,
-        )
+        coords = failed_coords(prepared.admission, code, weight_version, row)
         done = self._future()
         self.writer.submit_failure(PendingCall(coords, None, response_id, done))
         return Completion(coords, done)
@@ -143,38 +142,75 @@ class CaptureCore:
             return None
         return asyncio.get_running_loop().create_future()
 
-    def _row(
-        self,
-        prepared: PreparedCall,
-        prompt_ids: IdsLike,
-        generated_ids: IdsLike,
-        generated_logprobs: FloatsLike,
-        weight_version: int,
-        extras: dict[str, Any] | None,
-    ) -> StagedCall:
-        admission = prepared.admission
-        prefix = prepared.prefix_ids
-        if not _starts_with(prompt_ids, prefix):
-            raise CaptureFailure(
-                WorkerFailure.PREFIX_SPLICE_FAILED, "prompt does not start with the exact prefix"
-            )
-        try:
-            delta = build_delta(prompt_ids, generated_ids, generated_logprobs, admission.prev_len)
-            return stage_row(
-                rollout_id=admission.rollout_id,
-                call_id=admission.call_id,
-                parent_call_id=admission.parent_call_id,
-                parent_chain_hash=prepared.parent_chain_hash,
-                prefix_ids=prefix,
-                delta=delta,
-                weight_version=weight_version,
-                extras=extras,
-            )
-        except (InvalidDelta, EncodingError, ValueError) as exc:
-            raise CaptureFailure(WorkerFailure.INVALID_DELTA, str(exc)) from None
-
 
 _EMPTY: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedRow:
+    """A finished call's row and coords, built but not yet staged."""
+
+    row: StagedCall
+    delta_ids: npt.NDArray[np.int64]
+    coords: CommitCoords
+
+
+def capture_row(
+    prepared: PreparedCall,
+    prompt_ids: IdsLike,
+    generated_ids: IdsLike,
+    generated_logprobs: FloatsLike,
+    *,
+    weight_version: int,
+    extras: dict[str, Any] | None = None,
+) -> CapturedRow:
+    """Delta, hashes, digest and coords of a finished call; raises ``CaptureFailure``.
+
+    Pure computation on its arguments (no shared state), so an engine thread may call it
+    and hand the result to ``CaptureCore.submit`` on the event loop.
+    """
+    admission = prepared.admission
+    prefix = prepared.prefix_ids
+    if not _starts_with(prompt_ids, prefix):
+        raise CaptureFailure(
+            WorkerFailure.PREFIX_SPLICE_FAILED, "prompt does not start with the exact prefix"
+        )
+    try:
+        delta = build_delta(prompt_ids, generated_ids, generated_logprobs, admission.prev_len)
+        row = stage_row(
+            rollout_id=admission.rollout_id,
+            call_id=admission.call_id,
+            parent_call_id=admission.parent_call_id,
+            parent_chain_hash=prepared.parent_chain_hash,
+            prefix_ids=prefix,
+            delta=delta,
+            weight_version=weight_version,
+            extras=extras,
+        )
+    except (InvalidDelta, EncodingError, ValueError) as exc:
+        raise CaptureFailure(WorkerFailure.INVALID_DELTA, str(exc)) from None
+    return CapturedRow(row, delta.token_ids, _coords(admission, row))
+
+
+def failed_coords(
+    admission: CaptureAdmission, code: WorkerFailure, weight_version: int, row: StagedCall | None = None
+) -> CommitCoords:
+    """Coords of a served call whose capture failed (with the row's lengths when one was built)."""
+    key = staging_key(admission.rollout_id, admission.call_id)
+    return CommitCoords(
+        rollout_id=admission.rollout_id,
+        call_id=admission.call_id,
+        parent_call_id=admission.parent_call_id,
+        mode=admission.mode,
+        prev_len=admission.prev_len,
+        delta_len=0 if row is None else row.delta_len,
+        cum_len=admission.prev_len if row is None else row.cum_len,
+        weight_version=weight_version,
+        staging_key=key,
+        staging_chain=[*(admission.staging_chain or []), key],
+        disposition="capture_failed",
+        failure_reason=code,
+    )
 
 
 def _starts_with(prompt_ids: IdsLike, prefix: npt.NDArray[np.int64]) -> bool:
@@ -209,4 +245,12 @@ def _coords(admission: CaptureAdmission, row: StagedCall) -> CommitCoords:
     )
 
 
-__all__ = ["AckPolicy", "CaptureCore", "Completion", "PreparedCall"]
+__all__ = [
+    "AckPolicy",
+    "CaptureCore",
+    "CapturedRow",
+    "Completion",
+    "PreparedCall",
+    "capture_row",
+    "failed_coords",
+]

@@ -12,24 +12,16 @@ since PR 7015; megatron-core 0.19.2 has neither) do in-memory work only:
   A ``token_in`` prompt that does not already start with the exact prefix is spliced
   (DESIGN §5) from template renders the caller supplies.
 - ``MegatronPayloadStager.stage`` (inside the step) validates the finished payload,
-  computes the commit coordinates, hands the call to a task on the capture loop and
-  returns the coordinates at once. That task runs ``CaptureCore.complete``: row, chain
-  cache, background writer, staged event.
+  builds the row and its coordinates with ``capture_row`` (pure array work: delta,
+  hashes, digest; no I/O, no shared state), hands the row to a task on the capture loop
+  and returns the coordinates at once. That task only caches and queues the row
+  (``CaptureCore.submit``); nothing is computed twice.
 
-Why ``stage`` computes coords itself instead of calling ``CaptureCore.complete``:
-``complete`` is synchronous and I/O-free, but it builds the whole row and validates it
-with pydantic, token by token: 0.9, 5.0 and 18.5 ms for entirely new calls of 1K, 8K
-and 32K tokens (0.8, 3.0 and 8.0 ms when half of the call is an already captured
-prefix), a stall of the engine step per finished request. The driver needs only the
-coordinates (lengths, keys, hashes), so ``stage`` reads the payload into numpy arrays
-and hashes them with the row's own digest functions (``megatron_coords``): 0.4, 1.1
-and 3.2 ms for list payloads, 0.3, 0.6 and 1.3 ms for arrays, a third to a half of it
-hashing (medians on a loaded 2-core machine; bench/megatron_hooks.py and
-bench/RESULTS.md). Provisional coords without
-hashes were not an option: a child's admission needs its parent's chain hash. The
-capture task checks that ``complete`` produced the same coords; if the writer later
-fails the call (queue full, data plane down), its staged event says so and supersedes
-the reply, exactly as with ``AckPolicy.ENQUEUED``.
+The row is built inside the step because the reply needs its hashes: a child's
+admission needs its parent's chain hash, so provisional coords without hashes were not
+an option. Its cost is in bench/RESULTS.md (``python -m bench.megatron_hooks``). If the
+writer later fails the call (queue full, data plane down), its staged event says so
+and supersedes the reply, exactly as with ``AckPolicy.ENQUEUED``.
 
 Weight versions: a call's ``weight_version`` is its admission epoch, ``policy_epoch[0]``;
 a refit that lands mid-call is kept as ``[[generated_offset, version], ...]`` under
@@ -53,12 +45,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from stages.capture.core import CaptureCore, PreparedCall
+from stages.capture.core import CaptureCore, CapturedRow, PreparedCall, capture_row, failed_coords
 from stages.capture.errors import CaptureFailure
-from stages.capture.megatron_coords import failed_coords, staged_coords
 from stages.capture.megatron_handoff import Handoff, HandoffClosed
 from stages.capture.megatron_payload import (
-    FinishedCall,
     InvalidPayload,
     generation_versions,
     read_finished_call,
@@ -272,7 +262,7 @@ class _Work:
     """One finished call on its way to ``CaptureCore`` on the capture loop."""
 
     prepared: PreparedCall
-    call: FinishedCall | None
+    captured: CapturedRow | None
     weight_version: int
     extras: dict[str, Any] | None
     code: WorkerFailure | None
@@ -396,10 +386,17 @@ class MegatronPayloadStager:
             detail = f"epochs {versions.spans} under policy reject"
             return _failed_work(prepared, WorkerFailure.EPOCH_SPAN_REJECTED, version, response_id, detail)
         try:
-            coords = staged_coords(prepared, call, weight_version=version, extras=extras)
+            captured = capture_row(
+                prepared,
+                call.prompt_ids,
+                call.generated_ids,
+                call.generated_logprobs,
+                weight_version=version,
+                extras=extras,
+            )
         except CaptureFailure as exc:
             return _failed_work(prepared, exc.code, version, response_id, exc.detail)
-        return _Work(prepared, call, version, extras, None, coords, response_id)
+        return _Work(prepared, captured, version, extras, None, captured.coords, response_id)
 
     def _hand_off(self, work: _Work) -> dict[str, Any]:
         try:
@@ -449,20 +446,11 @@ class MegatronPayloadStager:
 
     def _process(self, work: _Work) -> None:
         try:
-            if work.code is not None or work.call is None:
+            if work.code is not None or work.captured is None:
                 code = work.code or WorkerFailure.INVALID_DELTA
                 completion = self.core.fail(work.prepared, code, work.weight_version, work.response_id)
-            else:
-                call = work.call
-                completion = self.core.complete(
-                    work.prepared,
-                    call.prompt_ids,
-                    call.generated_ids,
-                    call.generated_logprobs,
-                    weight_version=work.weight_version,
-                    extras=work.extras,
-                    response_id=work.response_id,
-                )
+            else:  # built in the engine's hook: only cached and queued here, never recomputed
+                completion = self.core.submit(work.prepared, work.captured, work.response_id)
         except Exception:
             self.stats.errors += 1
             log.exception("capture core failed on %s", work.coords.staging_key)
