@@ -19,9 +19,13 @@ from dataclasses import dataclass
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import ConsumerLoop
+from pipeline.kafka.tail import recent_keys
 from pipeline.lag_gauge import DEFAULT_INTERVAL_S, poll_lag
 from pipeline.metrics import StageMetrics
+from stages.finalize.stage import FinalizerStage
+from stages.ledger.stage import LedgerStage
 from stages.ports import EventSink, StageHandler
+from topics.events import EventType
 from topics.names import TopicNames
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,20 @@ def ledger_topics(names: TopicNames) -> list[str]:
 
 def finalizer_topics(names: TopicNames) -> list[str]:
     return [names.committed]
+
+
+async def recall_answered(stage: LedgerStage | FinalizerStage, config: KafkaConfig) -> int:
+    """Seed the stage's memory of answered rollouts from the tail of its output topic,
+    so that input replayed after a restart is not answered a second time; returns how
+    many rollouts it recalled."""
+    if isinstance(stage, LedgerStage):
+        memory, topic, kind = stage.receipted, config.names.committed, EventType.RECEIPT
+    else:
+        memory, topic, kind = stage.finalized, config.names.finalized, EventType.FINALIZED
+    keys = await recent_keys(config, topic, kind, per_partition=memory.capacity)
+    memory.update(keys)
+    log.info("stage %s recalled %d answered rollout(s) from %s", stage.name, len(keys), topic)
+    return len(keys)
 
 
 async def serve_stage(

@@ -21,11 +21,13 @@ from pipeline.stage_runner import (
     ConsumerTuning,
     finalizer_topics,
     ledger_topics,
+    recall_answered,
     serve_stage,
 )
 from stages.finalize.stage import FinalizerStage
 from stages.finalize.verify import MixedVersionPolicy
 from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.recent import DEFAULT_REMEMBER
 
 EXAMPLES = """\
 examples:
@@ -60,6 +62,15 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--max-open", type=float, default=3600.0, help="ledger: seconds before an unsealed rollout closes"
+    )
+    parser.add_argument(
+        "--remember",
+        type=int,
+        default=DEFAULT_REMEMBER,
+        help=(
+            "rollouts remembered as answered (read back from the output topic's tail on start), "
+            "so duplicated input gets no second outcome (default %(default)s)"
+        ),
     )
     parser.add_argument(
         "--mixed-versions",
@@ -166,7 +177,11 @@ async def _serve_stage(args: argparse.Namespace, config: KafkaConfig, metrics: S
     async with KafkaEventSink(config) as kafka_sink:
         sink = metrics.sink(kafka_sink)
         if args.name == "ledger":
-            ledger = LedgerStage(sink, LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open))
+            ledger = LedgerStage(
+                sink,
+                LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open, remember=args.remember),
+            )
+            await recall_answered(ledger, config)
             await serve_stage(
                 ledger,
                 config,
@@ -187,8 +202,12 @@ async def _serve_stage(args: argparse.Namespace, config: KafkaConfig, metrics: S
         )
         async with open_data_plane(plane_config) as plane:
             finalizer = FinalizerStage(
-                metrics.data_plane(plane), sink, policy=MixedVersionPolicy(args.mixed_versions)
+                metrics.data_plane(plane),
+                sink,
+                policy=MixedVersionPolicy(args.mixed_versions),
+                remember=args.remember,
             )
+            await recall_answered(finalizer, config)
             await serve_stage(
                 finalizer,
                 config,

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stages.finalize.verify import Linearized, MixedVersionPolicy, Rejected, linearize, terminal_records
 from stages.ports import Consumed, DataPlane, EventSink, MissingRows, TopicPartition
+from stages.recent import DEFAULT_REMEMBER, RecentIds
 from topics.failures import FinalizerFailure
 from topics.records import FinalizedEvent, RolloutReceipt, StagedCall, TrainingSample, staging_key
 
@@ -46,14 +47,15 @@ class FinalizerStage:
         sink: EventSink,
         *,
         policy: MixedVersionPolicy = MixedVersionPolicy.ALLOW,
-        remember: int = 100_000,
+        remember: int = DEFAULT_REMEMBER,
     ) -> None:
         self.data_plane = data_plane
         self.sink = sink
         self.policy = policy
         self.stats = FinalizerStats()
-        self._done: OrderedDict[str, None] = OrderedDict()
-        self._remember = remember
+        self.finalized = RecentIds(remember)
+        """Rollouts already finalized: a receipt for one of them is a duplicate. Seed it
+        from the tail of the finalized topic on start (``pipeline.kafka.tail``)."""
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         receipts: dict[str, RolloutReceipt] = {}
@@ -61,7 +63,7 @@ class FinalizerStage:
             payload = item.event.payload
             if not isinstance(payload, RolloutReceipt):
                 continue  # call records share the topic; they are the ledger's, not ours
-            if payload.rollout_id in self._done or payload.rollout_id in receipts:
+            if payload.rollout_id in self.finalized or payload.rollout_id in receipts:
                 self.stats.duplicates += 1
                 continue
             receipts[payload.rollout_id] = payload
@@ -70,7 +72,7 @@ class FinalizerStage:
         events = await self._finalize_all(list(receipts.values()))
         await self.sink.publish(events)
         for event in events:
-            self._remember_done(event.rollout_id)
+            self.finalized.add(event.rollout_id)
             self._count(event)
         # Only after the broker acknowledged every event above.
         await self.data_plane.delete_calls([key for r in receipts.values() for key in _staging_keys(r)])
@@ -128,11 +130,6 @@ class FinalizerStage:
             log.info("rollout %s rejected: missing rows %s", receipt.rollout_id, ", ".join(absent))
             return _rejected(receipt, FinalizerFailure.MISSING_ROW.value)
         return _accepted(receipt, _summary(samples[receipt.rollout_id]))
-
-    def _remember_done(self, rollout_id: str) -> None:
-        self._done[rollout_id] = None
-        while len(self._done) > self._remember:
-            self._done.popitem(last=False)
 
     def _count(self, event: FinalizedEvent) -> None:
         if event.status == "accepted":

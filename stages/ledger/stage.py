@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from stages.ledger.rollout import OpenRollout
 from stages.ports import Consumed, EventSink, TopicPartition
+from stages.recent import DEFAULT_REMEMBER, RecentIds
 from topics.codec import encode_payload
 from topics.failures import LedgerFailure
 from topics.records import CallRecord, CaptureAdmission, DeadLetter, Record, RolloutSeal, StagedEvent
@@ -37,6 +38,8 @@ class LedgerConfig:
     """How long a sealed rollout waits for staged events still in flight."""
     max_open_s: float = 3600.0
     """A rollout with admissions but no seal after this long is closed as never sealed."""
+    remember: int = DEFAULT_REMEMBER
+    """Receipted rollouts remembered, so a duplicate arriving later is not a new rollout."""
 
 
 @dataclass(slots=True)
@@ -80,6 +83,10 @@ class LedgerStage:
         self.open: dict[str, OpenRollout] = {}
         self._open_spans: dict[str, _Tracked] = {}
         self._closed_spans: dict[str, _Tracked] = {}
+        self.receipted = RecentIds(self.config.remember)
+        """Rollouts whose receipt is published. Their events arriving again (a duplicate
+        delivery, a replayed segment) are late, not a new rollout. Seed it from the tail
+        of the committed topic on start (``pipeline.kafka.tail``)."""
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         outputs: list[Record] = []
@@ -90,6 +97,9 @@ class LedgerStage:
             closed = self._closed_spans.get(rollout_id)
             if closed is not None:  # a late or replayed event of a rollout already receipted
                 closed.add((item.topic, item.partition), item.offset)
+                self.stats.late += 1
+                continue
+            if rollout_id in self.receipted:
                 self.stats.late += 1
                 continue
             state = self.open.get(rollout_id)
@@ -150,6 +160,7 @@ class LedgerStage:
             self.stats.poisoned[str(receipt.failure_reason)] += 1
         del self.open[state.rollout_id]
         self._closed_spans[state.rollout_id] = self._open_spans.pop(state.rollout_id)
+        self.receipted.add(state.rollout_id)
         return [*late, receipt]
 
     async def tick(self, now: float) -> None:

@@ -18,7 +18,7 @@ from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.log import KafkaEventSink, ensure_topics
 from pipeline.ledger_store import LedgerStore
 from pipeline.replay import compare, materialize, rebuild
-from pipeline.stage_runner import FAST_GROUPS, LEDGER_GROUP, ledger_topics, serve_stage
+from pipeline.stage_runner import FAST_GROUPS, LEDGER_GROUP, ledger_topics, recall_answered, serve_stage
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.resolve import PrefixResolver
@@ -116,6 +116,9 @@ def test_replay_rebuilds_the_live_ledger(kafka_config: KafkaConfig, tmp_path: Pa
         rollouts = await captured_events(40)
         await publish_all(kafka_config, [e for r in rollouts for e in r])
         await run_ledger_until(kafka_config, expected=40)
+        restarted = LedgerStage(RecordingSink())
+        assert await recall_answered(restarted, kafka_config) == 40
+        assert all(r[0].rollout_id in restarted.receipted for r in rollouts)  # type: ignore[attr-defined]
         with (
             LedgerStore(tmp_path / "rebuilt.sqlite") as rebuilt,
             LedgerStore(tmp_path / "live.sqlite") as live,

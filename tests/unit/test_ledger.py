@@ -346,6 +346,32 @@ def test_finished_rollouts_leave_no_state() -> None:
     assert stage.stats.receipts == 2000
 
 
+def test_a_duplicate_after_the_commit_point_passed_is_late_not_a_new_rollout() -> None:
+    r = build("single_chain")
+    sink = RecordingSink()
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=0, remember=10))
+
+    async def go() -> None:
+        await stage.handle(consumed(r.events))
+        stage.committable({("in", 0): len(r.events)})  # r is forgotten by offsets
+        replayed = [*reversed(r.events[2:])]  # a partial segment, reordered
+        await stage.handle(consumed(replayed, len(r.events)))
+        await stage.tick(0)
+
+    asyncio.run(go())
+    assert len(sink.payloads(RolloutReceipt)) == 1
+    assert stage.open == {} and stage.stats.late == len(r.events) - 2
+
+
+def test_recalled_rollouts_are_late_after_a_restart() -> None:
+    r = build("single_chain")
+    sink = RecordingSink()
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=0))
+    stage.receipted.update(["r"])  # as read back from the committed topic on start
+    asyncio.run(stage.handle(consumed(r.events[3:])))
+    assert sink.payloads(RolloutReceipt) == [] and stage.open == {}
+
+
 def test_wrong_event_type_is_dead_lettered() -> None:
     r = build("single_chain")
     receipt_events = run_ledger(r.events)[1].payloads(RolloutReceipt)
@@ -374,3 +400,4 @@ def test_hundred_thousand_finished_rollouts_leave_no_state() -> None:
     asyncio.run(go())
     assert stage.stats.receipts == 100_000
     assert stage.open == {} and stage._closed_spans == {} and stage._open_spans == {}
+    assert len(stage.receipted) == stage.config.remember  # bounded: ids only, oldest forgotten

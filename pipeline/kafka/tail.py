@@ -1,0 +1,56 @@
+"""Which rollouts a stage already answered: read from the tail of its own output topic.
+
+A stage remembers, in memory, the rollouts it has closed (the ledger) or finalized
+(the finalizer) so that duplicated or replayed input does not produce a second,
+different outcome. That memory dies with the process; on start the stage rebuilds it
+from the last events of the topic it publishes to. Only keys and the type header are
+read (no payload is decoded), so warming is cheap even for a long tail.
+"""
+
+from __future__ import annotations
+
+from aiokafka import AIOKafkaConsumer
+
+from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.lag import LagReader
+from topics.codec import HEADER_TYPE
+from topics.events import EventType
+
+FETCH_TIMEOUT_MS = 500
+
+
+async def recent_keys(
+    config: KafkaConfig, topic: str, event_type: EventType, *, per_partition: int
+) -> list[str]:
+    """Keys of the ``event_type`` events among the last ``per_partition`` events of each
+    partition of ``topic``, oldest first within a partition."""
+    if per_partition < 0:
+        raise ValueError(f"per_partition: must be >= 0, got {per_partition}")
+    if per_partition == 0:
+        return []
+    async with LagReader(config) as reader:
+        partitions = await reader.partitions([topic])
+        marks = await reader.watermarks(partitions)
+    starts = {tp: max(m.log_start, m.highwater - per_partition) for tp, m in marks.items()}
+    pending = {tp for tp, m in marks.items() if m.highwater > starts[tp]}
+    if not pending:
+        return []
+    wanted = event_type.value.encode()
+    keys: list[str] = []
+    consumer = AIOKafkaConsumer(**config.client_kwargs(), enable_auto_commit=False, group_id=None)
+    await consumer.start()
+    try:
+        consumer.assign(sorted(pending))
+        for tp in pending:
+            consumer.seek(tp, starts[tp])
+        while pending:
+            fetched = await consumer.getmany(*pending, timeout_ms=FETCH_TIMEOUT_MS)
+            for tp, records in fetched.items():
+                for record in records:
+                    if record.key is not None and (HEADER_TYPE, wanted) in list(record.headers):
+                        keys.append(record.key.decode(errors="replace"))
+                if records and records[-1].offset + 1 >= marks[tp].highwater:
+                    pending.discard(tp)
+    finally:
+        await consumer.stop()
+    return keys
