@@ -25,9 +25,7 @@ BEGIN, END = "<!-- faults-table:begin -->", "<!-- faults-table:end -->"
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("tokentrail faults")
     group.addoption("--seeds", type=int, default=DEFAULT_SEEDS, help="seeded fault runs: seeds 1..N")
-    group.addoption(
-        "--soak-seconds", type=float, default=DEFAULT_SOAK_SECONDS, help="length of the soak run"
-    )
+    group.addoption("--soak-seconds", type=float, default=DEFAULT_SOAK_SECONDS, help="length of the soak run")
     group.addoption("--faults-table", type=Path, help="rewrite the fault table in this Markdown file")
 
 
@@ -63,7 +61,12 @@ class FaultReport:
     def markdown(self) -> str:
         lines: list[str] = []
         for section in sorted(self.rows):
-            lines += [f"**{section}**", "", "| kind | injected | survived | what happened |", "|---|---:|---:|---|"]
+            lines += [
+                f"**{section}**",
+                "",
+                "| kind | injected | survived | what happened |",
+                "|---|---:|---:|---|",
+            ]
             for kind, row in sorted(self.rows[section].items()):
                 lines.append(f"| {kind} | {row.injected} | {row.survived} | {row.outcome} |")
             lines.append("")
