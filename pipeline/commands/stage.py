@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -28,6 +30,8 @@ from stages.finalize.stage import FinalizerStage
 from stages.finalize.verify import MixedVersionPolicy
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.recent import DEFAULT_REMEMBER
+
+log = logging.getLogger(__name__)
 
 EXAMPLES = """\
 examples:
@@ -151,6 +155,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tokentrail stage: {exc}", file=sys.stderr)
         return 2
+    except Exception:
+        # Nothing was committed past the failed batch, so a restart replays it. Exit at
+        # once: TransferQueue's client threads are not daemons and would keep a dead
+        # stage's process alive, hiding the failure from whatever restarts it.
+        log.exception("stage %s failed; exiting so that it is restarted", args.name)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
 
 
@@ -197,7 +209,7 @@ async def _serve_stage(args: argparse.Namespace, config: KafkaConfig, metrics: S
             return
         from pipeline.dataplane import DataPlaneConfig, open_data_plane
 
-        plane_config = DataPlaneConfig(
+        plane_config = DataPlaneConfig.from_env(
             mode=args.dataplane_mode, data_dir=args.data_dir, ray_address=args.ray_address
         )
         async with open_data_plane(plane_config) as plane:
