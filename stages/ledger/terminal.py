@@ -39,12 +39,13 @@ def select_terminal(
 
     ``parents`` gives the parent of every other known call (failed ones, and parents
     nobody admitted), so the tree keeps its shape where such a call was extended. A
-    failed leaf drops only when a sibling survives (it was retried); otherwise it is
-    the real end of the episode and may be returned, for the caller to reject.
+    failed leaf drops only when a sibling that got somewhere survives (it was retried,
+    and the retry was served); when every attempt of a turn failed, one of them is the
+    real end of the episode and is returned, for the caller to reject.
     """
     if seal.terminal_call_id is not None or seal.terminal_response_id is not None:
         return _declared(records, seal)
-    if not records:
+    if not records and not parents:
         raise NoTerminal(LedgerFailure.NO_CALLS, "no committed call")
     parent_of: dict[str, str | None] = {
         **(parents or {}),
@@ -56,16 +57,17 @@ def select_terminal(
     dropped = _abandoned(children) | _superseded(records, children)
     while True:  # a failed leaf that was retried drops, which can expose its failed parent
         alive = set(parent_of) - dropped
-        retried_failures = {
-            c
-            for c in alive
-            if c not in records
-            and not any(k in alive for k in children.get(c, ()))
-            and any(s in alive and s != c for s in children[parent_of[c]])
-        }
-        if not retried_failures:
+        failed = {c for c in alive if c not in records and not any(k in alive for k in children.get(c, ()))}
+        retried = {c for c in failed if any(s in alive and s not in failed for s in children[parent_of[c]])}
+        if not retried:
             break
-        dropped |= retried_failures
+        dropped |= retried
+    # Every surviving attempt of a turn failed: one of them (the greatest id, so that the
+    # choice is deterministic) ended the episode.
+    for siblings in children.values():
+        attempts = sorted(s for s in siblings if s in alive)
+        if len(attempts) > 1 and all(s in failed for s in attempts):
+            alive -= set(attempts[:-1])
     leaves = sorted(c for c in alive if not any(k in alive for k in children.get(c, ())))
     if len(leaves) == 1:
         return Terminal(leaves[0], "unique_leaf")

@@ -186,6 +186,15 @@ def build(case: str) -> Rollout:
         r.call("b1", "a", failed="invalid_delta")
         r.call("b2", "a")
         r.seal()
+    elif case == "every_attempt_of_last_turn_failed":
+        r.call("a")
+        r.call("b1", "a", failed="invalid_delta")
+        r.call("b2", "a", failed="invalid_delta")
+        r.seal()
+    elif case == "every_attempt_of_first_turn_failed":
+        r.call("a1", failed="staging_timeout")
+        r.call("a2", failed="staging_timeout")
+        r.seal()
     elif case == "failed_parent_of_terminal":
         r.call("a")
         r.call("b", "a", failed="staging_timeout")
@@ -237,6 +246,8 @@ TABLE = [
     ("failed_on_chain", "a", "declared", None),
     ("failed_last_call", None, None, "prefix_hash_mismatch"),
     ("failed_attempt_then_retry", "b2", "unique_leaf", None),
+    ("every_attempt_of_last_turn_failed", None, None, "invalid_delta"),
+    ("every_attempt_of_first_turn_failed", None, None, "staging_timeout"),
     ("failed_parent_of_terminal", None, None, "staging_timeout"),
     ("orphan_parent", None, None, "unknown_admission"),
     ("cyclic_parents", None, None, "coords_mismatch"),
