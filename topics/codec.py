@@ -3,23 +3,41 @@
 The payload is orjson; the envelope (type, schema version, event id) rides in the
 record headers so that a consumer can route or dead-letter a record without parsing
 its body. Every failure is a ``DecodeError`` naming the field and the reason.
+
+Events are bounded (``MAX_EVENT_BYTES``): ``encode`` refuses a bigger payload with an
+``EventTooLarge`` naming the event, and ``decode`` refuses a bigger record before
+parsing it, so one runaway producer cannot make a stage parse or hold gigabytes. A
+dead letter is the last resort for bad input and must always be writable:
+``fit_dead_letter`` trims one that would exceed the bound.
 """
 
 from __future__ import annotations
 
+import base64
+import re
 from collections.abc import Sequence
 
 import orjson
 from pydantic import ValidationError
 
 from topics.events import PAYLOAD_TYPES, Envelope, EventType, envelope
-from topics.records import SCHEMA_VERSION, Record
+from topics.records import SCHEMA_VERSION, DeadLetter, Record
 
 HEADER_TYPE = "tt-type"
 HEADER_SCHEMA = "tt-schema"
 HEADER_EVENT_ID = "tt-event-id"
 
 Headers = list[tuple[str, bytes]]
+
+MAX_EVENT_BYTES = 4 * 2**20
+"""Largest record (key + value + headers) the codec writes or reads. Producers must
+accept a request this large plus framing (``KafkaEventSink`` does), and so must the
+broker (Kafka's ``message.max.bytes``; tansu has no limit)."""
+
+DEAD_LETTER_TEXT_CHARS = 1024
+"""How much of a text field (key, header value, reason) an oversized dead letter keeps."""
+DEAD_LETTER_HEADERS = 64
+"""How many headers an oversized dead letter keeps."""
 
 
 class DecodeError(ValueError):
@@ -31,13 +49,47 @@ class DecodeError(ValueError):
         self.reason = reason
 
 
+class EventTooLarge(ValueError):
+    """An event too large to write; names the event, its size and the limit it broke
+    (``limit`` is None when only a broker's refusal says so)."""
+
+    def __init__(
+        self, event_id: str, event_type: str, size: int, limit: int | None, what: str = "event limit"
+    ) -> None:
+        bound = (
+            f"over the {limit}-byte {what}" if limit is not None else f"refused as too large by the {what}"
+        )
+        super().__init__(f"event {event_id} ({event_type}) is {size} bytes encoded, {bound}")
+        self.event_id = event_id
+        self.event_type = event_type
+        self.size = size
+        self.limit = limit
+
+
+def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]]) -> int:
+    """Bytes of a record's key, value and headers (what the event limit bounds)."""
+    return (
+        len(key or b"")
+        + len(value or b"")
+        + sum(len(name.encode("utf-8", "surrogatepass")) + len(raw) for name, raw in headers)
+    )
+
+
 def encode_payload(payload: Record) -> bytes:
     """pydantic's Rust serializer writes the same JSON as orjson would, about 5x faster."""
     return payload.model_dump_json().encode()
 
 
 def encode(event: Envelope[Record]) -> tuple[bytes, bytes, Headers]:
-    """Key, value and headers for one Kafka record."""
+    """Key, value and headers for one Kafka record; raises ``EventTooLarge`` over the limit."""
+    key, value, headers = _encode(event)
+    size = record_size(key, value, headers)
+    if size > MAX_EVENT_BYTES:
+        raise EventTooLarge(event.event_id, event.event_type.value, size, MAX_EVENT_BYTES)
+    return key, value, headers
+
+
+def _encode(event: Envelope[Record]) -> tuple[bytes, bytes, Headers]:
     headers: Headers = [
         (HEADER_TYPE, event.event_type.value.encode()),
         (HEADER_SCHEMA, str(event.schema_version).encode()),
@@ -70,13 +122,44 @@ def decode_payload(event_type: EventType, value: bytes) -> Record:
     try:
         return PAYLOAD_TYPES[event_type].model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        location = ".".join(str(part) for part in first["loc"]) or "payload"
-        raise DecodeError(location, first["msg"]) from None
+        first = exc.errors(include_url=False)[0]
+        raise DecodeError(*_field_and_reason(first["loc"], first["msg"])) from None
 
 
-def decode(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]]) -> Envelope[Record]:
-    """Rebuild and validate an envelope; the id and key must match the payload's meaning."""
+# A model's own rule names its field first: "Value error, staging_chain: key ...".
+_FIELD_IN_MESSAGE = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.DOTALL)
+
+
+def _field_and_reason(loc: Sequence[int | str], message: str) -> tuple[str, str]:
+    """The dotted path of a validation error and its reason. A rule checked across
+    fields names its field in the message: that field joins the path, so the error
+    reads ``staging_chain`` or ``coords.staging_chain`` rather than ``payload``."""
+    path = [str(part) for part in loc]
+    match = _FIELD_IN_MESSAGE.match(message)
+    if match is None:
+        return ".".join(path) or "payload", message.removeprefix("Value error, ")
+    if not path or path[-1] != match.group(1):
+        path.append(match.group(1))
+    return ".".join(path), match.group(2)
+
+
+def decode(
+    key: bytes | None,
+    value: bytes | None,
+    headers: Sequence[tuple[str, bytes]],
+    *,
+    max_bytes: int = MAX_EVENT_BYTES,
+) -> Envelope[Record]:
+    """Rebuild and validate an envelope; the id and key must match the payload's meaning.
+
+    A record over ``max_bytes`` is refused before anything in it is parsed.
+    """
+    size = record_size(key, value, headers)
+    if size > max_bytes:
+        key_size, value_size = len(key or b""), len(value or b"")
+        parts = {"value": value_size, "key": key_size, "headers": size - key_size - value_size}
+        largest = max(parts, key=parts.__getitem__)  # the part that made it too big
+        raise DecodeError(largest, f"record is {size} bytes, over the {max_bytes}-byte event limit")
     type_name = _header(headers, HEADER_TYPE)
     try:
         event_type = EventType(type_name)
@@ -94,6 +177,60 @@ def decode(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, 
     event_id = _header(headers, HEADER_EVENT_ID)
     if event_id != event.event_id:
         raise DecodeError(f"header {HEADER_EVENT_ID}", f"{event_id!r} != expected {event.event_id!r}")
-    if key is not None and key.decode("utf-8", "replace") != event.key:
+    if key is None:  # a keyless record lands on a random partition, away from its rollout
+        raise DecodeError("key", f"missing (records are keyed by rollout, here {event.key!r})")
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DecodeError("key", f"not UTF-8 (records are keyed by rollout, here {event.key!r})") from None
+    if text != event.key:
         raise DecodeError("key", f"record key does not match rollout {event.key!r}")
     return event
+
+
+def fit_dead_letter(letter: DeadLetter, max_bytes: int = MAX_EVENT_BYTES) -> DeadLetter:
+    """``letter`` itself if it can be written, else a copy trimmed until it can.
+
+    A dead letter carries the refused record whole (base64, a third larger), so a record
+    near or over the event limit would make its own dead letter unwritable, and the
+    stage would fail on it again at every restart. The trimmed copy keeps the value's
+    first bytes with ``value_truncated_from`` set to its full size, and cuts long text
+    fields (key, header values, reason) with a marker; the whole record stays in the
+    source topic at the offset the letter names.
+    """
+    if _letter_size(letter) <= max_bytes:
+        return letter
+    raw = base64.b64decode(letter.value_b64)
+    texts: dict[str, object] = {
+        "reason": _cut(letter.reason),
+        "field": None if letter.field is None else _cut(letter.field),
+        "key": None if letter.key is None else _cut(letter.key),
+        "headers": _cut_headers(letter.headers),
+    }
+    trimmed = letter.model_copy(update={**texts, "value_b64": ""})
+    room = max_bytes - _letter_size(trimmed) - 32  # 32: room for the size field's digits
+    keep = max(0, room) * 3 // 4
+    return trimmed.model_copy(
+        update={
+            "value_b64": base64.b64encode(raw[:keep]).decode("ascii"),
+            "value_truncated_from": letter.value_truncated_from or len(raw),
+        }
+    )
+
+
+def _letter_size(letter: DeadLetter) -> int:
+    return record_size(*_encode(envelope(letter)))
+
+
+def _cut_headers(headers: dict[str, str]) -> dict[str, str]:
+    items = list(headers.items())
+    kept = {_cut(name): _cut(value) for name, value in items[:DEAD_LETTER_HEADERS]}
+    if len(items) > DEAD_LETTER_HEADERS:
+        kept["…"] = f"[{len(items) - DEAD_LETTER_HEADERS} more headers]"
+    return kept
+
+
+def _cut(text: str) -> str:
+    if len(text) <= DEAD_LETTER_TEXT_CHARS:
+        return text
+    return f"{text[:DEAD_LETTER_TEXT_CHARS]}…[{len(text)} chars]"

@@ -25,6 +25,12 @@ EXTRAS_WEIGHT_SPANS = "weight_version_spans"
 ascending offsets starting at 0; token ``i`` of the generation has the version of the
 last span whose offset is <= i."""
 
+MAX_CHAIN_DEPTH = 4096
+"""Most calls on one chain, root through the call itself. The chain travels in every
+admission, staged event and call record, so it must stay bounded: 4096 keys of the
+longest form are 1.6 MB, well inside the codec's event limit, and an admission that
+claims more is refused where it enters (HTTP 400, or a dead letter)."""
+
 IDENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 STAGING_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 
@@ -32,6 +38,8 @@ RolloutId = Annotated[str, StringConstraints(pattern=IDENT_PATTERN, max_length=2
 CallId = Annotated[str, StringConstraints(pattern=IDENT_PATTERN, max_length=200)]
 StagingKey = Annotated[str, StringConstraints(pattern=STAGING_KEY_PATTERN, max_length=401)]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+AncestorKeys = Annotated[list[StagingKey], Field(max_length=MAX_CHAIN_DEPTH - 1)]
+ChainKeys = Annotated[list[StagingKey], Field(max_length=MAX_CHAIN_DEPTH)]
 Label = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Count = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0, lt=2**63)]
@@ -110,7 +118,7 @@ class CaptureAdmission(Record):
     parent_call_id: CallId | None = None
     prev_len: Count
     mode: Mode
-    staging_chain: list[StagingKey] | None = None
+    staging_chain: AncestorKeys | None = None
     parent_chain_hash: Sha256Hex | None = None
     logical_call_id: Label | None = None
     group_id: Label | None = None
@@ -242,7 +250,7 @@ class CommitCoords(Record):
     cum_len: Count
     weight_version: Count
     staging_key: StagingKey
-    staging_chain: list[StagingKey]
+    staging_chain: ChainKeys
     chain_hash: Sha256Hex | None = None
     cumulative_hash: Sha256Hex | None = None
     digest: Sha256Hex | None = None
@@ -422,7 +430,12 @@ class TrainingSample(Record):
 
 
 class DeadLetter(Record):
-    """An input a stage could not use, kept whole with the reason it was refused."""
+    """An input a stage could not use, kept whole with the reason it was refused.
+
+    ``value_b64`` is the raw value; only when the letter would exceed the event size
+    limit does it hold just the value's first bytes, with ``value_truncated_from`` the
+    full size (the whole record stays at its source offset).
+    """
 
     source_topic: str
     source_partition: Count
@@ -432,4 +445,5 @@ class DeadLetter(Record):
     key: str | None = None
     headers: dict[str, str]
     value_b64: str
+    value_truncated_from: Count | None = None
     stage: Label

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka.errors import KafkaError
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from stages.ports import DataPlaneError
 
 if TYPE_CHECKING:
@@ -74,6 +75,13 @@ def add_parser(subparsers: Any) -> None:
         help="calls straddling a refit: record their version spans, or fail their capture",
     )
     parser.add_argument("--prefix-wait-s", type=float, default=5.0, help="bound on waiting for a parent row")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help="larger request bodies are answered 413 before they are read (default: %(default)s, 8 MiB)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="float32")
     engine.add_argument("--max-model-len", type=int, default=4096)
@@ -88,6 +96,13 @@ def add_parser(subparsers: Any) -> None:
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
     parser.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 @contextlib.asynccontextmanager
@@ -125,6 +140,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         weight_version=args.weight_version,
         span_policy=SpanPolicy(args.span_policy),
         prefix_wait_s=args.prefix_wait_s,
+        max_body_bytes=args.max_body_bytes,
         engine=EngineSettings(
             model=str(args.model),
             dtype=args.dtype,

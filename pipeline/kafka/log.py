@@ -5,6 +5,10 @@ is encoded by the contract's codec, routed by event type and keyed by rollout id
 ``publish`` returns only once the broker acknowledged every record (``acks="all"``).
 Idempotent and transactional producers are off on purpose: tansu cannot serve them,
 and delivery is at-least-once with idempotent consumers instead (DESIGN §7).
+
+Size: an event over the codec's limit fails with ``EventTooLarge`` naming it (also when
+a broker with a smaller ``message.max.bytes`` refuses it), while a dead letter is
+trimmed to fit, since it is the last place bad input can go.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ from typing import Any, Self
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, TopicAlreadyExistsError
 
 from pipeline.kafka.config import KafkaConfig
-from topics.codec import encode
-from topics.events import envelope
+from topics.codec import MAX_EVENT_BYTES, EventTooLarge, encode, fit_dead_letter, record_size
+from topics.events import Envelope, envelope
 from topics.names import TopicNames, topic_for
-from topics.records import Record
+from topics.records import DeadLetter, Record
+
+REQUEST_OVERHEAD_BYTES = 64 * 1024
+"""Room for batch and record framing above the codec's event limit."""
 
 _TOPIC_ALREADY_EXISTS = TopicAlreadyExistsError.errno
 
@@ -45,7 +52,7 @@ class KafkaEventSink:
         *,
         linger_ms: int = 5,
         max_batch_size: int = 256 * 1024,
-        max_request_size: int = 4 * 1024 * 1024,
+        max_request_size: int = MAX_EVENT_BYTES + REQUEST_OVERHEAD_BYTES,
         compression_type: str | None = None,
     ) -> None:
         self.config = config
@@ -86,19 +93,29 @@ class KafkaEventSink:
         """Send every record, then wait until the broker acknowledged all of them.
 
         On failure the first error is raised after all sends settled; some records may
-        have been written, which is harmless because event ids are deterministic.
+        have been written, which is harmless because event ids are deterministic. An
+        event too large to write raises ``EventTooLarge`` before anything is sent.
         """
         if not records:
             return
         producer = self._require_producer()
-        pending: list[asyncio.Future[Any]] = []
+        encoded: list[tuple[Envelope[Record], bytes, bytes, list[tuple[str, bytes]]]] = []
         for record in records:
-            event = envelope(record)
-            key, value, headers = encode(event)
+            event = envelope(fit_dead_letter(record) if isinstance(record, DeadLetter) else record)
+            encoded.append((event, *encode(event)))
+        pending: list[asyncio.Future[Any]] = []
+        for event, key, value, headers in encoded:
             topic = topic_for(self.names, event.event_type.value)
-            pending.append(await producer.send(topic, value=value, key=key, headers=headers))
+            try:
+                pending.append(await producer.send(topic, value=value, key=key, headers=headers))
+            except MessageSizeTooLargeError as exc:  # a producer configured below the event limit
+                await asyncio.gather(*pending, return_exceptions=True)  # let the sent ones settle
+                limit = self._settings["max_request_size"]
+                raise _too_large(event, key, value, headers, limit, "producer max_request_size") from exc
         results = await asyncio.gather(*pending, return_exceptions=True)
-        for result in results:
+        for (event, key, value, headers), result in zip(encoded, results, strict=True):
+            if isinstance(result, MessageSizeTooLargeError):  # a broker whose limit is lower
+                raise _too_large(event, key, value, headers, None, "broker (message.max.bytes)") from result
             if isinstance(result, BaseException):
                 raise result
         self.published += len(records)
@@ -121,6 +138,18 @@ class KafkaEventSink:
         if self._producer is None:
             raise RuntimeError("KafkaEventSink is not started; use 'async with' or await start()")
         return self._producer
+
+
+def _too_large(
+    event: Envelope[Record],
+    key: bytes,
+    value: bytes,
+    headers: Sequence[tuple[str, bytes]],
+    limit: int | None,
+    what: str,
+) -> EventTooLarge:
+    size = record_size(key, value, headers)
+    return EventTooLarge(event.event_id, event.event_type.value, size, limit, what)
 
 
 async def ensure_topics(config: KafkaConfig, names: TopicNames | None = None) -> list[str]:

@@ -5,3 +5,7 @@
 and an in-loop uvicorn server (``run_worker``, ``WorkerServer``). Nothing is imported
 here, so the CLI stays fast to load.
 """
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+"""Largest request body a worker accepts (``--max-body-bytes``); a long agentic chat is
+well under a megabyte of JSON. Bigger bodies are answered 413 before they are read."""

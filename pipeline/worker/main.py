@@ -28,6 +28,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.server import create_app
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer
@@ -61,6 +62,7 @@ class WorkerConfig:
     cache_bytes: int = 256 * 2**20
     writer_max_queue: int = 4096
     graceful_timeout_s: float = 60.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine: EngineSettings | None = None
 
     @property
@@ -98,7 +100,12 @@ def build_worker(
 
 
 def build_app(worker: VllmWorker, config: WorkerConfig) -> FastAPI:
-    return create_app(worker, model_name=config.model_name, worker_id=config.worker_id)
+    return create_app(
+        worker,
+        model_name=config.model_name,
+        worker_id=config.worker_id,
+        max_body_bytes=config.max_body_bytes,
+    )
 
 
 class _Server(uvicorn.Server):

@@ -150,10 +150,10 @@ def chat_completion(
 
 
 def error_body(
-    message: str, *, param: str | None = None, kind: str = "invalid_request_error"
+    message: str, *, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None
 ) -> dict[str, Any]:
     """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def models_list(names: Sequence[str]) -> dict[str, Any]:

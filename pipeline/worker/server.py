@@ -8,6 +8,9 @@ row is with the background writer); under ``enqueued`` it replies at once.
 Refits (DESIGN §8): ``/admin/pause`` → ``/admin/reload_weights`` →
 ``/admin/weight_version`` → ``/admin/resume``. Calls in flight keep their place and
 record the per-token version spans.
+
+Request bodies are bounded (``max_body_bytes``): a bigger one is answered 413 before
+any of it is parsed, so one client cannot make the worker buffer or parse gigabytes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.metrics import CONTENT_TYPE, render, worker_registry
 from pipeline.worker.protocol import (
     ChatCompletionRequest,
@@ -38,6 +43,80 @@ from stages.capture.vllm_worker import RequestRejected, VllmWorker, WorkerStateE
 from stages.client import strip_token_fields
 
 log = logging.getLogger(__name__)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets a 413 before the app sees it.
+
+    A declared ``Content-Length`` over the limit is refused without reading the body; a
+    chunked body is counted as it arrives and refused as soon as it passes the limit.
+    A body within the limit is handed to the app whole, so nothing the app parses can
+    be larger than the limit.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes: must be >= 1, got {max_bytes}")
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._refuse(scope, send, f"declares {declared} bytes")
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before its body was complete
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, send, f"passed {self.max_bytes} bytes while streaming")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if delivered:
+                return await receive()  # after the body: the client's disconnect, if any
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, send: Send, detail: str) -> None:
+        log.warning("refused a %s %s body that %s", scope.get("method"), scope.get("path"), detail)
+        message = f"request body too large: the limit is {self.max_bytes} bytes (--max-body-bytes)"
+        response = JSONResponse(
+            error_body(message, code="request_too_large"),
+            status_code=413,
+            headers={"connection": "close"},  # the rest of the body is never read
+        )
+        await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server's HTTP parser refuses a malformed length itself
+    return None
 
 
 def _error(
@@ -60,8 +139,9 @@ def create_app(
     model_name: str,
     worker_id: str,
     manage_worker: bool = True,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The app around one ``VllmWorker``.
+    """The app around one ``VllmWorker``; request bodies over ``max_body_bytes`` get a 413.
 
     With ``manage_worker`` the app's lifespan starts the worker and, on shutdown (after
     the server finished in-flight requests), drains its staging writer. Tests that drive
@@ -80,6 +160,7 @@ def create_app(
                 log.info("worker %s drained its staging writer", worker_id)
 
     app = FastAPI(title="tokentrail worker", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     registry = worker_registry(worker, worker_id)
 
     @app.exception_handler(InvalidRequest)

@@ -139,9 +139,14 @@ class OpenRollout:
         else:
             try:
                 parents = {c: f.parent_call_id for c, f in self.failed.items()}
-                for record in self.committed.values():  # parents nobody admitted are nodes too
-                    if record.parent_call_id is not None and record.parent_call_id not in self.admissions:
-                        parents.setdefault(record.parent_call_id, None)
+                # Parents nobody admitted are nodes too, also under a failed call: else a
+                # call failed for naming a missing parent stands as a second root, and
+                # the rollout reads ambiguous_terminal instead of that call's own code.
+                named = [r.parent_call_id for r in self.committed.values()]
+                named += [f.parent_call_id for f in self.failed.values()]
+                for parent in named:
+                    if parent is not None and parent not in self.admissions:
+                        parents.setdefault(parent, None)
                 chosen = select_terminal(self.committed, seal, parents)
                 terminal, selection = chosen.call_id, chosen.selection
                 reason = self._chain_failure(chosen.call_id)

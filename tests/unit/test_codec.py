@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import orjson
@@ -219,6 +220,11 @@ def test_decode_names_bad_field() -> None:
         (lambda k, v, h: (k, v, [h[0], (codec.HEADER_SCHEMA, b"2"), h[2]]), "header tt-schema"),
         (lambda k, v, h: (k, v, [*h[:2], (codec.HEADER_EVENT_ID, b"seal/other")]), "header tt-event-id"),
         (lambda k, v, h: (b"r2", v, h), "key"),
+        (lambda k, v, h: (None, v, h), "key"),
+        (lambda k, v, h: (b"r1\xff", v, h), "key"),
+        (lambda k, v, h: (k, v, [*h[:2], (codec.HEADER_EVENT_ID, b"\xfe")]), "header tt-event-id"),
+        (lambda k, v, h: (k, b" " * (codec.MAX_EVENT_BYTES + 1), h), "value"),
+        (lambda k, v, h: (k, v, [*h, ("x", b"h" * codec.MAX_EVENT_BYTES)]), "headers"),
         (lambda k, v, h: (k, orjson.dumps({**orjson.loads(v), "extra": 1}), h), "extra"),
         (lambda k, v, h: (k, orjson.dumps({**orjson.loads(v), "schema_version": 9}), h), "schema_version"),
     ],
@@ -227,6 +233,67 @@ def test_decode_errors(mutate: Any, field: str) -> None:
     with pytest.raises(DecodeError) as info:
         codec.decode(*mutate(*encoded()))
     assert info.value.field == field
+
+
+def test_a_rule_across_fields_names_its_field() -> None:
+    admission = CaptureAdmission(
+        rollout_id="r1",
+        call_id="c2",
+        parent_call_id="c1",
+        prev_len=3,
+        mode="token_in",
+        staging_chain=["r1/c1"],
+        parent_chain_hash="a" * 64,
+        admitted_at=1.0,
+    )
+    key, value, headers = codec.encode_record(admission)
+    foreign = orjson.dumps({**orjson.loads(value), "staging_chain": ["r9/c1"]})
+    with pytest.raises(DecodeError) as info:
+        codec.decode(key, foreign, headers)
+    assert info.value.field == "staging_chain"
+    assert info.value.reason == "key 'r9/c1' is not of rollout 'r1'"
+    too_long = orjson.dumps({**orjson.loads(value), "staging_chain": [f"r1/k{i}" for i in range(5000)]})
+    with pytest.raises(DecodeError) as info:
+        codec.decode(key, too_long, headers)
+    assert info.value.field == "staging_chain" and "at most 4095 items" in info.value.reason
+
+
+def test_an_event_over_the_limit_is_refused_naming_it() -> None:
+    failed = FailedCall(
+        rollout_id="r1", call_id="c1", reason="never_staged", detail="x" * codec.MAX_EVENT_BYTES
+    )
+    with pytest.raises(codec.EventTooLarge, match=r"event com/r1/c1 \(call_failed\) is \d+ bytes"):
+        codec.encode_record(failed)
+
+
+def letter(value: bytes, **fields: Any) -> DeadLetter:
+    return DeadLetter(
+        source_topic="tt.admission",
+        source_partition=1,
+        source_offset=7,
+        value_b64=base64.b64encode(value).decode(),
+        stage="ledger",
+        **{"reason": "bad", "key": "r1", "headers": {"tt-type": "admission"}, **fields},
+    )
+
+
+def test_a_dead_letter_that_fits_is_kept_whole() -> None:
+    small = letter(b"\x00" * 1000)
+    assert codec.fit_dead_letter(small) is small
+    assert codec.decode(*codec.encode_record(small)).payload == small
+
+
+def test_an_oversized_dead_letter_keeps_a_prefix_and_the_full_size() -> None:
+    raw = bytes(range(256)) * (codec.MAX_EVENT_BYTES // 256 + 100)
+    headers = {f"h{i}": "v" * 5000 for i in range(200)}
+    fitted = codec.fit_dead_letter(letter(raw, headers=headers).model_copy(update={"reason": "r" * 10**6}))
+    key, value, headers_out = codec.encode_record(fitted)  # writable: no EventTooLarge
+    assert codec.record_size(key, value, headers_out) <= codec.MAX_EVENT_BYTES
+    kept = base64.b64decode(fitted.value_b64)
+    assert fitted.value_truncated_from == len(raw) and raw.startswith(kept)
+    assert len(kept) > codec.MAX_EVENT_BYTES // 2
+    assert len(fitted.headers) == codec.DEAD_LETTER_HEADERS + 1 and fitted.reason.endswith("[1000000 chars]")
+    assert (fitted.source_topic, fitted.source_offset, fitted.key) == ("tt.admission", 7, "r1")
 
 
 def test_topic_names() -> None:

@@ -362,10 +362,17 @@ def test_cli_verb_builds_the_worker_config(model_dir: Path) -> None:
             "dp.json",
             "--worker-id",
             "w7",
+            "--max-body-bytes",
+            "4096",
         ]
     )
     config = worker_config(args)
     assert (config.port, config.ack_policy, config.worker_id) == (0, AckPolicy.ENQUEUED, "w7")
+    assert config.max_body_bytes == 4096
+    base = ["worker", "--model", str(model_dir), "--bootstrap", "127.0.0.1:9092"]
+    assert worker_config(build_parser().parse_args(base)).max_body_bytes == 8 * 2**20
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--max-body-bytes", "0"])
     assert config.engine_settings().engine_kwargs()["logprobs_mode"] == "processed_logprobs"
     assert args.dataplane_addresses == Path("dp.json") and callable(args.run)
 
