@@ -24,7 +24,6 @@ from pipeline.stage_runner import (
     ConsumerTuning,
     finalizer_topics,
     ledger_topics,
-    recall_answered,
     serve_stage,
 )
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
@@ -110,8 +109,6 @@ async def running_stages(
     stop = asyncio.Event()
     ledger = LedgerStage(sink, ledger_config)
     finalizer = FinalizerStage(data_plane, sink)
-    await recall_answered(ledger, kafka)
-    await recall_answered(finalizer, kafka)
     names = kafka.names
     tasks: dict[str, asyncio.Task[object]] = {
         "ledger": asyncio.create_task(

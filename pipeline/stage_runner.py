@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pipeline.kafka.config import KafkaConfig
@@ -24,7 +25,7 @@ from pipeline.lag_gauge import DEFAULT_INTERVAL_S, poll_lag
 from pipeline.metrics import StageMetrics
 from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerStage
-from stages.ports import EventSink, StageHandler
+from stages.ports import EventSink, StageHandler, TopicPartition
 from topics.events import EventType
 from topics.names import TopicNames
 
@@ -55,15 +56,17 @@ def finalizer_topics(names: TopicNames) -> list[str]:
     return [names.committed]
 
 
-async def recall_answered(stage: LedgerStage | FinalizerStage, config: KafkaConfig) -> int:
-    """Seed the stage's memory of answered rollouts from the tail of its output topic,
-    so that input replayed after a restart is not answered a second time; returns how
-    many rollouts it recalled."""
+async def recall_answered(
+    stage: LedgerStage | FinalizerStage, config: KafkaConfig, partitions: Iterable[int] | None = None
+) -> int:
+    """Seed the stage's memory of answered rollouts from the tail of its output topic
+    (only the given partition numbers, if any), so that input replayed after a restart
+    or a rebalance is not answered a second time; returns how many it recalled."""
     if isinstance(stage, LedgerStage):
         memory, topic, kind = stage.receipted, config.names.committed, EventType.RECEIPT
     else:
         memory, topic, kind = stage.finalized, config.names.finalized, EventType.FINALIZED
-    keys = await recent_keys(config, topic, kind, per_partition=memory.capacity)
+    keys = await recent_keys(config, topic, kind, per_partition=memory.capacity, partitions=partitions)
     memory.update(keys)
     log.info("stage %s recalled %d answered rollout(s) from %s", stage.name, len(keys), topic)
     return len(keys)
@@ -89,6 +92,11 @@ async def serve_stage(
     """
     if lag_interval_s <= 0:
         raise ValueError(f"lag_interval_s: must be > 0, got {lag_interval_s}")
+
+    async def recall(assigned: frozenset[TopicPartition]) -> None:
+        if isinstance(handler, LedgerStage | FinalizerStage):
+            await recall_answered(handler, config, {partition for _, partition in assigned})
+
     loop = ConsumerLoop(
         config,
         group_id=group,
@@ -100,6 +108,7 @@ async def serve_stage(
         idle_poll_ms=tuning.idle_poll_ms,
         session_timeout_ms=tuning.session_timeout_ms,
         heartbeat_interval_ms=tuning.heartbeat_interval_ms,
+        on_assigned=recall,
     )
 
     async def stop_when_asked() -> None:

@@ -23,7 +23,6 @@ from pipeline.stage_runner import (
     ConsumerTuning,
     finalizer_topics,
     ledger_topics,
-    recall_answered,
     serve_stage,
 )
 from stages.finalize.stage import FinalizerStage
@@ -193,7 +192,6 @@ async def _serve_stage(args: argparse.Namespace, config: KafkaConfig, metrics: S
                 sink,
                 LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open, remember=args.remember),
             )
-            await recall_answered(ledger, config)
             await serve_stage(
                 ledger,
                 config,
@@ -219,7 +217,6 @@ async def _serve_stage(args: argparse.Namespace, config: KafkaConfig, metrics: S
                 policy=MixedVersionPolicy(args.mixed_versions),
                 remember=args.remember,
             )
-            await recall_answered(finalizer, config)
             await serve_stage(
                 finalizer,
                 config,

@@ -95,6 +95,7 @@ class ConsumerLoop:
         max_poll_interval_ms: int = 300_000,
         fetch_max_wait_ms: int = 100,
         clock: Callable[[], float] = time.time,
+        on_assigned: Callable[[frozenset[PortPartition]], Awaitable[None]] | None = None,
     ) -> None:
         if not topics:
             raise ValueError("topics: a consumer loop needs at least one topic")
@@ -122,6 +123,8 @@ class ConsumerLoop:
             "partition_assignment_strategy": (RangePartitionAssignor,),
         }
         self._clock = clock
+        self._on_assigned_hook = on_assigned
+        """Runs once new partitions are assigned, before any of their records is handled."""
         self._consumer: AIOKafkaConsumer | None = None
         self._lock = asyncio.Lock()
         self._stop = asyncio.Event()
@@ -294,6 +297,8 @@ class ConsumerLoop:
                         consumer.seek(tp, offset)
                         self._positions[tp] = offset
                         self._committed[tp] = offset
+                if self._on_assigned_hook is not None:
+                    await self._on_assigned_hook(frozenset((tp.topic, tp.partition) for tp in assigned))
             else:
                 self._epoch += 1
         self._assigned.set()

@@ -2,12 +2,16 @@
 
 A stage remembers, in memory, the rollouts it has closed (the ledger) or finalized
 (the finalizer) so that duplicated or replayed input does not produce a second,
-different outcome. That memory dies with the process; on start the stage rebuilds it
-from the last events of the topic it publishes to. Only keys and the type header are
+different outcome. That memory dies with the process and does not follow a partition
+to another group member; whenever partitions are assigned, the member rebuilds it for
+them from the last events of the same partitions of the topic it publishes to (a
+rollout's events share a partition number on every topic). Only keys and the type header are
 read (no payload is decoded), so warming is cheap even for a long tail.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from aiokafka import AIOKafkaConsumer
 
@@ -20,17 +24,25 @@ FETCH_TIMEOUT_MS = 500
 
 
 async def recent_keys(
-    config: KafkaConfig, topic: str, event_type: EventType, *, per_partition: int
+    config: KafkaConfig,
+    topic: str,
+    event_type: EventType,
+    *,
+    per_partition: int,
+    partitions: Iterable[int] | None = None,
 ) -> list[str]:
     """Keys of the ``event_type`` events among the last ``per_partition`` events of each
-    partition of ``topic``, oldest first within a partition."""
+    partition of ``topic`` (or of the given partition numbers), oldest first within a
+    partition."""
     if per_partition < 0:
         raise ValueError(f"per_partition: must be >= 0, got {per_partition}")
     if per_partition == 0:
         return []
     async with LagReader(config) as reader:
-        partitions = await reader.partitions([topic])
-        marks = await reader.watermarks(partitions)
+        every = await reader.partitions([topic])
+        wanted_numbers = None if partitions is None else set(partitions)
+        chosen = [tp for tp in every if wanted_numbers is None or tp.partition in wanted_numbers]
+        marks = await reader.watermarks(chosen)
     starts = {tp: max(m.log_start, m.highwater - per_partition) for tp, m in marks.items()}
     pending = {tp for tp, m in marks.items() if m.highwater > starts[tp]}
     if not pending:

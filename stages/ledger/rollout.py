@@ -32,7 +32,6 @@ class OpenRollout:
     seal: RolloutSeal | None = None
     sealed_monotonic: float = 0.0
     opened_monotonic: float = 0.0
-    applied: set[str] = field(default_factory=set)
 
     def join(self, call_id: str) -> CallRecord | FailedCall | None:
         """Join the admission and staged event of ``call_id`` once both are here."""

@@ -5,10 +5,12 @@ Per rollout it joins each admission with its staged event into a ``CallRecord`` 
 in any order and more than once; outputs carry deterministic ids, so replays are
 harmless downstream.
 
-Offsets: per partition it commits the lowest offset any open rollout still needs. A
-closed rollout is remembered (offsets only) while any of its events lie above that
-point, and the point is pulled down to its first event: a restart then replays each
-rollout whole or not at all, and rebuilds the same receipts.
+Offsets: per partition it commits the lowest offset any open rollout still needs, so
+a restart rebuilds every open rollout from its first event. Rollouts it has receipted
+are remembered by id (``receipted``, recalled from the committed topic when partitions
+are assigned): their events arriving again, replayed after a restart or delivered
+twice, are late and change nothing. Closed rollouts therefore never hold the commit
+point back, however much rollouts overlap under sustained load.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ from dataclasses import dataclass, field
 from stages.ledger.rollout import OpenRollout
 from stages.ports import Consumed, EventSink, TopicPartition
 from stages.recent import DEFAULT_REMEMBER, RecentIds
-from topics.codec import encode_payload
+from topics.codec import HEADER_TYPE, encode_payload
 from topics.failures import LedgerFailure
-from topics.records import CallRecord, CaptureAdmission, DeadLetter, Record, RolloutSeal, StagedEvent
+from topics.records import (
+    CallRecord,
+    CaptureAdmission,
+    DeadLetter,
+    FailedCall,
+    Record,
+    RolloutSeal,
+    StagedEvent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +92,6 @@ class LedgerStage:
         self.stats = LedgerStats()
         self.open: dict[str, OpenRollout] = {}
         self._open_spans: dict[str, _Tracked] = {}
-        self._closed_spans: dict[str, _Tracked] = {}
         self.receipted = RecentIds(self.config.remember)
         """Rollouts whose receipt is published. Their events arriving again (a duplicate
         delivery, a replayed segment) are late, not a new rollout. Seed it from the tail
@@ -94,12 +103,14 @@ class LedgerStage:
         touched: set[str] = set()
         for item in batch:
             rollout_id = item.event.key
-            closed = self._closed_spans.get(rollout_id)
-            if closed is not None:  # a late or replayed event of a rollout already receipted
-                closed.add((item.topic, item.partition), item.offset)
-                self.stats.late += 1
+            if not isinstance(item.event.payload, CaptureAdmission | StagedEvent | RolloutSeal):
+                outputs.append(
+                    self._dead_letter(
+                        item, f"event type {item.event.event_type} does not belong on this topic", f"header {HEADER_TYPE}"
+                    )
+                )
                 continue
-            if rollout_id in self.receipted:
+            if rollout_id in self.receipted:  # a replayed or duplicated event of a receipted rollout
                 self.stats.late += 1
                 continue
             state = self.open.get(rollout_id)
@@ -107,9 +118,6 @@ class LedgerStage:
                 state = self.open[rollout_id] = OpenRollout(rollout_id, opened_monotonic=now)
                 self._open_spans[rollout_id] = _Tracked()
             self._open_spans[rollout_id].add((item.topic, item.partition), item.offset)
-            if item.event.event_id in state.applied:
-                self.stats.duplicates += 1
-                continue
             outputs += self._apply(state, item, now)
             touched.add(rollout_id)
         for rollout_id in touched:
@@ -119,31 +127,37 @@ class LedgerStage:
         await self._publish(outputs)
 
     def _apply(self, state: OpenRollout, item: Consumed, now: float) -> list[Record]:
+        """Apply one event; an equal repeat is a duplicate, a different one a dead letter."""
         payload = item.event.payload
+        known: Record | None
         if isinstance(payload, CaptureAdmission):
             known = state.admissions.get(payload.call_id)
-            if known is not None and known != payload:
-                return [self._dead_letter(item, "conflicting admission for the same call id")]
+        elif isinstance(payload, StagedEvent):
+            known = state.staged.get(payload.coords.call_id)
+        else:
+            known = state.seal
+        if known is not None:
+            if known == payload:
+                self.stats.duplicates += 1
+                return []
+            kind = item.event.event_type.value
+            return [
+                self._dead_letter(
+                    item, f"conflicting {kind} for the same id", _first_difference(known, payload)
+                )
+            ]
+        joined: CallRecord | FailedCall | None
+        if isinstance(payload, CaptureAdmission):
             state.admissions[payload.call_id] = payload
             joined = state.join(payload.call_id)
         elif isinstance(payload, StagedEvent):
-            call_id = payload.coords.call_id
-            if call_id in state.staged:
-                self.stats.duplicates += 1
-                return []
-            state.staged[call_id] = payload
-            joined = state.join(call_id)
-        elif isinstance(payload, RolloutSeal):
-            if state.seal is not None and state.seal != payload:
-                return [self._dead_letter(item, "conflicting seal for the same rollout")]
+            state.staged[payload.coords.call_id] = payload
+            joined = state.join(payload.coords.call_id)
+        else:
+            assert isinstance(payload, RolloutSeal)
             state.seal = payload
             state.sealed_monotonic = now
             joined = None
-        else:
-            return [
-                self._dead_letter(item, f"event type {item.event.event_type} does not belong on this topic")
-            ]
-        state.applied.add(item.event.event_id)
         if joined is None:
             return []
         if isinstance(joined, CallRecord):
@@ -159,7 +173,7 @@ class LedgerStage:
         if receipt.failure_reason is not None:
             self.stats.poisoned[str(receipt.failure_reason)] += 1
         del self.open[state.rollout_id]
-        self._closed_spans[state.rollout_id] = self._open_spans.pop(state.rollout_id)
+        del self._open_spans[state.rollout_id]
         self.receipted.add(state.rollout_id)
         return [*late, receipt]
 
@@ -190,20 +204,6 @@ class LedgerStage:
             for tp, (first, _) in tracked.spans.items():
                 if tp in commit and first < commit[tp]:
                     commit[tp] = first
-        changed = True
-        while changed:  # a closed rollout partly above the point is pulled in whole
-            changed = False
-            for tracked in self._closed_spans.values():
-                if any(tp in commit and last >= commit[tp] for tp, (_, last) in tracked.spans.items()):
-                    for tp, (first, _) in tracked.spans.items():
-                        if tp in commit and first < commit[tp]:
-                            commit[tp] = first
-                            changed = True
-        self._closed_spans = {
-            r: t
-            for r, t in self._closed_spans.items()
-            if any(tp in commit and last >= commit[tp] for tp, (_, last) in t.spans.items())
-        }
         return commit
 
     def on_revoked(self, partitions: Sequence[TopicPartition]) -> None:
@@ -212,9 +212,8 @@ class LedgerStage:
             if lost & tracked.spans.keys():
                 del self._open_spans[rollout_id]
                 self.open.pop(rollout_id, None)
-        self._closed_spans = {r: t for r, t in self._closed_spans.items() if not lost & t.spans.keys()}
 
-    def _dead_letter(self, item: Consumed, reason: str) -> DeadLetter:
+    def _dead_letter(self, item: Consumed, reason: str, field_name: str | None) -> DeadLetter:
         self.stats.dead_letters += 1
         log.warning("dead-lettering %s@%d:%d: %s", item.topic, item.partition, item.offset, reason)
         return DeadLetter(
@@ -222,8 +221,21 @@ class LedgerStage:
             source_partition=item.partition,
             source_offset=item.offset,
             reason=reason,
+            field=field_name,
             key=item.event.key,
             headers={"tt-type": item.event.event_type.value, "tt-event-id": item.event.event_id},
             value_b64=base64.b64encode(encode_payload(item.event.payload)).decode(),
             stage=self.name,
         )
+
+
+def _first_difference(known: Record, other: Record) -> str | None:
+    """The first field (dotted for nested ones) where two records of one type differ."""
+    a, b = known.model_dump(), other.model_dump()
+    for name in a:
+        if a[name] != b.get(name):
+            if isinstance(a[name], dict) and isinstance(b.get(name), dict):
+                inner = next((k for k in a[name] if a[name][k] != b[name].get(k)), None)
+                return f"{name}.{inner}" if inner else name
+            return name
+    return None

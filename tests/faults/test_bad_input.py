@@ -91,12 +91,9 @@ class Letter:
     stage: str
     field: str | None
     reason: str  # a substring of the letter's reason
-    fixed_field: str | None = None
-    """Also accepted: the field the ledger's own letters will name once the reported fix
-    to stages/ledger/stage.py lands (today they carry none)."""
 
     def names(self, field: str | None) -> bool:
-        return field == self.field or (self.fixed_field is not None and field == self.fixed_field)
+        return field == self.field
 
 
 @dataclass(frozen=True)
@@ -130,7 +127,6 @@ class Case:
     outcome: str  # "accepted", or the rejection code of the case's rollout
     failed: tuple[Failed, ...] = ()
     reward: float | None = None
-    xfail: str | None = None  # a known gap in a file this suite may not change
 
 
 _KEEP: Any = object()
@@ -328,7 +324,7 @@ def _finalized_on_admission_topic(chain: Chain) -> Raw:
         call_count=0,
         finalized_at=1.0,
     )
-    return raw(final, Letter("ledger", None, "does not belong on this topic", fixed_field=TYPE))
+    return raw(final, Letter("ledger", TYPE, "does not belong on this topic"))
 
 
 def _malformed_receipt(chain: Chain) -> Raw:
@@ -462,7 +458,7 @@ async def _conflicting_admission(kit: Kit, rid: str) -> list[Send]:
     chain = await kit.chain(rid)
     events = chain.events()
     other = chain.admissions[1].model_copy(update={"group_id": "not-the-same"})
-    events.insert(3, raw(other, Letter("ledger", None, "conflicting admission", fixed_field="group_id")))
+    events.insert(3, raw(other, Letter("ledger", "group_id", "conflicting admission")))
     return events
 
 
@@ -479,10 +475,6 @@ SCHEMA = f"header {HEADER_SCHEMA}"
 EVENT_ID = f"header {HEADER_EVENT_ID}"
 OVER = f"over the {MAX_EVENT_BYTES}-byte event limit"
 HUGE = b'{"padding": "' + b"a" * (MAX_EVENT_BYTES + 1024) + b'"}'
-SAME_ID = (
-    "stages/ledger/stage.py drops any event whose id it applied as a duplicate before "
-    "comparing it, so a differing second seal or admission is lost silently (fix reported)"
-)
 
 CASES: list[Case] = [
     # malformed JSON ------------------------------------------------------------------
@@ -724,17 +716,15 @@ CASES: list[Case] = [
     Case(
         "conflicting-seal",
         "duplicate seal",
-        _two_seals(0.0, Letter("ledger", None, "conflicting seal", fixed_field="reward")),
+        _two_seals(0.0, Letter("ledger", "reward", "conflicting seal")),
         "accepted",
         reward=1.0,
-        xfail=SAME_ID,
     ),
     Case(
         "conflicting-admission",
         "duplicate admission that differs",
         _conflicting_admission,
         "accepted",
-        xfail=SAME_ID,
     ),
     Case(
         "orphan-staged",
@@ -1005,10 +995,7 @@ def check_letter(sent: Sent, letters: list[DeadLetter]) -> None:
 @pytest.mark.dataplane
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, id=c.name, marks=[pytest.mark.xfail(strict=True, reason=c.xfail)] if c.xfail else [])
-        for c in CASES
-    ],
+    [pytest.param(c, id=c.name) for c in CASES],
 )
 def test_bad_input_is_dead_lettered_or_rejects_its_rollout(
     case: Case, bad_run: Run, fault_report: Any
@@ -1064,9 +1051,8 @@ def test_the_stages_survive_and_good_rollouts_published_after_the_bad_input_are_
         assert [o.status for o in outcomes] == ["accepted"], f"{rid}: {outcomes} ({bad_run.phases})"
         assert outcomes[0].call_count == 3
     assert all(bad_run.letters_of(rid) == [] for rid in bad_run.good)
-    # Every dead letter due (but those of known gaps) was written by a stage that went on.
-    known_gaps = {c.name for c in CASES if c.xfail}
-    due = {s.where for s in bad_run.sent if s.raw.expect is not None and s.case not in known_gaps}
+    # Every dead letter due was written by a stage that went on.
+    due = {s.where for s in bad_run.sent if s.raw.expect is not None}
     assert due <= bad_run.letters.keys()
 
 

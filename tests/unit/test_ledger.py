@@ -313,7 +313,7 @@ def test_call_records_published_as_they_join() -> None:
     assert sink.events[-1].event_id == "rcp/r"
 
 
-def test_commit_point_keeps_open_rollouts_and_replays_whole() -> None:
+def test_commit_point_keeps_open_rollouts_and_a_restart_replays_none_of_the_closed() -> None:
     sink = RecordingSink()
     stage = LedgerStage(sink, LedgerConfig(seal_grace_s=100))
     open_one, closed_one = build("single_chain"), Rollout("s")
@@ -332,9 +332,44 @@ def test_commit_point_keeps_open_rollouts_and_replays_whole() -> None:
         return dict(stage.committable({("in", 0): len(events)}))
 
     commit = asyncio.run(go())
-    # r is open from offset 1; s closed but has events above 1, so it is replayed whole from 0
-    assert commit == {("in", 0): 0}
+    assert commit == {("in", 0): 1}  # r is open from offset 1; closed s does not hold it back
     assert len(sink.payloads(RolloutReceipt)) == 1
+
+    # A restart replays from offset 1 and recalls s as receipted: r is rebuilt whole, s
+    # (its later events replayed) changes nothing.
+    restarted_sink = RecordingSink()
+    restarted = LedgerStage(restarted_sink, LedgerConfig(seal_grace_s=0))
+    restarted.receipted.update(["s"])
+    asyncio.run(restarted.handle(consumed([*events[1:], open_one.events[-1]], 1)))
+    assert [r.rollout_id for r in restarted_sink.payloads(RolloutReceipt)] == ["r"]  # type: ignore[attr-defined]
+    assert restarted.stats.late == 2
+
+
+def test_overlapping_rollouts_under_sustained_load_let_the_commit_point_advance() -> None:
+    sink = RecordingSink()
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=0))
+    lanes = [Rollout(f"r{i}") for i in range(200)]
+    for r in lanes:
+        r.call("a")
+        r.call("b", "a")
+        r.seal()
+    # Each rollout starts before the previous one ends: they all overlap in the log.
+    events: list[Record] = []
+    for i in range(len(lanes) + 1):
+        if i < len(lanes):
+            events += lanes[i].events[:3]
+        if i:
+            events += lanes[i - 1].events[3:]
+    commits = []
+
+    async def go() -> None:
+        for start in range(0, len(events), 50):
+            await stage.handle(consumed(events[start : start + 50], start))
+            commits.append(stage.committable({("in", 0): start + 50})[("in", 0)])
+
+    asyncio.run(go())
+    assert commits == sorted(commits) and commits[-1] >= len(events) - 10
+    assert len(stage.open) <= 1 and len(sink.payloads(RolloutReceipt)) >= 199
 
 
 def test_finished_rollouts_leave_no_state() -> None:
@@ -353,7 +388,7 @@ def test_finished_rollouts_leave_no_state() -> None:
             stage.committable({("in", 0): offset})
 
     asyncio.run(go())
-    assert stage.open == {} and stage._closed_spans == {} and stage._open_spans == {}
+    assert stage.open == {} and stage._open_spans == {}
     assert stage.stats.receipts == 2000
 
 
@@ -410,5 +445,5 @@ def test_hundred_thousand_finished_rollouts_leave_no_state() -> None:
 
     asyncio.run(go())
     assert stage.stats.receipts == 100_000
-    assert stage.open == {} and stage._closed_spans == {} and stage._open_spans == {}
+    assert stage.open == {} and stage._open_spans == {}
     assert len(stage.receipted) == stage.config.remember  # bounded: ids only, oldest forgotten
