@@ -132,6 +132,7 @@ async def rebuild(
             while end < len(ordered) and ordered[end][1] - first <= TIME_SLICE_MS:
                 end += 1
             now[0] = max(now[0], first / 1000)
+            await stage.tick(now[0])  # time passed before these events arrived: graces expire first
             await stage.handle([item for item, _ in ordered[begin:end]])
             await stage.tick(now[0])
             begin = end

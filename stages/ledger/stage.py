@@ -106,7 +106,9 @@ class LedgerStage:
             if not isinstance(item.event.payload, CaptureAdmission | StagedEvent | RolloutSeal):
                 outputs.append(
                     self._dead_letter(
-                        item, f"event type {item.event.event_type} does not belong on this topic", f"header {HEADER_TYPE}"
+                        item,
+                        f"event type {item.event.event_type} does not belong on this topic",
+                        f"header {HEADER_TYPE}",
                     )
                 )
                 continue
@@ -189,7 +191,7 @@ class LedgerStage:
                     rollout_id=state.rollout_id,
                     status="failed",
                     failure_reason=LedgerFailure.NEVER_SEALED.value,
-                    sealed_at=time.time(),
+                    sealed_at=_last_seen(state),
                 )
                 outputs += self._close(state, LedgerFailure.NEVER_SEALED)
         await self._publish(outputs)
@@ -239,3 +241,11 @@ def _first_difference(known: Record, other: Record) -> str | None:
                 return f"{name}.{inner}" if inner else name
             return name
     return None
+
+
+def _last_seen(state: OpenRollout) -> float:
+    """When the rollout was last heard of, by its events' own clocks: a never-sealed
+    rollout's receipt is then a function of the log alone, and a rebuild reproduces it."""
+    stamps = [a.admitted_at for a in state.admissions.values()]
+    stamps += [s.staged_at for s in state.staged.values()]
+    return max(stamps, default=0.0)
