@@ -87,7 +87,12 @@ async def read_log(
                     except DecodeError:
                         bad += 1
                         continue
-                    held.append((record.timestamp, Consumed(tp.topic, tp.partition, record.offset, event)))
+                    held.append(
+                        (
+                            record.timestamp,
+                            Consumed(tp.topic, tp.partition, record.offset, event, record.timestamp / 1000),
+                        )
+                    )
                 if records:
                     latest[tp] = max(latest.get(tp, -1), records[-1].timestamp)
                 done += len(records)
@@ -114,7 +119,7 @@ async def rebuild(
 ) -> ReplayResult:
     """Re-run the ledger over its input topics into ``store``."""
     now = [0.0]
-    stage = LedgerStage(store, ledger, clock=lambda: now[0])
+    stage = LedgerStage(store, ledger)
     names = config.names
     count = bad_total = 0
     async for events, stamps, bad in read_log(

@@ -63,12 +63,13 @@ TopicPartition = tuple[str, int]
 
 @dataclass(frozen=True, slots=True)
 class Consumed:
-    """One decoded event and where it came from."""
+    """One decoded event, where it came from, and when it was written (log time, seconds)."""
 
     topic: str
     partition: int
     offset: int
     event: Envelope[Record]
+    timestamp: float = 0.0
 
 
 class StageHandler(Protocol):
@@ -79,7 +80,12 @@ class StageHandler(Protocol):
         """Apply a batch; every output is published and acknowledged before return."""
 
     async def tick(self, now: float) -> None:
-        """Timer work (grace periods); called between batches and when idle."""
+        """Timer work (grace periods); called between batches and when idle.
+
+        ``now`` is log time: how far the stage has read its partitions (the wall clock
+        once it has read all of them), so a stage that lags, or a broker that was down,
+        does not see time pass that its input has not seen.
+        """
 
     def committable(self, positions: Mapping[TopicPartition, int]) -> Mapping[TopicPartition, int]:
         """Offsets safe to commit, given the next unread offset per partition.

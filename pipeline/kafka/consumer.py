@@ -130,6 +130,7 @@ class ConsumerLoop:
         self._stop = asyncio.Event()
         self._assigned = asyncio.Event()
         self._positions: dict[TopicPartition, int] = {}
+        self._read_up_to: dict[TopicPartition, float] = {}  # log time of the last record handled
         self._committed: dict[TopicPartition, int] = {}
         self._epoch = 0  # bumped by every revocation and assignment
         self.stats = LoopStats()
@@ -193,7 +194,7 @@ class ConsumerLoop:
                             batch = {}
                         if batch:
                             await self._process(batch)
-                        await self.handler.tick(self._clock())
+                        await self.handler.tick(self._log_time(consumer))
                         await self._commit(consumer)
             finally:
                 stop_wait.cancel()
@@ -202,6 +203,18 @@ class ConsumerLoop:
         finally:
             self._consumer = None
             await consumer.stop()
+
+    def _log_time(self, consumer: AIOKafkaConsumer) -> float:
+        """How far this member has read, in log time: the earliest, over its partitions, of
+        the last record handled, where a partition still has unread records; the clock
+        where every partition is read to its end (or its end is not known yet)."""
+        now = self._clock()
+        behind = [
+            self._read_up_to.get(tp, 0.0)
+            for tp in consumer.assignment()
+            if (end := consumer.highwater(tp)) is not None and self._positions.get(tp, 0) < end
+        ]
+        return min([now, *behind])
 
     async def _fetch(self, consumer: AIOKafkaConsumer) -> tuple[dict[TopicPartition, list[Record]], int]:
         """A batch, tagged with the assignment epoch current when it was returned."""
@@ -219,9 +232,14 @@ class ConsumerLoop:
                 except DecodeError as exc:
                     dead.append(dead_letter(record, exc.reason, exc.field, self.stage))
                 else:
-                    consumed.append(Consumed(record.topic, record.partition, record.offset, event))
+                    consumed.append(
+                        Consumed(
+                            record.topic, record.partition, record.offset, event, record.timestamp / 1000
+                        )
+                    )
             if records:
                 advanced[tp] = records[-1].offset + 1
+                self._read_up_to[tp] = records[-1].timestamp / 1000
         if dead:
             for letter in dead:
                 log.warning(
@@ -274,6 +292,7 @@ class ConsumerLoop:
             self.handler.on_revoked([(tp.topic, tp.partition) for tp in revoked])
             for tp in revoked:
                 self._positions.pop(tp, None)
+                self._read_up_to.pop(tp, None)
                 self._committed.pop(tp, None)
         self.stats.rebalances += 1
 

@@ -30,8 +30,10 @@ class OpenRollout:
     committed: dict[str, CallRecord] = field(default_factory=dict)
     failed: dict[str, FailedCall] = field(default_factory=dict)
     seal: RolloutSeal | None = None
-    sealed_monotonic: float = 0.0
-    opened_monotonic: float = 0.0
+    sealed_logged_at: float = 0.0
+    """Log time of the seal event."""
+    opened_logged_at: float = 0.0
+    """Log time of the rollout's first event."""
 
     def join(self, call_id: str) -> CallRecord | FailedCall | None:
         """Join the admission and staged event of ``call_id`` once both are here."""

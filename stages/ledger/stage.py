@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import base64
 import logging
-import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stages.ledger.rollout import OpenRollout
@@ -45,7 +44,8 @@ Span = tuple[int, int]
 @dataclass(frozen=True, slots=True)
 class LedgerConfig:
     seal_grace_s: float = 10.0
-    """How long a sealed rollout waits for staged events still in flight."""
+    """How long a sealed rollout waits for staged events still in flight, in log time: a
+    replay of the log, or a ledger catching up after an outage, decides as live did."""
     max_open_s: float = 3600.0
     """A rollout with admissions but no seal after this long is closed as never sealed."""
     remember: int = DEFAULT_REMEMBER
@@ -83,12 +83,9 @@ class LedgerStage:
         self,
         sink: EventSink,
         config: LedgerConfig | None = None,
-        *,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sink = sink
         self.config = config or LedgerConfig()
-        self.clock = clock
         self.stats = LedgerStats()
         self.open: dict[str, OpenRollout] = {}
         self._open_spans: dict[str, _Tracked] = {}
@@ -99,7 +96,6 @@ class LedgerStage:
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         outputs: list[Record] = []
-        now = self.clock()
         touched: set[str] = set()
         for item in batch:
             rollout_id = item.event.key
@@ -117,10 +113,10 @@ class LedgerStage:
                 continue
             state = self.open.get(rollout_id)
             if state is None:
-                state = self.open[rollout_id] = OpenRollout(rollout_id, opened_monotonic=now)
+                state = self.open[rollout_id] = OpenRollout(rollout_id, opened_logged_at=item.timestamp)
                 self._open_spans[rollout_id] = _Tracked()
             self._open_spans[rollout_id].add((item.topic, item.partition), item.offset)
-            outputs += self._apply(state, item, now)
+            outputs += self._apply(state, item)
             touched.add(rollout_id)
         for rollout_id in touched:
             state = self.open[rollout_id]
@@ -128,7 +124,7 @@ class LedgerStage:
                 outputs += self._close(state)
         await self._publish(outputs)
 
-    def _apply(self, state: OpenRollout, item: Consumed, now: float) -> list[Record]:
+    def _apply(self, state: OpenRollout, item: Consumed) -> list[Record]:
         """Apply one event; an equal repeat is a duplicate, a different one a dead letter."""
         payload = item.event.payload
         known: Record | None
@@ -158,7 +154,7 @@ class LedgerStage:
         else:
             assert isinstance(payload, RolloutSeal)
             state.seal = payload
-            state.sealed_monotonic = now
+            state.sealed_logged_at = item.timestamp
             joined = None
         if joined is None:
             return []
@@ -180,13 +176,11 @@ class LedgerStage:
         return [*late, receipt]
 
     async def tick(self, now: float) -> None:
-        del now  # the stage keeps its own monotonic clock
-        current = self.clock()
         outputs: list[Record] = []
         for state in list(self.open.values()):
-            if state.seal is not None and current - state.sealed_monotonic >= self.config.seal_grace_s:
+            if state.seal is not None and now - state.sealed_logged_at >= self.config.seal_grace_s:
                 outputs += self._close(state)
-            elif state.seal is None and current - state.opened_monotonic >= self.config.max_open_s:
+            elif state.seal is None and now - state.opened_logged_at >= self.config.max_open_s:
                 state.seal = RolloutSeal(
                     rollout_id=state.rollout_id,
                     status="failed",

@@ -104,13 +104,11 @@ def consumed(events: list[Record], start: int = 0) -> list[Consumed]:
 
 def run_ledger(events: list[Record], *, grace: float = 0.0) -> tuple[LedgerStage, RecordingSink]:
     sink = RecordingSink()
-    clock = [0.0]
-    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=grace), clock=lambda: clock[0])
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=grace))
 
     async def go() -> None:
-        await stage.handle(consumed(events))
-        clock[0] += grace + 1
-        await stage.tick(0)
+        await stage.handle(consumed(events))  # all written at log time 0
+        await stage.tick(grace + 1)
 
     asyncio.run(go())
     return stage, sink
@@ -288,19 +286,37 @@ def test_order_independent_and_duplicates_ignored() -> None:
 def test_seal_waits_for_inflight_calls_then_never_staged() -> None:
     r = build("never_staged_on_chain")
     sink = RecordingSink()
-    clock = [0.0]
-    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=5.0), clock=lambda: clock[0])
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=5.0))
 
     async def go() -> None:
         await stage.handle(consumed(r.events))
-        await stage.tick(0)
-        assert sink.payloads(RolloutReceipt) == []  # still within grace
-        clock[0] = 6.0
-        await stage.tick(0)
+        await stage.tick(4.0)
+        assert sink.payloads(RolloutReceipt) == []  # still within grace (in log time)
+        await stage.tick(6.0)
 
     asyncio.run(go())
     failed = [f for f in sink.payloads(FailedCall) if f.reason == "never_staged"]  # type: ignore[attr-defined]
     assert [f.call_id for f in failed] == ["b"]  # type: ignore[attr-defined]
+
+
+def test_grace_runs_in_log_time_so_a_ledger_that_lags_decides_as_a_live_one() -> None:
+    r = build("single_chain")
+    seal, last_staged = r.events[-1], r.events[-2]
+    early = [e for e in r.events if e is not last_staged and e is not seal]
+    sink = RecordingSink()
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=5.0))
+
+    async def go() -> None:
+        # Written at log time 10 (the seal) and 12 (the last staged event), but read much
+        # later, together, by a ledger back from an outage: the staged event was in time.
+        await stage.handle([*consumed(early), Consumed("in", 0, 10, envelope(seal), 10.0)])
+        await stage.tick(10.0)  # how far it has read: nothing expires
+        await stage.handle([Consumed("in", 0, 11, envelope(last_staged), 12.0)])
+        await stage.tick(1_000.0)
+
+    asyncio.run(go())
+    assert receipt_of(sink).capture_poisoned is False
+    assert sink.payloads(FailedCall) == []
 
 
 def test_call_records_published_as_they_join() -> None:
