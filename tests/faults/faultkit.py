@@ -114,6 +114,7 @@ class Cluster:
     concurrency: int = 6
     think_s: float = 0.05
     max_open_s: float = MAX_OPEN_S
+    remember: int = 100_000
     names: TopicNames = field(init=False)
     broker: EmbeddedBroker = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -157,7 +158,7 @@ class Cluster:
             "stage", name, "--bootstrap", self.broker.bootstrap, "--topic-prefix", self.names.prefix,
             "--partitions", str(self.names.partitions), "--seal-grace", str(SEAL_GRACE_S),
             "--max-open", str(self.max_open_s), "--session-timeout-ms", "1000", "--heartbeat-ms", "300",
-            "--dataplane-mode", "attach", "--data-dir", str(self.root),
+            "--dataplane-mode", "attach", "--data-dir", str(self.root), "--remember", str(self.remember),
         )  # fmt: skip
 
     def _worker(self) -> list[str]:
@@ -327,10 +328,32 @@ async def redeliver(config: KafkaConfig, topics: list[str], rng: random.Random) 
     return copied
 
 
+def events_on(config: KafkaConfig, topic: str) -> int:
+    """How many events ``topic`` holds."""
+    return asyncio.run(_events_on(config, topic))
+
+
 async def _events_on(config: KafkaConfig, topic: str) -> int:
     async with LagReader(config) as reader:
         marks = await reader.watermarks(await reader.partitions([topic]))
     return sum(m.highwater - m.log_start for m in marks.values())
+
+
+def group_lags(config: KafkaConfig) -> dict[str, int]:
+    """Consumer lag of the ledger and the finalizer."""
+
+    async def read() -> dict[str, int]:
+        names = config.names
+        async with LagReader(config) as reader:
+            return {
+                group: sum(row.lag for row in await reader.group_lag(group, topics))
+                for group, topics in (
+                    (LEDGER_GROUP, ledger_topics(names)),
+                    (FINALIZER_GROUP, finalizer_topics(names)),
+                )
+            }
+
+    return asyncio.run(read())
 
 
 async def unsettled(config: KafkaConfig) -> str:
