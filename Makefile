@@ -12,7 +12,7 @@ export TQ_NUM_THREADS ?= 2
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench faults-table clean
 
 $(VENV):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ run: install
 # pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
 test: install
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Re-run the fault suite and rewrite the table of faults survived in README.md.
+faults-table: install
+	$(BIN)/pytest tests/faults --faults-table README.md $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
