@@ -37,7 +37,7 @@ from pipeline.ledger_store import LedgerStore
 from pipeline.replay import compare, materialize, read_log, rebuild
 from pipeline.stage_runner import FINALIZER_GROUP, LEDGER_GROUP, finalizer_topics, ledger_topics
 from stages.ledger.stage import LedgerConfig
-from stages.ports import STAGING_PARTITION, MissingRows
+from stages.ports import SAMPLES_PARTITION, STAGING_PARTITION, MissingRows
 from topics.digest import cumulative_hash
 from topics.names import TopicNames
 from topics.records import CaptureAdmission, FinalizedEvent, RolloutSeal, TrainingSample
@@ -119,6 +119,8 @@ class Cluster:
     broker: EmbeddedBroker = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
     dataplane_restarts: list[float] = field(default_factory=list)
+    harvested: dict[str, TrainingSample] = field(default_factory=dict)
+    """Samples read before a data-plane kill, as a trainer reading promptly would have."""
     injected: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -248,6 +250,7 @@ class Cluster:
             self.supervise(DATAPLANE_TIMEOUT_S + rng.uniform(1.0, 3.0))
             owner.kill(signal.SIGCONT)
         elif fault == "data-plane owner killed":
+            self.harvested.update(asyncio.run(_read_samples(self.root)))
             owner = self.procs["dataplane"]
             owner.kill()
             owner.start()
@@ -326,6 +329,12 @@ async def redeliver(config: KafkaConfig, topics: list[str], rng: random.Random) 
         await producer.stop()
         await consumer.stop()
     return copied
+
+
+async def _read_samples(root: Path) -> dict[str, TrainingSample]:
+    async with open_data_plane(DataPlaneConfig(mode="attach", data_dir=root, timeout_s=30)) as plane:
+        keys = await plane.list_keys(SAMPLES_PARTITION)
+        return await plane.get_samples(keys) if keys else {}
 
 
 def events_on(config: KafkaConfig, topic: str) -> int:
@@ -500,7 +509,7 @@ async def _check_sample(
     try:
         sample: TrainingSample | None = (await plane.get_samples([rollout_id]))[rollout_id]
     except MissingRows:
-        sample = None
+        sample = cluster.harvested.get(rollout_id)
     if event.status == "rejected":
         return (
             [f"{rollout_id}: rejected ({event.rejection_reason}) but its sample is stored"] if sample else []
