@@ -38,8 +38,6 @@ from topics.records import (
 
 log = logging.getLogger(__name__)
 
-Span = tuple[int, int]
-
 
 @dataclass(frozen=True, slots=True)
 class LedgerConfig:
@@ -65,13 +63,12 @@ class LedgerStats:
 
 @dataclass(slots=True)
 class _Tracked:
-    """Where a rollout's events lie: first and last offset per topic-partition."""
+    """Where a rollout's events start: its first offset per topic-partition."""
 
-    spans: dict[TopicPartition, Span] = field(default_factory=dict)
+    first: dict[TopicPartition, int] = field(default_factory=dict)
 
     def add(self, tp: TopicPartition, offset: int) -> None:
-        first, last = self.spans.get(tp, (offset, offset))
-        self.spans[tp] = (min(first, offset), max(last, offset))
+        self.first[tp] = min(self.first.get(tp, offset), offset)
 
 
 class LedgerStage:
@@ -116,6 +113,7 @@ class LedgerStage:
                 state = self.open[rollout_id] = OpenRollout(rollout_id, opened_logged_at=item.timestamp)
                 self._open_spans[rollout_id] = _Tracked()
             self._open_spans[rollout_id].add((item.topic, item.partition), item.offset)
+            state.opened_logged_at = min(state.opened_logged_at, item.timestamp)
             outputs += self._apply(state, item)
             touched.add(rollout_id)
         for rollout_id in touched:
@@ -197,7 +195,7 @@ class LedgerStage:
     def committable(self, positions: Mapping[TopicPartition, int]) -> Mapping[TopicPartition, int]:
         commit = dict(positions)
         for tracked in self._open_spans.values():
-            for tp, (first, _) in tracked.spans.items():
+            for tp, first in tracked.first.items():
                 if tp in commit and first < commit[tp]:
                     commit[tp] = first
         return commit
@@ -205,7 +203,7 @@ class LedgerStage:
     def on_revoked(self, partitions: Sequence[TopicPartition]) -> None:
         lost = set(partitions)
         for rollout_id, tracked in list(self._open_spans.items()):
-            if lost & tracked.spans.keys():
+            if lost & tracked.first.keys():
                 del self._open_spans[rollout_id]
                 self.open.pop(rollout_id, None)
 
