@@ -43,7 +43,8 @@ from topics.names import TopicNames
 from topics.records import CaptureAdmission, FinalizedEvent, RolloutSeal, TrainingSample
 
 HERE = Path(__file__).resolve().parent
-SEAL_GRACE_S = 5.0
+# Well past the longest data-plane stall injected (~6 s): no grace decision sits on its boundary.
+SEAL_GRACE_S = 10.0
 MAX_OPEN_S = 8.0
 DATAPLANE_TIMEOUT_S = 3.0
 BROKER_KILL = "broker killed (durable)"
