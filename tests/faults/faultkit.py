@@ -43,8 +43,10 @@ from topics.names import TopicNames
 from topics.records import CaptureAdmission, FinalizedEvent, RolloutSeal, TrainingSample
 
 HERE = Path(__file__).resolve().parent
-# Well past the longest data-plane stall injected (~6 s): no grace decision sits on its boundary.
-SEAL_GRACE_S = 10.0
+# Well past the longest stall the faults cause a worker's staged events (a data-plane stop
+# then an owner kill: a few 3 s timeouts in a row), so that no grace decision sits on its
+# boundary, where the live ledger and a replay can still decide differently (README).
+SEAL_GRACE_S = 30.0
 MAX_OPEN_S = 8.0
 DATAPLANE_TIMEOUT_S = 3.0
 BROKER_KILL = "broker killed (durable)"
