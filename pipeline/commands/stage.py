@@ -71,7 +71,7 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=DEFAULT_REMEMBER,
         help=(
-            "rollouts remembered as answered (read back from the output topic's tail on start), "
+            "rollouts remembered as answered (read back from the output topic's tail when partitions are assigned), "
             "so duplicated input gets no second outcome (default %(default)s)"
         ),
     )

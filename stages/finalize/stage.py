@@ -55,7 +55,7 @@ class FinalizerStage:
         self.stats = FinalizerStats()
         self.finalized = RecentIds(remember)
         """Rollouts already finalized: a receipt for one of them is a duplicate. Seed it
-        from the tail of the finalized topic on start (``pipeline.kafka.tail``)."""
+        from the tail of the finalized topic when partitions are assigned (``pipeline.kafka.tail``)."""
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         receipts: dict[str, RolloutReceipt] = {}

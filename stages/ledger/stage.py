@@ -89,7 +89,7 @@ class LedgerStage:
         self.receipted = RecentIds(self.config.remember)
         """Rollouts whose receipt is published. Their events arriving again (a duplicate
         delivery, a replayed segment) are late, not a new rollout. Seed it from the tail
-        of the committed topic on start (``pipeline.kafka.tail``)."""
+        of the committed topic when partitions are assigned (``pipeline.kafka.tail``)."""
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         outputs: list[Record] = []

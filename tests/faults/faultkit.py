@@ -353,34 +353,25 @@ async def _events_on(config: KafkaConfig, topic: str) -> int:
 
 def group_lags(config: KafkaConfig) -> dict[str, int]:
     """Consumer lag of the ledger and the finalizer."""
+    return asyncio.run(_group_lags(config))
 
-    async def read() -> dict[str, int]:
-        names = config.names
-        async with LagReader(config) as reader:
-            return {
-                group: sum(row.lag for row in await reader.group_lag(group, topics))
-                for group, topics in (
-                    (LEDGER_GROUP, ledger_topics(names)),
-                    (FINALIZER_GROUP, finalizer_topics(names)),
-                )
-            }
 
-    return asyncio.run(read())
+async def _group_lags(config: KafkaConfig) -> dict[str, int]:
+    names = config.names
+    groups = ((LEDGER_GROUP, ledger_topics(names)), (FINALIZER_GROUP, finalizer_topics(names)))
+    async with LagReader(config) as reader:
+        return {
+            group: sum(row.lag for row in await reader.group_lag(group, topics)) for group, topics in groups
+        }
 
 
 async def unsettled(config: KafkaConfig) -> str:
     """What the pipeline still owes: consumer lag, or admitted rollouts without an outcome."""
-    names = config.names
-    async with LagReader(config) as reader:
-        for group, topics in (
-            (LEDGER_GROUP, ledger_topics(names)),
-            (FINALIZER_GROUP, finalizer_topics(names)),
-        ):
-            lag = sum(row.lag for row in await reader.group_lag(group, topics))
-            if lag:
-                return f"{group} lags by {lag}"
-    admitted = {r async for r in _keys(config, names.admission)}
-    finalized = {r async for r in _keys(config, names.finalized)}
+    for group, lag in (await _group_lags(config)).items():
+        if lag:
+            return f"{group} lags by {lag}"
+    admitted = {r async for r in _keys(config, config.names.admission)}
+    finalized = {r async for r in _keys(config, config.names.finalized)}
     missing = sorted(admitted - finalized)
     return f"{len(missing)} admitted rollouts without an outcome: {missing[:5]}" if missing else ""
 

@@ -853,34 +853,36 @@ async def stages_running(
     """The ledger and the finalizer consuming, each with its own producer, as in production."""
     stop = asyncio.Event()
     async with KafkaEventSink(config) as ledger_sink, KafkaEventSink(config) as finalizer_sink:
-        started = {"ledger": asyncio.Event(), "finalizer": asyncio.Event()}
+        stages = {
+            "ledger": (
+                LedgerStage(ledger_sink, LedgerConfig(seal_grace_s=GRACE_S)),
+                ledger_sink,
+                LEDGER_GROUP,
+                ledger_topics(config.names),
+            ),
+            "finalizer": (
+                FinalizerStage(plane, finalizer_sink),
+                finalizer_sink,
+                FINALIZER_GROUP,
+                finalizer_topics(config.names),
+            ),
+        }
+        started = {name: asyncio.Event() for name in stages}
         tasks = {
-            "ledger": asyncio.create_task(
+            name: asyncio.create_task(
                 serve_stage(
-                    LedgerStage(ledger_sink, LedgerConfig(seal_grace_s=GRACE_S)),
+                    handler,
                     config,
-                    ledger_sink,
-                    stage="ledger",
-                    group=LEDGER_GROUP,
-                    topics=ledger_topics(config.names),
+                    sink,
+                    stage=name,
+                    group=group,
+                    topics=topics,
                     stop=stop,
                     tuning=FAST_GROUPS,
-                    started=started["ledger"],
+                    started=started[name],
                 )
-            ),
-            "finalizer": asyncio.create_task(
-                serve_stage(
-                    FinalizerStage(plane, finalizer_sink),
-                    config,
-                    finalizer_sink,
-                    stage="finalizer",
-                    group=FINALIZER_GROUP,
-                    topics=finalizer_topics(config.names),
-                    stop=stop,
-                    tuning=FAST_GROUPS,
-                    started=started["finalizer"],
-                )
-            ),
+            )
+            for name, (handler, sink, group, topics) in stages.items()
         }
         joined = asyncio.ensure_future(asyncio.gather(*(event.wait() for event in started.values())))
         await asyncio.wait([joined, *tasks.values()], timeout=30, return_when=asyncio.FIRST_COMPLETED)
