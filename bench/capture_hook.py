@@ -23,7 +23,7 @@ from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics import digest
-from topics.rows import stage_row
+from topics.staging import staging_row
 
 SIZES = (1_000, 8_000, 32_000)
 
@@ -54,7 +54,7 @@ async def measure(n: int, repeats: int, rng: np.random.Generator) -> dict[str, A
         core.complete(prepared, prompt, generated, logprobs, weight_version=0)
         totals.append(time.perf_counter() - start)
         delta = digest.build_delta(prompt, generated, logprobs, len(prefix))
-        row = stage_row(
+        row = staging_row(
             rollout_id="r",
             call_id="x",
             parent_call_id="p",

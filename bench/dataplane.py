@@ -35,13 +35,13 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from pipeline.dataplane import rows as codec
+from pipeline.dataplane import encoding as codec
 from pipeline.dataplane.addresses import DataPlaneAddresses
 from pipeline.dataplane.embedded import embedded_data_plane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
 from topics import digest
 from topics.records import StagedCall
-from topics.rows import stage_row
+from topics.staging import staging_row
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def make_rows(count: int, tokens: int, *, tag: str, seed: int = 0) -> list[Stage
             0,
         )
         rows.append(
-            stage_row(
+            staging_row(
                 rollout_id=f"{tag}-{i}",
                 call_id="c0",
                 parent_call_id=None,

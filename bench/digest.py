@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from topics import digest
-from topics.rows import stage_row
+from topics.staging import staging_row
 
 SIZES = (1_000, 8_000, 32_000)
 
@@ -54,7 +54,7 @@ def run(sizes: tuple[int, ...] = SIZES, seed: int = 0) -> dict[str, Any]:
         row_repeats = max(5, repeats // 10)
         full_row = _best_of(
             partial(
-                stage_row,
+                staging_row,
                 rollout_id="r",
                 call_id="c2",
                 parent_call_id="c1",

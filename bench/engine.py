@@ -126,7 +126,7 @@ async def make_hooks(mode: Mode, plane: DataPlane) -> Hooks:
         return Hooks(inline, inline, failures=lambda: sum(inline.stats.failed.values()))
     from stages.capture.cache import ChainCache
     from stages.capture.core import AckPolicy, CaptureCore
-    from stages.capture.megatron import MegatronPayloadStager, MegatronPromptPreparer, PreparedCalls
+    from stages.capture.megatron.adapter import MegatronPayloadStager, MegatronPromptPreparer, PreparedCalls
     from stages.capture.resolve import PrefixResolver
     from stages.capture.writer import StagingWriter
 
@@ -315,13 +315,13 @@ class Bench:
     async def data_plane_ms(self, calls: int = 20) -> dict[str, float]:
         """The real data plane's single-row put and get latency, for the report."""
         from topics.digest import build_delta
-        from topics.rows import stage_row
+        from topics.staging import staging_row
 
         delta = build_delta(list(range(3, 35)), list(range(40, 56)), [-0.5] * 16, 0)
         puts: list[float] = []
         gets: list[float] = []
         for i in range(calls):
-            row = stage_row(
+            row = staging_row(
                 rollout_id=f"probe-{i}",
                 call_id="c0",
                 parent_call_id=None,
@@ -408,7 +408,7 @@ def _paired_ratio(trials: Sequence[Trial], mode: Mode) -> float:
 
 
 async def run_async(config: EngineConfig, model_dir: Path) -> dict[str, Any]:
-    from pipeline.tinymodel import make_tiny_model
+    from pipeline.models.tiny import make_tiny_model
 
     started = time.perf_counter()
     load_before = machine()["load_average"]

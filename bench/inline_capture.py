@@ -24,15 +24,15 @@ from typing import Any, TypeVar
 from stages.capture.cache import ChainCache, ChainLink
 from stages.capture.core import CaptureCore, PreparedCall, capture_row, failed_coords
 from stages.capture.errors import CaptureFailure
-from stages.capture.megatron import parse_admission
-from stages.capture.megatron_payload import generation_versions, read_finished_call
+from stages.capture.megatron.adapter import parse_admission
+from stages.capture.megatron.payload import generation_versions, read_finished_call
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
-from stages.client import CAPTURE_FIELD, COORDS_FIELD
 from stages.memory import RecordingSink
 from stages.ports import DataPlane, DataPlaneError
 from topics.failures import WorkerFailure
 from topics.records import CommitCoords
+from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 T = TypeVar("T")
 PREPARED_FIELD = "bench_inline_prepared"

@@ -24,13 +24,15 @@ import statistics
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from importlib.metadata import version
 from typing import Any
 
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker, tansu_binary
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.consumer import ConsumerLoop
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
+from pipeline.kafka.consumer import FAST_GROUPS, ConsumerLoop
+from pipeline.kafka.producer import KafkaEventSink
 from stages.ports import Consumed
 from stages.ports import TopicPartition as PortPartition
 from topics.codec import decode, encode_record
@@ -180,9 +182,7 @@ async def _measure(
             handler=counter,
             dead_letters=sink,
             stage="bench",
-            max_records=max_records,
-            session_timeout_ms=1000,
-            heartbeat_interval_ms=300,
+            tuning=replace(FAST_GROUPS, max_records=max_records),
         )
         started = time.perf_counter()
         task = asyncio.create_task(loop.run())

@@ -34,19 +34,19 @@ import numpy as np
 
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore, PreparedCall
-from stages.capture.megatron import (
+from stages.capture.megatron.adapter import (
     TEMPLATE_PREFIX_FIELD,
     MegatronPayloadStager,
     MegatronPromptPreparer,
     PreparedCalls,
 )
-from stages.capture.megatron_payload import read_finished_call
+from stages.capture.megatron.payload import read_finished_call
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
-from stages.client import CAPTURE_FIELD
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics import digest
 from topics.records import CaptureAdmission, StagedCallBody
+from topics.wire import CAPTURE_FIELD
 
 SIZES = (1_000, 8_000, 32_000)
 _NO_IDS = np.zeros(0, dtype=np.int64)

@@ -1,7 +1,7 @@
 """Pipeline throughput and finalize latency: ledger + finalizer on the embedded broker.
 
 The stages are the real ones (``LedgerStage``, ``FinalizerStage``) served by
-``pipeline.stage_runner.serve_stage`` as in-process consumer-group members, on an
+``pipeline.stagehost.runner.serve_stage`` as in-process consumer-group members, on an
 embedded tansu broker (memory engine) and the real TransferQueue. The rows are real
 (``bench.rollouts``): the finalizer fetches, verifies every digest and chain hash,
 writes the samples and deletes the rows, as in production.
@@ -53,7 +53,7 @@ def _bench_groups() -> Any:
     """Group timings for members that share one busy event loop: heartbeats run on that
     loop, so a 1 s session (the tests' setting) expires whenever the loop is busy for a
     second, and each expiry is a rebalance in the middle of the measurement."""
-    from pipeline.stage_runner import ConsumerTuning
+    from pipeline.kafka.consumer import ConsumerTuning
 
     return ConsumerTuning(session_timeout_ms=6_000, heartbeat_interval_ms=1_000)
 
@@ -127,51 +127,38 @@ async def members(
     tag: str,
 ) -> AsyncIterator[Members]:
     """``count`` ledger and ``count`` finalizer members, gated; stopped (and committed) on exit."""
-    from pipeline.kafka.log import KafkaEventSink
-    from pipeline.stage_runner import (
-        FINALIZER_GROUP,
-        LEDGER_GROUP,
-        finalizer_topics,
-        ledger_topics,
-        serve_stage,
-    )
-    from stages.finalize.stage import FinalizerStage
-    from stages.ledger.stage import LedgerStage
+    from pipeline.kafka.producer import KafkaEventSink
+    from pipeline.stagehost.runner import serve_stage
+    from stages.specs import FINALIZER, LEDGER
 
-    names = kafka.names
     running = Members(asyncio.Event(), asyncio.Event(), [], [], [], [], [])
     async with contextlib.AsyncExitStack() as stack:
         for index in range(count):
-            for stage in ("ledger", "finalizer"):
+            for spec in (LEDGER, FINALIZER):
                 sink = await stack.enter_async_context(KafkaEventSink(kafka))
-                handler: Any
-                if stage == "ledger":
-                    handler = LedgerStage(sink)
-                    running.ledgers.append(handler)
-                    group, topics = f"{LEDGER_GROUP}-{tag}", ledger_topics(names)
+                if spec is LEDGER:
+                    stage = spec.build(sink)
+                    running.ledgers.append(stage)
                 else:
-                    handler = FinalizerStage(
-                        await stack.enter_async_context(attach()), FinalizedTap(sink, finalized)
-                    )
-                    running.finalizers.append(handler)
-                    group, topics = f"{FINALIZER_GROUP}-{tag}", finalizer_topics(names)
+                    plane = await stack.enter_async_context(attach())
+                    stage = spec.build(FinalizedTap(sink, finalized), plane)
+                    running.finalizers.append(stage)
                 started = asyncio.Event()
                 running.started.append(started)
-                gated = Gated(handler, running.gate, running.revocations)
+                gated = Gated(stage, running.gate, running.revocations)
                 running.tasks.append(
                     asyncio.create_task(
                         serve_stage(
                             gated,
+                            spec,
                             kafka,
                             sink,
-                            stage=stage,
-                            group=group,
-                            topics=topics,
                             stop=running.stop,
+                            group=f"{spec.group}-{tag}",
                             tuning=_bench_groups(),
                             started=started,
                         ),
-                        name=f"bench-{stage}-{index}",
+                        name=f"bench-{spec.name}-{index}",
                     )
                 )
         try:
@@ -224,7 +211,8 @@ async def measure(
     later: Sequence[Rollout],
 ) -> dict[str, Any]:
     """One configuration: throughput on the backlog, then latency at ``config.load``."""
-    from pipeline.kafka.log import KafkaEventSink, ensure_topics
+    from pipeline.kafka.admin import ensure_topics
+    from pipeline.kafka.producer import KafkaEventSink
     from topics.names import TopicNames
 
     tag = uuid.uuid4().hex[:8]
@@ -250,8 +238,8 @@ async def measure(
         offered = config.load * rollouts_per_s
         sealed = await paced(publisher, later, offered)
         await wait_for(finalized, [r.rollout_id for r in later], timeout_s=600)
-        ledger_duplicates = sum(ledger.stats.duplicates for ledger in run.ledgers)
-        finalizer_duplicates = sum(f.stats.duplicates for f in run.finalizers)
+        ledger_duplicates = sum(ledger.gauges().duplicates for ledger in run.ledgers)
+        finalizer_duplicates = sum(f.gauges().duplicates for f in run.finalizers)
         rebalances = len(run.revocations)
     latencies = [(finalized[r].event.finalized_at - at) * 1e3 for r, at in sealed.items()]
     statuses = Counter(

@@ -2,7 +2,7 @@
 
 For each size, an embedded tansu broker (memory engine) is filled with that many
 ledger input events (admissions, staged events and seals of 8-call rollouts,
-``bench.events``), then ``pipeline.replay.rebuild`` reads them back and runs the
+``bench.events``), then ``pipeline.replay.rebuild.rebuild`` reads them back and runs the
 ledger stage's own logic into a SQLite ``LedgerStore``, exactly as ``tokentrail replay``
 does. Only the rebuild is timed.
 
@@ -87,7 +87,8 @@ async def ledger_rate(sample: Sequence[Record], batch: int = 500) -> float:
 
 async def fill(broker: Any, size: int, config: ReplayConfig, tag: str) -> tuple[Any, int]:
     """Topics for one size, filled; returns their Kafka config and the events published."""
-    from pipeline.kafka.log import KafkaEventSink, ensure_topics
+    from pipeline.kafka.admin import ensure_topics
+    from pipeline.kafka.producer import KafkaEventSink
     from topics.names import TopicNames
 
     kafka = broker.kafka_config(TopicNames(prefix=tag, partitions=config.partitions))
@@ -106,8 +107,8 @@ async def fill(broker: Any, size: int, config: ReplayConfig, tag: str) -> tuple[
 
 
 async def replay_once(broker: Any, size: int, config: ReplayConfig) -> dict[str, Any]:
-    from pipeline.ledger_store import LedgerStore
-    from pipeline.replay import rebuild
+    from pipeline.replay.rebuild import rebuild
+    from pipeline.replay.store import LedgerStore
 
     kafka, published = await fill(broker, size, config, f"replay{size}")
     with tempfile.TemporaryDirectory() as tmp, LedgerStore(Path(tmp) / "ledger.sqlite") as store:

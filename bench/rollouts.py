@@ -1,7 +1,7 @@
 """Captured rollouts for the pipeline benchmark: real rows and the events that name them.
 
 Every call goes through the real capture path (``RolloutClient`` admissions, a
-``CaptureCore`` on in-memory ports, ``topics.rows.stage_row`` / ``build_delta`` inside
+``CaptureCore`` on in-memory ports, ``topics.staging.staging_row`` / ``build_delta`` inside
 it), so rows carry real digests and chain hashes and the finalizer verifies them as it
 would in production. Built once per rollout length and reused: the rows go back into
 the data plane before each configuration, because the finalizer deletes them.

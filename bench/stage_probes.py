@@ -15,17 +15,29 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from stages.ports import Consumed, EventSink, StageHandler, TopicPartition
+from stages.ports import Consumed, EventSink, StageGauges, StagePort, TopicPartition
+from stages.recent import RecentIds
 from topics.records import FinalizedEvent, Record
 
 
 class Gated:
-    """A ``StageHandler`` that waits for ``gate`` before handling anything."""
+    """A ``StagePort`` that waits for ``gate`` before handling anything."""
 
-    def __init__(self, inner: StageHandler, gate: asyncio.Event, revocations: list[float]) -> None:
+    def __init__(self, inner: StagePort, gate: asyncio.Event, revocations: list[float]) -> None:
         self.inner = inner
         self.gate = gate
         self.revocations = revocations
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def answered(self) -> RecentIds:
+        return self.inner.answered
+
+    def gauges(self) -> StageGauges:
+        return self.inner.gauges()
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         await self.gate.wait()

@@ -1,5 +1,6 @@
 """The ``tokentrail`` command line. Each verb lives in its own module under
-``pipeline.commands`` and registers itself through ``add_parser``."""
+``pipeline.commands`` and registers itself through ``add_parser``; installed packages
+add verbs through the ``tokentrail.verbs`` entry-point group (``bench`` does)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 # Verb modules, in the order ``--help`` lists them.
 VERBS: tuple[str, ...] = (
@@ -20,8 +22,8 @@ VERBS: tuple[str, ...] = (
     "ledger",
     "samples",
     "make_tiny_model",
-    "bench",
 )
+PLUGIN_GROUP = "tokentrail.verbs"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name in VERBS:
         importlib.import_module(f"pipeline.commands.{name}").add_parser(subparsers)
+    for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        entry.load()(subparsers)
     return parser
 
 

@@ -15,13 +15,7 @@ from typing import Any
 
 from stages.ports import EventSink
 from topics.records import CaptureAdmission, CommitCoords, RolloutSeal
-
-CAPTURE_FIELD = "ng_capture"
-COORDS_FIELD = "ng_commit_coords"
-# Reply fields that carry tokens; the agent must never see them.
-TOKEN_FIELDS = frozenset(
-    {"prompt_token_ids", "token_ids", "logprobs", "generated_token_ids", "prompt_logprobs"}
-)
+from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 
 class RolloutClient:
@@ -111,12 +105,3 @@ class RolloutClient:
     def coords_from_reply(reply: Mapping[str, Any]) -> CommitCoords | None:
         raw = reply.get(COORDS_FIELD)
         return None if raw is None else CommitCoords.model_validate(raw)
-
-
-def strip_token_fields(value: Any) -> Any:
-    """A reply with every token-carrying field removed, at any depth."""
-    if isinstance(value, dict):
-        return {k: strip_token_fields(v) for k, v in value.items() if k not in TOKEN_FIELDS}
-    if isinstance(value, list):
-        return [strip_token_fields(item) for item in value]
-    return value

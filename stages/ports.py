@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from stages.recent import RecentIds
+from topics.codec import RawRecord, raw_record
 from topics.events import Envelope
 from topics.records import Record, StagedCall, TrainingSample
 
@@ -52,6 +54,21 @@ class DataPlane(Protocol):
     async def list_keys(self, partition: str) -> list[str]: ...
 
 
+async def read_calls(plane: DataPlane, keys: Sequence[str]) -> tuple[dict[str, StagedCall], set[str]]:
+    """Every readable row of ``keys`` in one read (two when some are missing), and the
+    keys that have none. A partial answer is the normal case while rows are still being
+    staged, or after a loss the caller must name exactly."""
+    try:
+        return await plane.get_calls(keys), set()
+    except MissingRows as exc:
+        missing = set(exc.keys)
+    readable = [key for key in keys if key not in missing]
+    try:
+        return (await plane.get_calls(readable) if readable else {}), missing
+    except MissingRows as exc:  # rows vanished between the two reads
+        return {}, missing | set(exc.keys) | set(readable)
+
+
 class EventSink(Protocol):
     """Publishes records as events; returns once the broker acknowledged all of them."""
 
@@ -70,6 +87,12 @@ class Consumed:
     offset: int
     event: Envelope[Record]
     timestamp: float = 0.0
+    raw: RawRecord | None = None
+    """The record's bytes as read from the log, kept so a dead letter can carry them."""
+
+    def as_raw(self) -> RawRecord:
+        """The record as it lies in the log (re-encoded for one that never did)."""
+        return self.raw or raw_record(self.topic, self.partition, self.offset, self.event)
 
 
 class StageHandler(Protocol):
@@ -97,3 +120,29 @@ class StageHandler(Protocol):
 
     def on_revoked(self, partitions: Sequence[TopicPartition]) -> None:
         """Drop state of partitions this instance no longer owns."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageGauges:
+    """State only a stage knows, read when metrics are scraped; ``None`` where the stage
+    keeps no such state (a stateless stage holds no open rollouts)."""
+
+    duplicates: int
+    open_rollouts: int | None = None
+    late: int | None = None
+
+
+class StagePort(StageHandler, Protocol):
+    """What the runtime needs from a consumer stage beyond handling batches, so that it
+    hosts any stage without naming one."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def answered(self) -> RecentIds:
+        """Rollouts this stage already answered; the host seeds it, on every partition
+        assignment, from the tail of the stage's output topic (the recall rule, DESIGN §7)."""
+        ...
+
+    def gauges(self) -> StageGauges: ...

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.consumer import FAST_GROUPS, ConsumerTuning
 from topics.names import TopicNames
-
-# Short group timeouts: tansu holds a group join for half the session timeout.
-FAST_GROUP: dict[str, Any] = {"session_timeout_ms": 1000, "heartbeat_interval_ms": 300}
 
 
 @pytest.fixture(scope="session")
@@ -39,9 +36,9 @@ def kafka_config(kafka_broker: EmbeddedBroker, topic_names: TopicNames) -> Kafka
 
 
 @pytest.fixture
-def fast_group() -> dict[str, Any]:
-    """Consumer-group timeouts for tests (``ConsumerLoop(**fast_group)``)."""
-    return dict(FAST_GROUP)
+def fast_group() -> ConsumerTuning:
+    """Short consumer-group timeouts: tansu holds a group join for half the session timeout."""
+    return FAST_GROUPS
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import orjson
 from pydantic import ValidationError
@@ -186,6 +187,40 @@ def decode(
     if text != event.key:
         raise DecodeError("key", f"record key does not match rollout {event.key!r}")
     return event
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    """A record as it lies in the log: where it is, and its bytes untouched."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+def raw_record(topic: str, partition: int, offset: int, event: Envelope[Record]) -> RawRecord:
+    """The wire form of a decoded event (for one that was never read from a log)."""
+    key, value, headers = _encode(event)
+    return RawRecord(topic, partition, offset, key, value, tuple(headers))
+
+
+def dead_letter(raw: RawRecord, reason: str, field: str | None, stage: str) -> DeadLetter:
+    """The one way to refuse input: the record whole (raw value, every header), why it
+    was refused, and where it is. ``fit_dead_letter`` trims it when it is written."""
+    return DeadLetter(
+        source_topic=raw.topic,
+        source_partition=raw.partition,
+        source_offset=raw.offset,
+        reason=reason,
+        field=field,
+        key=None if raw.key is None else raw.key.decode("utf-8", "backslashreplace"),
+        headers={name: value.decode("utf-8", "backslashreplace") for name, value in raw.headers},
+        value_b64=base64.b64encode(raw.value or b"").decode("ascii"),
+        stage=stage,
+    )
 
 
 def fit_dead_letter(letter: DeadLetter, max_bytes: int = MAX_EVENT_BYTES) -> DeadLetter:

@@ -17,9 +17,9 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import STORAGE_MODES, BrokerError, EmbeddedBroker, StorageMode
 from pipeline.kafka.config import ConfigError, add_topic_layout_arguments, topic_names_from_args
-from pipeline.kafka.log import ensure_topics
 
 EXAMPLES = """\
 examples:

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.ledger_store import LedgerStore
+from pipeline.replay.store import LedgerStore
 from topics.records import CallRecord
 
 EXAMPLES = """\

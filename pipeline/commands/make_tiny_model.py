@@ -47,7 +47,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the model and report where it is; exit 1 if DIR holds something else."""
-    from pipeline import tinymodel
+    from pipeline.models import tiny as tinymodel
 
     out_dir: Path = args.dir
     existed = tinymodel.read_manifest(out_dir) is not None

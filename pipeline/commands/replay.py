@@ -13,8 +13,8 @@ from aiokafka import TopicPartition
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
-from pipeline.ledger_store import LedgerStore
-from pipeline.replay import compare, materialize, rebuild
+from pipeline.replay.rebuild import compare, materialize, rebuild
+from pipeline.replay.store import LedgerStore
 from stages.ledger.stage import LedgerConfig
 
 EXAMPLES = """\

@@ -14,14 +14,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pipeline.commands.jsonlog import configure_logging
 from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
-from pipeline.logs import configure_logging
-
-if TYPE_CHECKING:
-    from pipeline.run_config import RunConfig
+from pipeline.run.config import RunConfig
 
 EXAMPLES = """\
 examples:
@@ -54,10 +52,11 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    defaults = RunConfig()
     parser.add_argument(
         "--data-dir",
         type=Path,
-        default=Path(".tokentrail"),
+        default=defaults.data_dir,
         help="broker store, tiny model, data-plane addresses and samples archive (default: %(default)s)",
     )
     parser.add_argument(
@@ -67,61 +66,81 @@ def add_parser(subparsers: Any) -> None:
         help="model directory to serve (default: the tiny model in DATA_DIR/tiny-model, built if missing)",
     )
     rollouts = parser.add_argument_group("rollouts")
-    rollouts.add_argument("--rollouts", type=int, default=8, help="rollouts to play (default: %(default)s)")
+    rollouts.add_argument(
+        "--rollouts", type=int, default=defaults.rollouts, help="rollouts to play (default: %(default)s)"
+    )
     rollouts.add_argument(
         "--group-size",
         type=int,
-        default=4,
+        default=defaults.group_size,
         help="GRPO group size: each task is played this many times (default: %(default)s)",
     )
     rollouts.add_argument(
-        "--turns", type=int, default=3, help="model calls per rollout, at most (default: %(default)s)"
+        "--turns",
+        type=int,
+        default=defaults.turns,
+        help="model calls per rollout, at most (default: %(default)s)",
     )
     rollouts.add_argument(
-        "--concurrency", type=int, default=4, help="rollouts in flight (default: %(default)s)"
+        "--concurrency",
+        type=int,
+        default=defaults.concurrency,
+        help="rollouts in flight (default: %(default)s)",
     )
     rollouts.add_argument(
-        "--max-tokens", type=int, default=48, help="tokens per model call (default: %(default)s)"
+        "--max-tokens",
+        type=int,
+        default=defaults.max_tokens,
+        help="tokens per model call (default: %(default)s)",
     )
     rollouts.add_argument(
         "--temperature",
         type=float,
-        default=1.0,
+        default=defaults.temperature,
         help="sampling temperature; 1.0 samples the policy itself, as on-policy RL does (default: %(default)s)",
     )
     rollouts.add_argument(
-        "--seed", type=int, default=0, help="task, sampling and engine seed (default: %(default)s)"
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="task, sampling and engine seed (default: %(default)s)",
     )
     timing = parser.add_argument_group("timing")
     timing.add_argument(
-        "--seal-grace", type=float, default=10.0, help="ledger: seconds a seal waits for calls in flight"
+        "--seal-grace",
+        type=float,
+        default=defaults.seal_grace_s,
+        help="ledger: seconds a seal waits for calls in flight (default: %(default)s)",
     )
     timing.add_argument(
-        "--max-open", type=float, default=600.0, help="ledger: seconds before an unsealed rollout is closed"
+        "--max-open",
+        type=float,
+        default=defaults.max_open_s,
+        help="ledger: seconds before an unsealed rollout is closed (default: %(default)s)",
     )
     timing.add_argument(
         "--timeout",
         type=float,
-        default=600.0,
+        default=defaults.finalize_timeout_s,
         help="seconds to wait for every rollout's FinalizedEvent after driving (default: %(default)s)",
     )
     timing.add_argument(
         "--lag-timeout",
         type=float,
-        default=60.0,
+        default=defaults.lag_timeout_s,
         help="seconds to wait for consumer lag 0 (default: %(default)s)",
     )
     services = parser.add_argument_group("services")
     services.add_argument(
         "--broker-storage",
         choices=STORAGE_MODES,
-        default="durable",
+        default=defaults.broker_storage,
         help="embedded broker storage: durable in DATA_DIR, or memory (default: %(default)s)",
     )
     services.add_argument(
         "--dataplane-mode",
         choices=("embedded", "ray"),
-        default="embedded",
+        default=defaults.dataplane_mode,
         help="embedded TransferQueue in this process, or TransferQueue on a Ray cluster (default: %(default)s)",
     )
     services.add_argument("--ray-address", help="Ray cluster address for --dataplane-mode ray (e.g. auto)")
@@ -149,8 +168,6 @@ def _quiet_libraries() -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging()
     _quiet_libraries()
-    from pipeline.run_config import RunConfig
-
     try:
         config = RunConfig(
             data_dir=args.data_dir,
@@ -184,9 +201,9 @@ def run(args: argparse.Namespace) -> int:
 def _execute(config: RunConfig, *, as_json: bool) -> int:
     import contextlib
 
-    from pipeline.run import execute
-    from pipeline.run_display import keep_banner, live_progress, summary_table
-    from pipeline.run_report import RunProgress, RunSummary
+    from pipeline.run.display import keep_banner, live_progress, summary_table
+    from pipeline.run.main import execute
+    from pipeline.run.report import RunProgress, RunSummary
 
     config.data_dir.mkdir(parents=True, exist_ok=True)
     reported: list[RunSummary] = []

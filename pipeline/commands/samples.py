@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.samples_archive import archive_path, read_archive
-from pipeline.samples_export import FORMATS, write_jsonl, write_parquet
+from pipeline.samples.archive import archive_path, read_archive
+from pipeline.samples.export import FORMATS, write_jsonl, write_parquet
 
 EXAMPLES = """\
 examples:

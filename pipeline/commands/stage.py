@@ -4,31 +4,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.commands.jsonlog import configure_logging
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
-from pipeline.lag_gauge import DEFAULT_INTERVAL_S
-from pipeline.logs import configure_logging
-from pipeline.metrics import Health, StageMetrics
-from pipeline.metrics_server import MetricsServer
-from pipeline.stage_runner import (
-    FINALIZER_GROUP,
-    LEDGER_GROUP,
-    ConsumerTuning,
-    finalizer_topics,
-    ledger_topics,
-    serve_stage,
-)
-from stages.finalize.stage import FinalizerStage
+from pipeline.kafka.consumer import DEFAULT_TUNING
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.stagehost.lag import DEFAULT_INTERVAL_S
+from pipeline.stagehost.metrics import Health, StageMetrics
+from pipeline.stagehost.runner import serve_stage
+from pipeline.stagehost.server import MetricsServer
 from stages.finalize.verify import MixedVersionPolicy
-from stages.ledger.stage import LedgerConfig, LedgerStage
-from stages.recent import DEFAULT_REMEMBER
+from stages.ledger.stage import LedgerConfig
+from stages.specs import STAGES, StageSettings
 
 log = logging.getLogger(__name__)
 
@@ -57,19 +53,26 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("name", choices=["ledger", "finalizer"], help="which stage")
+    ledger, settings, tuning = LedgerConfig(), StageSettings(), DEFAULT_TUNING
+    parser.add_argument("name", choices=list(STAGES), help="which stage")
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--group", help="consumer group (default: tokentrail-<stage>)")
     parser.add_argument(
-        "--seal-grace", type=float, default=10.0, help="ledger: seconds a seal waits (default 10)"
+        "--seal-grace",
+        type=float,
+        default=ledger.seal_grace_s,
+        help="ledger: seconds a seal waits (default %(default)s)",
     )
     parser.add_argument(
-        "--max-open", type=float, default=3600.0, help="ledger: seconds before an unsealed rollout closes"
+        "--max-open",
+        type=float,
+        default=ledger.max_open_s,
+        help="ledger: seconds before an unsealed rollout closes (default %(default)s)",
     )
     parser.add_argument(
         "--remember",
         type=int,
-        default=DEFAULT_REMEMBER,
+        default=settings.remember,
         help=(
             "rollouts remembered as answered (read back from the output topic's tail when partitions are assigned), "
             "so duplicated input gets no second outcome (default %(default)s)"
@@ -78,7 +81,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--mixed-versions",
         choices=[p.value for p in MixedVersionPolicy],
-        default="allow",
+        default=settings.mixed_versions.value,
         help="finalizer: policy for samples mixing weight versions (default allow)",
     )
     parser.add_argument("--dataplane-mode", choices=["attach", "ray", "embedded"], default="attach")
@@ -87,9 +90,17 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--ray-address", help="Ray cluster address for --dataplane-mode ray")
     parser.add_argument(
-        "--session-timeout-ms", type=int, default=10_000, help="consumer group session timeout"
+        "--session-timeout-ms",
+        type=int,
+        default=tuning.session_timeout_ms,
+        help="consumer group session timeout (default %(default)s)",
     )
-    parser.add_argument("--heartbeat-ms", type=int, default=3_000, help="consumer group heartbeat interval")
+    parser.add_argument(
+        "--heartbeat-ms",
+        type=int,
+        default=tuning.heartbeat_interval_ms,
+        help="consumer group heartbeat interval (default %(default)s)",
+    )
     add_metrics_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -178,54 +189,37 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 async def _serve_stage(args: argparse.Namespace, config: KafkaConfig, metrics: StageMetrics) -> None:
-    tuning = ConsumerTuning(
-        session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_ms
+    spec = STAGES[args.name]
+    tuning = replace(
+        DEFAULT_TUNING, session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_ms
+    )
+    settings = StageSettings(
+        ledger=LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open),
+        mixed_versions=MixedVersionPolicy(args.mixed_versions),
+        remember=args.remember,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with KafkaEventSink(config) as kafka_sink:
-        sink = metrics.sink(kafka_sink)
-        if args.name == "ledger":
-            ledger = LedgerStage(
-                sink,
-                LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open, remember=args.remember),
-            )
-            await serve_stage(
-                ledger,
-                config,
-                sink,
-                stage="ledger",
-                group=args.group or LEDGER_GROUP,
-                topics=ledger_topics(config.names),
-                stop=stop,
-                tuning=tuning,
-                metrics=metrics,
-                lag_interval_s=args.lag_interval,
-            )
-            return
-        from pipeline.dataplane import DataPlaneConfig, open_data_plane
+    async with contextlib.AsyncExitStack() as stack:
+        sink = metrics.sink(await stack.enter_async_context(KafkaEventSink(config)))
+        plane = None
+        if spec.uses_data_plane:
+            from pipeline.dataplane import DataPlaneConfig, open_data_plane
 
-        plane_config = DataPlaneConfig.from_env(
-            mode=args.dataplane_mode, data_dir=args.data_dir, ray_address=args.ray_address
+            plane_config = DataPlaneConfig.from_env(
+                mode=args.dataplane_mode, data_dir=args.data_dir, ray_address=args.ray_address
+            )
+            plane = metrics.data_plane(await stack.enter_async_context(open_data_plane(plane_config)))
+        await serve_stage(
+            spec.build(sink, plane, settings),
+            spec,
+            config,
+            sink,
+            stop=stop,
+            group=args.group,
+            tuning=tuning,
+            metrics=metrics,
+            lag_interval_s=args.lag_interval,
         )
-        async with open_data_plane(plane_config) as plane:
-            finalizer = FinalizerStage(
-                metrics.data_plane(plane),
-                sink,
-                policy=MixedVersionPolicy(args.mixed_versions),
-                remember=args.remember,
-            )
-            await serve_stage(
-                finalizer,
-                config,
-                sink,
-                stage="finalizer",
-                group=args.group or FINALIZER_GROUP,
-                topics=finalizer_topics(config.names),
-                stop=stop,
-                tuning=tuning,
-                metrics=metrics,
-                lag_interval_s=args.lag_interval,
-            )

@@ -127,8 +127,8 @@ async def attach_data_plane(addresses_file: Path | None) -> AsyncIterator[DataPl
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     from pipeline.worker.main import WorkerConfig, default_worker_id
     from stages.capture.core import AckPolicy
-    from stages.capture.vllm_engine import EngineSettings
-    from stages.capture.vllm_worker import SpanPolicy
+    from stages.capture.vllm.engine import EngineSettings
+    from stages.capture.vllm.worker import SpanPolicy
 
     return WorkerConfig(
         model_dir=args.model,
@@ -154,7 +154,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 async def _serve(args: argparse.Namespace) -> None:
     from pipeline.kafka import KafkaEventSink
     from pipeline.worker.main import run_worker
-    from stages.capture.vllm_engine import VllmEngine
+    from stages.capture.vllm.engine import VllmEngine
 
     config = worker_config(args)
     kafka = config_from_args(args)

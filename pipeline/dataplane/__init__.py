@@ -23,7 +23,7 @@ if TYPE_CHECKING:
         embedded_data_plane,
         start_embedded,
     )
-    from pipeline.dataplane.rows import RowFormatError
+    from pipeline.dataplane.encoding import RowFormatError
     from pipeline.dataplane.runtime import open_data_plane
     from pipeline.dataplane.transferqueue import CorruptRows, TransferQueueDataPlane
 
@@ -37,7 +37,7 @@ _HOMES = {
     "EmbeddedStartError": "embedded",
     "embedded_data_plane": "embedded",
     "start_embedded": "embedded",
-    "RowFormatError": "rows",
+    "RowFormatError": "encoding",
     "open_data_plane": "runtime",
     "CorruptRows": "transferqueue",
     "TransferQueueDataPlane": "transferqueue",

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 import numpy as np
 from tensordict import TensorDict
 
-from pipeline.dataplane import rows as codec
+from pipeline.dataplane import encoding as codec
 from pipeline.dataplane.addresses import DataPlaneAddresses
 from pipeline.dataplane.client import close_client, connect, connect_ray
 from pipeline.dataplane.config import DEFAULT_RAY_NAMESPACE, DEFAULT_TIMEOUT_S

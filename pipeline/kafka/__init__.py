@@ -7,17 +7,19 @@ every consumer is idempotent on event ids, because tansu (the embedded broker) c
 run idempotent or transactional producers.
 """
 
+from pipeline.kafka.admin import TopicLayoutError, ensure_topics
 from pipeline.kafka.broker import BrokerError, EmbeddedBroker, PortBusyError, StorageMode, tansu_binary
 from pipeline.kafka.config import ConfigError, KafkaConfig
-from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, LoopStats, dead_letter
+from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning, LoopStats
 from pipeline.kafka.lag import LagError, LagReader, PartitionLag, Watermarks, total_lag
-from pipeline.kafka.log import KafkaEventSink, TopicLayoutError, ensure_topics
+from pipeline.kafka.producer import KafkaEventSink
 
 __all__ = [
     "BrokerError",
     "CollectingHandler",
     "ConfigError",
     "ConsumerLoop",
+    "ConsumerTuning",
     "EmbeddedBroker",
     "KafkaConfig",
     "KafkaEventSink",
@@ -29,7 +31,6 @@ __all__ = [
     "StorageMode",
     "TopicLayoutError",
     "Watermarks",
-    "dead_letter",
     "ensure_topics",
     "tansu_binary",
     "total_lag",

@@ -18,10 +18,8 @@ from the sought positions), so no record is handled twice by one member.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +33,7 @@ from aiokafka.structs import ConsumerRecord
 from pipeline.kafka.config import KafkaConfig
 from stages.ports import Consumed, EventSink, StageHandler
 from stages.ports import TopicPartition as PortPartition
-from topics.codec import DecodeError, decode
+from topics.codec import DecodeError, RawRecord, dead_letter, decode
 from topics.records import DeadLetter
 
 log = logging.getLogger(__name__)
@@ -43,19 +41,9 @@ log = logging.getLogger(__name__)
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
 
 
-def dead_letter(record: Record, reason: str, field: str | None, stage: str) -> DeadLetter:
-    """The whole undecodable record, kept with why it was refused and where it was."""
-    headers = {name: value.decode("utf-8", "backslashreplace") for name, value in record.headers}
-    return DeadLetter(
-        source_topic=record.topic,
-        source_partition=record.partition,
-        source_offset=record.offset,
-        reason=reason,
-        field=field,
-        key=record.key.decode("utf-8", "backslashreplace") if record.key is not None else None,
-        headers=headers,
-        value_b64=base64.b64encode(record.value or b"").decode("ascii"),
-        stage=stage,
+def _raw(record: Record) -> RawRecord:
+    return RawRecord(
+        record.topic, record.partition, record.offset, record.key, record.value, tuple(record.headers)
     )
 
 
@@ -68,6 +56,23 @@ class LoopStats:
     dead_lettered: int = 0
     commits: int = 0
     rebalances: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerTuning:
+    """Group timings and batch size. Takeover after a member dies takes about the session
+    timeout plus a rejoin; tests and single-process runs use short ones so joins are quick
+    (tansu holds a join for half the session timeout)."""
+
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    max_records: int = 500
+    idle_poll_ms: int = 100
+
+
+DEFAULT_TUNING = ConsumerTuning()
+FAST_GROUPS = ConsumerTuning(session_timeout_ms=1_000, heartbeat_interval_ms=300)
+"""Tests and short-lived tools."""
 
 
 class ConsumerLoop:
@@ -88,10 +93,7 @@ class ConsumerLoop:
         handler: StageHandler,
         dead_letters: EventSink,
         stage: str,
-        max_records: int = 500,
-        idle_poll_ms: int = 100,
-        session_timeout_ms: int = 10_000,
-        heartbeat_interval_ms: int = 3_000,
+        tuning: ConsumerTuning = DEFAULT_TUNING,
         max_poll_interval_ms: int = 300_000,
         fetch_max_wait_ms: int = 100,
         clock: Callable[[], float] = time.time,
@@ -107,14 +109,14 @@ class ConsumerLoop:
         self.handler = handler
         self.dead_letters = dead_letters
         self.stage = stage
-        self.max_records = max_records
-        self.idle_poll_ms = idle_poll_ms
+        self.max_records = tuning.max_records
+        self.idle_poll_ms = tuning.idle_poll_ms
         self._consumer_settings = {
             "group_id": group_id,
             "enable_auto_commit": False,
             "auto_offset_reset": "earliest",
-            "session_timeout_ms": session_timeout_ms,
-            "heartbeat_interval_ms": heartbeat_interval_ms,
+            "session_timeout_ms": tuning.session_timeout_ms,
+            "heartbeat_interval_ms": tuning.heartbeat_interval_ms,
             "max_poll_interval_ms": max_poll_interval_ms,
             "fetch_max_wait_ms": fetch_max_wait_ms,
             "isolation_level": "read_uncommitted",
@@ -158,14 +160,6 @@ class ConsumerLoop:
     async def wait_assigned(self) -> None:
         """Wait until the group gave this member its first assignment (it may be empty)."""
         await self._assigned.wait()
-
-    def install_signal_handlers(
-        self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)
-    ) -> None:
-        """Turn SIGTERM/SIGINT into a graceful stop (call from inside the running loop)."""
-        loop = asyncio.get_running_loop()
-        for sig in signals:
-            loop.add_signal_handler(sig, self.request_stop)
 
     # -- the loop --------------------------------------------------------------
 
@@ -227,14 +221,15 @@ class ConsumerLoop:
         advanced: dict[TopicPartition, int] = {}
         for tp, records in batch.items():
             for record in records:
+                raw = _raw(record)
                 try:
                     event = decode(record.key, record.value, record.headers)
                 except DecodeError as exc:
-                    dead.append(dead_letter(record, exc.reason, exc.field, self.stage))
+                    dead.append(dead_letter(raw, exc.reason, exc.field, self.stage))
                 else:
                     consumed.append(
                         Consumed(
-                            record.topic, record.partition, record.offset, event, record.timestamp / 1000
+                            record.topic, record.partition, record.offset, event, record.timestamp / 1000, raw
                         )
                     )
             if records:

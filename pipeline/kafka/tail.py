@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from aiokafka import AIOKafkaConsumer
-
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.lag import LagReader
+from pipeline.kafka.reader import assigned_reader
 from topics.codec import HEADER_TYPE
 from topics.events import EventType
 
@@ -49,12 +48,7 @@ async def recent_keys(
         return []
     wanted = event_type.value.encode()
     keys: list[str] = []
-    consumer = AIOKafkaConsumer(**config.client_kwargs(), enable_auto_commit=False, group_id=None)
-    await consumer.start()
-    try:
-        consumer.assign(sorted(pending))
-        for tp in pending:
-            consumer.seek(tp, starts[tp])
+    async with assigned_reader(config, {tp: starts[tp] for tp in sorted(pending)}) as consumer:
         while pending:
             fetched = await consumer.getmany(*pending, timeout_ms=FETCH_TIMEOUT_MS)
             for tp, records in fetched.items():
@@ -63,6 +57,4 @@ async def recent_keys(
                         keys.append(record.key.decode(errors="replace"))
                 if records and records[-1].offset + 1 >= marks[tp].highwater:
                     pending.discard(tp)
-    finally:
-        await consumer.stop()
     return keys

@@ -1,7 +1,7 @@
 """The vLLM worker process: OpenAI-compatible chat completions with token capture.
 
 ``pipeline.worker.server.create_app`` builds the FastAPI app around a
-``stages.capture.vllm_worker.VllmWorker``; ``pipeline.worker.main`` wires engine, ports
+``stages.capture.vllm.worker.VllmWorker``; ``pipeline.worker.main`` wires engine, ports
 and an in-loop uvicorn server (``run_worker``, ``WorkerServer``). Nothing is imported
 here, so the CLI stays fast to load.
 """

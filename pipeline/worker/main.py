@@ -33,9 +33,10 @@ from pipeline.worker.server import create_app
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer
 from stages.capture.core import AckPolicy, CaptureCore
+from stages.capture.engine import TokenEngine
 from stages.capture.resolve import PrefixResolver
-from stages.capture.vllm_engine import EngineSettings, TokenEngine, VllmEngine
-from stages.capture.vllm_worker import SpanPolicy, VllmWorker
+from stages.capture.vllm.engine import EngineSettings, VllmEngine
+from stages.capture.vllm.worker import SpanPolicy, VllmWorker
 from stages.capture.writer import StagingWriter
 from stages.ports import DataPlane, EventSink
 

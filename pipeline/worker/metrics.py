@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pipeline.metrics import LATENCY_BUCKETS
-from pipeline.timed_dataplane import timed
-from stages.capture.vllm_worker import VllmWorker
+from pipeline.dataplane.timed import timed
+from pipeline.stagehost.metrics import LATENCY_BUCKETS
+from stages.capture.vllm.worker import VllmWorker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -14,9 +14,9 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from stages.capture.vllm_worker import ChatCall, ServedChat
-from stages.client import CAPTURE_FIELD, COORDS_FIELD
+from stages.capture.vllm.worker import ChatCall, ServedChat
 from topics.records import CaptureAdmission, CommitCoords
+from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

@@ -38,9 +38,9 @@ from pipeline.worker.protocol import (
     models_list,
     parse_body,
 )
-from stages.capture.vllm_engine import EngineUnavailable
-from stages.capture.vllm_worker import RequestRejected, VllmWorker, WorkerStateError
-from stages.client import strip_token_fields
+from stages.capture.engine import EngineUnavailable
+from stages.capture.vllm.worker import RequestRejected, VllmWorker, WorkerStateError
+from topics.wire import strip_token_fields
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from topics.canonical import EncodingError, FloatsLike, IdsLike
 from topics.digest import InvalidDelta, build_delta
 from topics.failures import WorkerFailure
 from topics.records import CaptureAdmission, CommitCoords, StagedCall, staging_key
-from topics.rows import stage_row
+from topics.staging import staging_row
 
 
 class AckPolicy(StrEnum):
@@ -171,13 +171,13 @@ def capture_row(
     """
     admission = prepared.admission
     prefix = prepared.prefix_ids
-    if not _starts_with(prompt_ids, prefix):
+    if not starts_with(prompt_ids, prefix):
         raise CaptureFailure(
             WorkerFailure.PREFIX_SPLICE_FAILED, "prompt does not start with the exact prefix"
         )
     try:
         delta = build_delta(prompt_ids, generated_ids, generated_logprobs, admission.prev_len)
-        row = stage_row(
+        row = staging_row(
             rollout_id=admission.rollout_id,
             call_id=admission.call_id,
             parent_call_id=admission.parent_call_id,
@@ -213,13 +213,15 @@ def failed_coords(
     )
 
 
-def _starts_with(prompt_ids: IdsLike, prefix: npt.NDArray[np.int64]) -> bool:
-    if prefix.size == 0:
-        return True
+def starts_with(prompt_ids: IdsLike, prefix: npt.NDArray[np.int64]) -> bool:
+    """Whether the prompt begins with the exact prefix; ids that are not integers never do."""
     if len(prompt_ids) < prefix.size:
         return False
-    head = prompt_ids[: prefix.size]
-    return bool(np.array_equal(np.asarray(head, dtype=np.int64), prefix))
+    try:
+        head = np.asarray(prompt_ids[: prefix.size], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return bool(np.array_equal(head, prefix))
 
 
 def _coords(admission: CaptureAdmission, row: StagedCall) -> CommitCoords:

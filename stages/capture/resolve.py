@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from stages.capture.cache import ChainCache, ChainLink
 from stages.capture.errors import CaptureFailure
-from stages.ports import DataPlane, DataPlaneError, MissingRows
+from stages.ports import DataPlane, DataPlaneError, read_calls
 from topics.digest import chain_hash
 from topics.failures import WorkerFailure
 from topics.records import CaptureAdmission, StagedCall
@@ -80,16 +80,10 @@ class PrefixResolver:
         return links
 
     async def _fetch_available(self, keys: list[str]) -> dict[str, StagedCall]:
-        """The rows readable now, in one batched read (two when some are still missing)."""
+        """The rows readable now; the chain is verified up to the first one missing."""
         try:
-            try:
-                return await self.data_plane.get_calls(keys)
-            except MissingRows as exc:
-                absent = set(exc.keys)
-                readable = keys[: next((i for i, key in enumerate(keys) if key in absent), len(keys))]
-                return await self.data_plane.get_calls(readable) if readable else {}
-        except MissingRows:
-            return {}
+            rows, _ = await read_calls(self.data_plane, keys)
+            return rows
         except DataPlaneError as exc:
             raise CaptureFailure(WorkerFailure.PREFIX_UNAVAILABLE, f"data plane: {exc}") from None
 

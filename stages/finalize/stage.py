@@ -21,10 +21,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stages.finalize.verify import Linearized, MixedVersionPolicy, Rejected, linearize, terminal_records
-from stages.ports import Consumed, DataPlane, EventSink, MissingRows, TopicPartition
+from stages.ports import Consumed, DataPlane, EventSink, MissingRows, StageGauges, TopicPartition, read_calls
 from stages.recent import DEFAULT_REMEMBER, RecentIds
 from topics.failures import FinalizerFailure
-from topics.records import FinalizedEvent, RolloutReceipt, StagedCall, TrainingSample, staging_key
+from topics.records import FinalizedEvent, RolloutReceipt, TrainingSample, staging_key
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,12 @@ class FinalizerStage:
         self.sink = sink
         self.policy = policy
         self.stats = FinalizerStats()
-        self.finalized = RecentIds(remember)
+        self.answered = RecentIds(remember)
         """Rollouts already finalized: a receipt for one of them is a duplicate. Seed it
-        from the tail of the finalized topic when partitions are assigned (``pipeline.kafka.tail``)."""
+        from the tail of the finalized topic when partitions are assigned (the recall rule, DESIGN §7)."""
+
+    def gauges(self) -> StageGauges:
+        return StageGauges(duplicates=self.stats.duplicates)
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         receipts: dict[str, RolloutReceipt] = {}
@@ -63,7 +66,7 @@ class FinalizerStage:
             payload = item.event.payload
             if not isinstance(payload, RolloutReceipt):
                 continue  # call records share the topic; they are the ledger's, not ours
-            if payload.rollout_id in self.finalized or payload.rollout_id in receipts:
+            if payload.rollout_id in self.answered or payload.rollout_id in receipts:
                 self.stats.duplicates += 1
                 continue
             receipts[payload.rollout_id] = payload
@@ -72,7 +75,7 @@ class FinalizerStage:
         events = await self._finalize_all(list(receipts.values()))
         await self.sink.publish(events)
         for event in events:
-            self.finalized.add(event.rollout_id)
+            self.answered.add(event.rollout_id)
             self._count(event)
         # Only after the broker acknowledged every event above.
         await self.data_plane.delete_calls([key for r in receipts.values() for key in _staging_keys(r)])
@@ -89,7 +92,7 @@ class FinalizerStage:
                 chains[receipt.rollout_id] = [record.staging_key for record in terminal_records(receipt)]
             except Rejected as exc:
                 events[receipt.rollout_id] = _rejected(receipt, exc.code.value)
-        rows, missing = await self._fetch([key for keys in chains.values() for key in keys])
+        rows, missing = await read_calls(self.data_plane, [key for keys in chains.values() for key in keys])
         samples: list[TrainingSample] = []
         for receipt in receipts:
             keys = chains.get(receipt.rollout_id)
@@ -109,18 +112,6 @@ class FinalizerStage:
             events[receipt.rollout_id] = _accepted(receipt, result)
         await self.data_plane.put_samples(samples)
         return [events[receipt.rollout_id] for receipt in receipts]
-
-    async def _fetch(self, keys: list[str]) -> tuple[dict[str, StagedCall], set[str]]:
-        """All readable rows in one read (two when some are missing), and the missing keys."""
-        try:
-            return await self.data_plane.get_calls(keys), set()
-        except MissingRows as exc:
-            missing = set(exc.keys)
-        readable = [key for key in keys if key not in missing]
-        try:
-            return (await self.data_plane.get_calls(readable) if readable else {}), missing
-        except MissingRows as exc:  # rows vanished between the two reads
-            return {}, missing | set(exc.keys) | set(readable)
 
     async def _without_rows(self, receipt: RolloutReceipt, absent: list[str]) -> FinalizedEvent:
         """Rows are gone: a replay of a finalized rollout (its sample exists), or a real loss."""

@@ -7,7 +7,7 @@ harmless downstream.
 
 Offsets: per partition it commits the lowest offset any open rollout still needs, so
 a restart rebuilds every open rollout from its first event. Rollouts it has receipted
-are remembered by id (``receipted``, recalled from the committed topic when partitions
+are remembered by id (``answered``, recalled from the committed topic when partitions
 are assigned): their events arriving again, replayed after a restart or delivered
 twice, are late and change nothing. Closed rollouts therefore never hold the commit
 point back, however much rollouts overlap under sustained load.
@@ -15,16 +15,15 @@ point back, however much rollouts overlap under sustained load.
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stages.ledger.rollout import OpenRollout
-from stages.ports import Consumed, EventSink, TopicPartition
+from stages.ports import Consumed, EventSink, StageGauges, TopicPartition
 from stages.recent import DEFAULT_REMEMBER, RecentIds
-from topics.codec import HEADER_TYPE, encode_payload
+from topics.codec import HEADER_TYPE, dead_letter
 from topics.failures import LedgerFailure
 from topics.records import (
     CallRecord,
@@ -46,8 +45,6 @@ class LedgerConfig:
     replay of the log, or a ledger catching up after an outage, decides as live did."""
     max_open_s: float = 3600.0
     """A rollout with admissions but no seal after this long is closed as never sealed."""
-    remember: int = DEFAULT_REMEMBER
-    """Receipted rollouts remembered, so a duplicate arriving later is not a new rollout."""
 
 
 @dataclass(slots=True)
@@ -80,16 +77,23 @@ class LedgerStage:
         self,
         sink: EventSink,
         config: LedgerConfig | None = None,
+        *,
+        remember: int = DEFAULT_REMEMBER,
     ) -> None:
         self.sink = sink
         self.config = config or LedgerConfig()
         self.stats = LedgerStats()
         self.open: dict[str, OpenRollout] = {}
         self._open_spans: dict[str, _Tracked] = {}
-        self.receipted = RecentIds(self.config.remember)
+        self.answered = RecentIds(remember)
         """Rollouts whose receipt is published. Their events arriving again (a duplicate
         delivery, a replayed segment) are late, not a new rollout. Seed it from the tail
-        of the committed topic when partitions are assigned (``pipeline.kafka.tail``)."""
+        of the committed topic when partitions are assigned (the recall rule, DESIGN §7)."""
+
+    def gauges(self) -> StageGauges:
+        return StageGauges(
+            duplicates=self.stats.duplicates, open_rollouts=len(self.open), late=self.stats.late
+        )
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         outputs: list[Record] = []
@@ -105,7 +109,7 @@ class LedgerStage:
                     )
                 )
                 continue
-            if rollout_id in self.receipted:  # a replayed or duplicated event of a receipted rollout
+            if rollout_id in self.answered:  # a replayed or duplicated event of a receipted rollout
                 self.stats.late += 1
                 continue
             state = self.open.get(rollout_id)
@@ -170,7 +174,7 @@ class LedgerStage:
             self.stats.poisoned[str(receipt.failure_reason)] += 1
         del self.open[state.rollout_id]
         del self._open_spans[state.rollout_id]
-        self.receipted.add(state.rollout_id)
+        self.answered.add(state.rollout_id)
         return [*late, receipt]
 
     async def tick(self, now: float) -> None:
@@ -210,17 +214,7 @@ class LedgerStage:
     def _dead_letter(self, item: Consumed, reason: str, field_name: str | None) -> DeadLetter:
         self.stats.dead_letters += 1
         log.warning("dead-lettering %s@%d:%d: %s", item.topic, item.partition, item.offset, reason)
-        return DeadLetter(
-            source_topic=item.topic,
-            source_partition=item.partition,
-            source_offset=item.offset,
-            reason=reason,
-            field=field_name,
-            key=item.event.key,
-            headers={"tt-type": item.event.event_type.value, "tt-event-id": item.event.event_id},
-            value_b64=base64.b64encode(encode_payload(item.event.payload)).decode(),
-            stage=self.name,
-        )
+        return dead_letter(item.as_raw(), reason, field_name, self.name)
 
 
 def _first_difference(known: Record, other: Record) -> str | None:

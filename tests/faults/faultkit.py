@@ -25,17 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 
 from pipeline.dataplane import DataPlaneConfig, open_data_plane
 from pipeline.dataplane.addresses import AddressesError, DataPlaneAddresses
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker, free_port
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.lag import LagReader
-from pipeline.kafka.log import ensure_topics
-from pipeline.ledger_store import LedgerStore
-from pipeline.replay import compare, materialize, read_log, rebuild
-from pipeline.stage_runner import FINALIZER_GROUP, LEDGER_GROUP, finalizer_topics, ledger_topics
+from pipeline.kafka.reader import assigned_reader
+from pipeline.replay.rebuild import compare, materialize, read_log, rebuild
+from pipeline.replay.store import LedgerStore
+from pipeline.stagehost.lag import StageLagProbe
 from stages.ledger.stage import LedgerConfig
 from stages.ports import SAMPLES_PARTITION, STAGING_PARTITION, MissingRows
 from topics.digest import cumulative_hash
@@ -301,9 +302,7 @@ async def redeliver(config: KafkaConfig, topics: list[str], rng: random.Random) 
     async with LagReader(config) as reader:
         partitions = await reader.partitions(topics)
         marks = await reader.watermarks(partitions)
-    consumer = AIOKafkaConsumer(**config.client_kwargs(), enable_auto_commit=False, group_id=None)
     producer = AIOKafkaProducer(**config.client_kwargs(), acks="all")
-    await consumer.start()
     await producer.start()
     copied = 0
     try:
@@ -313,14 +312,13 @@ async def redeliver(config: KafkaConfig, topics: list[str], rng: random.Random) 
             start = max(marks[tp].log_start, end - length - rng.randint(0, 200))
             if end <= start:
                 continue
-            consumer.assign([tp])
-            consumer.seek(tp, start)
             records: list[Any] = []
-            while len(records) < min(length, end - start):
-                fetched = await consumer.getmany(tp, timeout_ms=1000)
-                if not fetched:
-                    break
-                records += [r for batch in fetched.values() for r in batch]
+            async with assigned_reader(config, {tp: start}) as consumer:
+                while len(records) < min(length, end - start):
+                    fetched = await consumer.getmany(tp, timeout_ms=1000)
+                    if not fetched:
+                        break
+                    records += [r for batch in fetched.values() for r in batch]
             records = records[:length]
             rng.shuffle(records)
             batch = producer.create_batch()
@@ -330,7 +328,6 @@ async def redeliver(config: KafkaConfig, topics: list[str], rng: random.Random) 
             copied += len(records)
     finally:
         await producer.stop()
-        await consumer.stop()
     return copied
 
 
@@ -352,24 +349,20 @@ async def _events_on(config: KafkaConfig, topic: str) -> int:
 
 
 def group_lags(config: KafkaConfig) -> dict[str, int]:
-    """Consumer lag of the ledger and the finalizer."""
+    """Consumer lag of every stage, by stage name."""
     return asyncio.run(_group_lags(config))
 
 
 async def _group_lags(config: KafkaConfig) -> dict[str, int]:
-    names = config.names
-    groups = ((LEDGER_GROUP, ledger_topics(names)), (FINALIZER_GROUP, finalizer_topics(names)))
-    async with LagReader(config) as reader:
-        return {
-            group: sum(row.lag for row in await reader.group_lag(group, topics)) for group, topics in groups
-        }
+    async with StageLagProbe(config) as probe:
+        return await probe.read()
 
 
 async def unsettled(config: KafkaConfig) -> str:
     """What the pipeline still owes: consumer lag, or admitted rollouts without an outcome."""
-    for group, lag in (await _group_lags(config)).items():
+    for stage, lag in (await _group_lags(config)).items():
         if lag:
-            return f"{group} lags by {lag}"
+            return f"{stage} lags by {lag}"
     admitted = {r async for r in _keys(config, config.names.admission)}
     finalized = {r async for r in _keys(config, config.names.finalized)}
     missing = sorted(admitted - finalized)

@@ -37,7 +37,7 @@ import orjson
 
 from pipeline.dataplane import DataPlaneConfig, open_data_plane
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.log import KafkaEventSink
+from pipeline.kafka.producer import KafkaEventSink
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.resolve import PrefixResolver

@@ -31,35 +31,31 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 
 from pipeline.dataplane.embedded import EmbeddedDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.consumer import FAST_GROUPS
 from pipeline.kafka.lag import LagReader
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
-from pipeline.stage_runner import (
-    FAST_GROUPS,
-    FINALIZER_GROUP,
-    LEDGER_GROUP,
-    finalizer_topics,
-    ledger_topics,
-    serve_stage,
-)
-from pipeline.tinymodel import make_tiny_model
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.kafka.reader import assigned_reader
+from pipeline.models.tiny import make_tiny_model
+from pipeline.stagehost.runner import serve_stage
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer
 from stages.capture.core import AckPolicy, CaptureCore
+from stages.capture.engine import Generation, Sampling, VersionSpan
 from stages.capture.resolve import PrefixResolver
-from stages.capture.vllm_engine import Generation, Sampling, VersionSpan
 from stages.capture.writer import StagingWriter
-from stages.client import COORDS_FIELD, RolloutClient
-from stages.finalize.stage import FinalizerStage
-from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.client import RolloutClient
+from stages.ledger.stage import LedgerConfig
 from stages.memory import MemoryDataPlane, RecordingSink
+from stages.specs import FINALIZER, LEDGER, STAGES, StageSettings
 from topics import codec
 from topics.codec import HEADER_EVENT_ID, HEADER_SCHEMA, HEADER_TYPE, MAX_EVENT_BYTES, EventTooLarge
 from topics.names import TopicNames
@@ -75,6 +71,7 @@ from topics.records import (
     RolloutSeal,
     StagedEvent,
 )
+from topics.wire import COORDS_FIELD
 
 SECTION = "bad input"
 GRACE_S = 3.0  # the ledger's seal grace: a case whose input never settles waits this long
@@ -793,11 +790,7 @@ class Watch:
         names = self.config.names
         async with LagReader(self.config) as reader:
             partitions = await reader.partitions([names.finalized, names.deadletter, names.committed])
-        consumer = AIOKafkaConsumer(**self.config.client_kwargs(), enable_auto_commit=False, group_id=None)
-        await consumer.start()
-        try:
-            consumer.assign(partitions)
-            await consumer.seek_to_beginning(*partitions)
+        async with assigned_reader(self.config, dict.fromkeys(partitions)) as consumer:
             while not stop.is_set():
                 batch = await consumer.getmany(timeout_ms=100)
                 for records in batch.values():
@@ -805,8 +798,6 @@ class Watch:
                         self._take(record.key, record.value, record.headers)
                 if batch:
                     self.changed.set()
-        finally:
-            await consumer.stop()
 
     def _take(self, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]]) -> None:
         try:
@@ -853,36 +844,22 @@ async def stages_running(
     """The ledger and the finalizer consuming, each with its own producer, as in production."""
     stop = asyncio.Event()
     async with KafkaEventSink(config) as ledger_sink, KafkaEventSink(config) as finalizer_sink:
-        stages = {
-            "ledger": (
-                LedgerStage(ledger_sink, LedgerConfig(seal_grace_s=GRACE_S)),
-                ledger_sink,
-                LEDGER_GROUP,
-                ledger_topics(config.names),
-            ),
-            "finalizer": (
-                FinalizerStage(plane, finalizer_sink),
-                finalizer_sink,
-                FINALIZER_GROUP,
-                finalizer_topics(config.names),
-            ),
-        }
-        started = {name: asyncio.Event() for name in stages}
+        settings = StageSettings(ledger=LedgerConfig(seal_grace_s=GRACE_S))
+        sinks = {LEDGER.name: ledger_sink, FINALIZER.name: finalizer_sink}
+        started = {name: asyncio.Event() for name in STAGES}
         tasks = {
             name: asyncio.create_task(
                 serve_stage(
-                    handler,
+                    spec.build(sinks[name], plane, settings),
+                    spec,
                     config,
-                    sink,
-                    stage=name,
-                    group=group,
-                    topics=topics,
+                    sinks[name],
                     stop=stop,
                     tuning=FAST_GROUPS,
                     started=started[name],
                 )
             )
-            for name, (handler, sink, group, topics) in stages.items()
+            for name, spec in STAGES.items()
         }
         joined = asyncio.ensure_future(asyncio.gather(*(event.wait() for event in started.values())))
         await asyncio.wait([joined, *tasks.values()], timeout=30, return_when=asyncio.FIRST_COMPLETED)

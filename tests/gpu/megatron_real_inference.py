@@ -224,7 +224,11 @@ class Capture:
     def __init__(self, loop: CaptureLoop) -> None:
         from stages.capture.cache import ChainCache
         from stages.capture.core import AckPolicy, CaptureCore
-        from stages.capture.megatron import MegatronPayloadStager, MegatronPromptPreparer, PreparedCalls
+        from stages.capture.megatron.adapter import (
+            MegatronPayloadStager,
+            MegatronPromptPreparer,
+            PreparedCalls,
+        )
         from stages.capture.resolve import PrefixResolver
         from stages.capture.writer import StagingWriter
         from stages.client import RolloutClient
@@ -351,7 +355,7 @@ def finalize(capture: Capture) -> list[Any]:
 
 def verify(capture: Capture, calls: dict[str, list[Any]], finalized: list[Any]) -> list[str]:
     """Every sample against the engine's records; returns the problems found."""
-    from stages.capture.megatron_payload import generation_versions
+    from stages.capture.megatron.payload import generation_versions
 
     problems: list[str] = []
     status = {event.rollout_id: event for event in finalized}
@@ -424,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         max_len = args.turns * (args.max_tokens + USER_TOKENS + 1) + 64
         engine, model = build_engine(max_len)
         phase = "hooks"
-        from stages.capture.megatron import install_capture_hooks
+        from stages.capture.megatron.adapter import install_capture_hooks
 
         loop = CaptureLoop()
         capture = Capture(loop)

@@ -11,17 +11,18 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import BrokerError, EmbeddedBroker, PortBusyError, free_port, tansu_binary
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop
+from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning
 from pipeline.kafka.lag import LagReader, total_lag
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
 from pipeline.kafka.probe import identify
+from pipeline.kafka.producer import KafkaEventSink
 from stages.ports import Consumed
 from topics.names import TopicNames
 from topics.records import CaptureAdmission
@@ -155,7 +156,7 @@ def test_durable_storage_needs_its_own_data_dir(tmp_path: Path) -> None:
 
 
 def test_durable_broker_keeps_topics_records_and_offsets_across_a_restart(
-    tmp_path: Path, fast_group: dict[str, Any]
+    tmp_path: Path, fast_group: ConsumerTuning
 ) -> None:
     names = TopicNames(prefix="durable", partitions=2)
     group = "durable-g"
@@ -180,8 +181,7 @@ def test_durable_broker_keeps_topics_records_and_offsets_across_a_restart(
                 handler=handler,
                 dead_letters=sink,
                 stage="test",
-                max_records=20,
-                **fast_group,
+                tuning=replace(fast_group, max_records=20),
             )
             await asyncio.wait_for(loop.run(), 20)
             return len(handler.consumed)
@@ -204,7 +204,7 @@ def test_durable_broker_keeps_topics_records_and_offsets_across_a_restart(
                     handler=everything,
                     dead_letters=sink,
                     stage="test",
-                    **fast_group,
+                    tuning=fast_group,
                 ),
                 ConsumerLoop(
                     config,
@@ -213,7 +213,7 @@ def test_durable_broker_keeps_topics_records_and_offsets_across_a_restart(
                     handler=rest,
                     dead_letters=sink,
                     stage="test",
-                    **fast_group,
+                    tuning=fast_group,
                 ),
             ]
             tasks = [asyncio.create_task(loop.run()) for loop in loops]

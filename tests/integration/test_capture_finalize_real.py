@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from pipeline.dataplane import rows as rows_codec
+from pipeline.dataplane import encoding as rows_codec
 from pipeline.dataplane.embedded import EmbeddedDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
-from pipeline.replay import read_log
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.replay.rebuild import read_log
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.resolve import PrefixResolver

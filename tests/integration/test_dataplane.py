@@ -23,7 +23,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from pipeline.dataplane import rows as codec
+from pipeline.dataplane import encoding as codec
 from pipeline.dataplane.addresses import DataPlaneAddresses
 from pipeline.dataplane.config import ADDRESSES_FILE_NAME, DataPlaneConfig
 from pipeline.dataplane.embedded import TESTED_TRANSFERQUEUE_VERSION, EmbeddedDataPlane, actor_class
@@ -32,7 +32,7 @@ from pipeline.dataplane.transferqueue import CorruptRows, TransferQueueDataPlane
 from stages.ports import DataPlaneError, DataPlaneTimeout, MissingRows
 from topics import digest
 from topics.records import CallSpan, StagedCall, TrainingSample
-from topics.rows import stage_row
+from topics.staging import staging_row
 
 pytestmark = pytest.mark.dataplane
 
@@ -55,7 +55,7 @@ def build_rollout(
         prompt = np.concatenate((prefix, rng.integers(0, 150_000, length - generated)))
         new_ids = rng.integers(0, 150_000, generated)
         delta = digest.build_delta(prompt, new_ids, -rng.random(generated) * 8, len(prefix))
-        call = stage_row(
+        call = staging_row(
             rollout_id=rollout_id,
             call_id=f"c{index}",
             parent_call_id=None if parent is None else parent.call_id,
@@ -429,8 +429,8 @@ from transfer_queue import TransferQueueClient
 from transfer_queue.utils.enum_utils import Role
 from transfer_queue.utils.zmq_utils import ZMQServerInfo
 from topics import digest
-from topics.rows import stage_row
-from pipeline.dataplane.rows import encode_calls
+from topics.staging import staging_row
+from pipeline.dataplane.encoding import encode_calls
 
 path, rollout, count, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 doc = json.loads(open(path).read())
@@ -443,7 +443,7 @@ client.initialize_storage_manager("SimpleStorage", {"zmq_info": units})
 rng = np.random.default_rng(abs(hash(rollout)) % 2**32)
 def call(call_id, n):
     delta = digest.build_delta([], rng.integers(0, 1000, n), -rng.random(n), 0)
-    return stage_row(rollout_id=rollout, call_id=call_id, parent_call_id=None, parent_chain_hash=None,
+    return staging_row(rollout_id=rollout, call_id=call_id, parent_call_id=None, parent_chain_hash=None,
                      prefix_ids=[], delta=delta, weight_version=1)
 def put(rows):
     meta = client.kv_retrieve_meta(keys=[r.staging_key for r in rows], partition_id="staging", create=True)

@@ -9,15 +9,17 @@ import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from pipeline.commands import lag as lag_command
+from pipeline.kafka.admin import TopicLayoutError, ensure_topics
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop
+from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning
 from pipeline.kafka.lag import LagReader, total_lag
-from pipeline.kafka.log import KafkaEventSink, TopicLayoutError, ensure_topics
+from pipeline.kafka.producer import KafkaEventSink
 from stages.ports import Consumed
 from topics.codec import HEADER_EVENT_ID, HEADER_SCHEMA, HEADER_TYPE
 from topics.names import TopicNames
@@ -42,9 +44,9 @@ def make_loop(
     sink: KafkaEventSink,
     handler: CollectingHandler,
     group: str,
-    fast_group: dict[str, Any],
+    fast_group: ConsumerTuning,
     topics: Sequence[str] | None = None,
-    **settings: Any,
+    max_records: int | None = None,
 ) -> ConsumerLoop:
     return ConsumerLoop(
         config,
@@ -53,8 +55,7 @@ def make_loop(
         handler=handler,
         dead_letters=sink,
         stage="test",
-        **fast_group,
-        **settings,
+        tuning=fast_group if max_records is None else replace(fast_group, max_records=max_records),
     )
 
 
@@ -96,7 +97,7 @@ async def test_topics_are_created_idempotently_with_one_partition_count(kafka_co
 
 
 async def test_events_are_routed_by_type_keyed_by_rollout_and_kept_in_order(
-    kafka_config: KafkaConfig, fast_group: dict[str, Any]
+    kafka_config: KafkaConfig, fast_group: ConsumerTuning
 ) -> None:
     names = kafka_config.names
     await ensure_topics(kafka_config)
@@ -149,7 +150,7 @@ async def test_events_are_routed_by_type_keyed_by_rollout_and_kept_in_order(
 
 
 async def test_two_consumers_in_a_group_split_partitions_and_see_every_record_once(
-    kafka_config: KafkaConfig, fast_group: dict[str, Any]
+    kafka_config: KafkaConfig, fast_group: ConsumerTuning
 ) -> None:
     names = kafka_config.names
     await ensure_topics(kafka_config)
@@ -187,7 +188,7 @@ async def test_two_consumers_in_a_group_split_partitions_and_see_every_record_on
 
 
 async def test_a_restarted_consumer_resumes_at_its_committed_offset_without_gap(
-    kafka_config: KafkaConfig, fast_group: dict[str, Any]
+    kafka_config: KafkaConfig, fast_group: ConsumerTuning
 ) -> None:
     names = kafka_config.names
     await ensure_topics(kafka_config)
@@ -232,7 +233,7 @@ async def test_a_restarted_consumer_resumes_at_its_committed_offset_without_gap(
 
 
 async def test_undecodable_records_go_to_the_dead_letter_topic_and_the_loop_keeps_going(
-    kafka_config: KafkaConfig, fast_group: dict[str, Any]
+    kafka_config: KafkaConfig, fast_group: ConsumerTuning
 ) -> None:
     names = kafka_config.names
     await ensure_topics(kafka_config)
@@ -280,7 +281,7 @@ async def test_undecodable_records_go_to_the_dead_letter_topic_and_the_loop_keep
 
 
 async def test_lag_is_exact_after_batched_produces(
-    kafka_config: KafkaConfig, fast_group: dict[str, Any]
+    kafka_config: KafkaConfig, fast_group: ConsumerTuning
 ) -> None:
     names = kafka_config.names
     await ensure_topics(kafka_config)
@@ -321,7 +322,7 @@ async def test_lag_is_exact_after_batched_produces(
 
 
 async def test_lag_command_prints_one_json_document(
-    kafka_config: KafkaConfig, fast_group: dict[str, Any], capsys: pytest.CaptureFixture[str]
+    kafka_config: KafkaConfig, fast_group: ConsumerTuning, capsys: pytest.CaptureFixture[str]
 ) -> None:
     names = kafka_config.names
     await ensure_topics(kafka_config)
@@ -363,7 +364,7 @@ class HoldingBack(CollectingHandler):
 
 
 async def test_commits_follow_the_handler_and_a_failed_batch_is_never_committed(
-    kafka_config: KafkaConfig, fast_group: dict[str, Any]
+    kafka_config: KafkaConfig, fast_group: ConsumerTuning
 ) -> None:
     names = kafka_config.names
     await ensure_topics(kafka_config)

@@ -14,11 +14,14 @@ from typing import Any
 
 import pytest
 
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
-from pipeline.ledger_store import LedgerStore
-from pipeline.replay import compare, materialize, rebuild
-from pipeline.stage_runner import FAST_GROUPS, LEDGER_GROUP, ledger_topics, recall_answered, serve_stage
+from pipeline.kafka.consumer import FAST_GROUPS
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.replay.rebuild import compare, materialize, rebuild
+from pipeline.replay.store import LedgerStore
+from pipeline.stagehost.recall import recall_answered
+from pipeline.stagehost.runner import serve_stage
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.resolve import PrefixResolver
@@ -26,6 +29,7 @@ from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.memory import MemoryDataPlane, RecordingSink
+from stages.specs import LEDGER
 from topics.records import Record, RolloutReceipt
 
 pytestmark = pytest.mark.broker
@@ -76,7 +80,7 @@ async def publish_all(config: KafkaConfig, events: list[Record]) -> None:
 
 async def receipts_on(config: KafkaConfig) -> dict[str, list[RolloutReceipt]]:
     """Every receipt copy on the committed topic, per rollout."""
-    from pipeline.replay import read_log
+    from pipeline.replay.rebuild import read_log
 
     copies: dict[str, list[RolloutReceipt]] = {}
     async for events, _, _ in read_log(config, [config.names.committed]):
@@ -90,18 +94,7 @@ async def run_ledger_until(config: KafkaConfig, expected: int, within_s: float =
     stop = asyncio.Event()
     async with KafkaEventSink(config) as sink:
         ledger = LedgerStage(sink, LedgerConfig(seal_grace_s=30))
-        task = asyncio.create_task(
-            serve_stage(
-                ledger,
-                config,
-                sink,
-                stage="ledger",
-                group=LEDGER_GROUP,
-                topics=ledger_topics(config.names),
-                stop=stop,
-                tuning=FAST_GROUPS,
-            )
-        )
+        task = asyncio.create_task(serve_stage(ledger, LEDGER, config, sink, stop=stop, tuning=FAST_GROUPS))
         deadline = time.monotonic() + within_s
         while ledger.stats.receipts < expected and time.monotonic() < deadline:  # noqa: ASYNC110 (a counter, not an event)
             await asyncio.sleep(0.1)
@@ -117,8 +110,8 @@ def test_replay_rebuilds_the_live_ledger(kafka_config: KafkaConfig, tmp_path: Pa
         await publish_all(kafka_config, [e for r in rollouts for e in r])
         await run_ledger_until(kafka_config, expected=40)
         restarted = LedgerStage(RecordingSink())
-        assert await recall_answered(restarted, kafka_config) == 40
-        assert all(r[0].rollout_id in restarted.receipted for r in rollouts)  # type: ignore[attr-defined]
+        assert await recall_answered(restarted, LEDGER, kafka_config) == 40
+        assert all(r[0].rollout_id in restarted.answered for r in rollouts)
         with (
             LedgerStore(tmp_path / "rebuilt.sqlite") as rebuilt,
             LedgerStore(tmp_path / "live.sqlite") as live,

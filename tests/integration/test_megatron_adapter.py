@@ -40,10 +40,10 @@ import transformers
 from megatron.core.inference import inference_request
 from megatron.core.inference import sampling_params as sampling
 
-from pipeline.tinymodel import make_tiny_model, read_manifest
+from pipeline.models.tiny import make_tiny_model, read_manifest
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore
-from stages.capture.megatron import (
+from stages.capture.megatron.adapter import (
     FAILURE_FIELD,
     MISSING_HOOKS,
     TEMPLATE_PREFIX_FIELD,
@@ -57,7 +57,7 @@ from stages.capture.megatron import (
 )
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
-from stages.client import COORDS_FIELD, RolloutClient
+from stages.client import RolloutClient
 from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.memory import MemoryDataPlane, RecordingSink
@@ -71,6 +71,7 @@ from topics.records import (
     RolloutReceipt,
     StagedEvent,
 )
+from topics.wire import COORDS_FIELD
 
 DynamicInferenceRequest = inference_request.DynamicInferenceRequest
 DynamicInferenceRequestRecord = inference_request.DynamicInferenceRequestRecord

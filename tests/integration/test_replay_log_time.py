@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from bench.events import rollout_events
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
-from pipeline.ledger_store import LedgerStore
-from pipeline.replay import rebuild
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.replay.rebuild import rebuild
+from pipeline.replay.store import LedgerStore
 from stages.ledger.stage import LedgerConfig
 from topics.names import TopicNames
 

@@ -5,19 +5,21 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.events import rollout_events
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
-from pipeline.metrics import StageMetrics
-from pipeline.metrics_server import MetricsServer
-from pipeline.stage_runner import ConsumerTuning, ledger_topics, serve_stage
+from pipeline.kafka.consumer import ConsumerTuning
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.stagehost.metrics import StageMetrics
+from pipeline.stagehost.runner import serve_stage
+from pipeline.stagehost.server import MetricsServer
 from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.specs import LEDGER
 from topics.records import Record, RolloutSeal
 
 pytestmark = pytest.mark.broker
@@ -46,7 +48,7 @@ def failed_rollout(rollout_id: str) -> list[Record]:
 
 
 def test_ledger_metrics_show_lag_and_poisoned_receipts(
-    kafka_config: KafkaConfig, fast_group: dict[str, Any]
+    kafka_config: KafkaConfig, fast_group: ConsumerTuning
 ) -> None:
     group = f"ledger-metrics-{uuid.uuid4().hex[:8]}"
     names = kafka_config.names
@@ -65,13 +67,12 @@ def test_ledger_metrics_show_lag_and_poisoned_receipts(
                 task = asyncio.create_task(
                     serve_stage(
                         ledger,
+                        LEDGER,
                         kafka_config,
                         sink,
-                        stage="ledger",
-                        group=group,
-                        topics=ledger_topics(names),
                         stop=stop,
-                        tuning=ConsumerTuning(**fast_group),
+                        group=group,
+                        tuning=fast_group,
                         metrics=metrics,
                         lag_interval_s=0.2,
                     )
@@ -88,7 +89,7 @@ def test_ledger_metrics_show_lag_and_poisoned_receipts(
 
     samples, ready, live = asyncio.run(go())
     assert (ready, live) == (200, 200)
-    for topic in ledger_topics(names):
+    for topic in LEDGER.inputs(names):
         for partition in range(names.partitions):
             labels = {"group": group, "topic": topic, "partition": str(partition)}
             assert value(samples, "tokentrail_consumer_lag", **labels) == 0

@@ -23,13 +23,14 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from pipeline.tinymodel import make_tiny_model
+from pipeline.models.tiny import make_tiny_model
 from pipeline.worker.main import WorkerConfig, build_worker
 from pipeline.worker.server import create_app
 from stages.capture.core import AckPolicy
-from stages.capture.vllm_engine import EngineSettings, Generation, Sampling, VllmEngine
-from stages.capture.vllm_worker import VllmWorker
-from stages.client import COORDS_FIELD, TOKEN_FIELDS, RolloutClient
+from stages.capture.engine import Generation, Sampling
+from stages.capture.vllm.engine import EngineSettings, VllmEngine
+from stages.capture.vllm.worker import VllmWorker
+from stages.client import RolloutClient
 from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.memory import MemoryDataPlane, RecordingSink
@@ -46,6 +47,7 @@ from topics.records import (
     StagedEvent,
     TrainingSample,
 )
+from topics.wire import COORDS_FIELD, TOKEN_FIELDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

@@ -13,10 +13,11 @@ from stages.capture.cache import ChainCache, ChainLink
 from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
-from stages.client import RolloutClient, strip_token_fields
+from stages.client import RolloutClient
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics import digest
 from topics.records import CommitCoords, StagedEvent
+from topics.wire import strip_token_fields
 
 
 class Worker:

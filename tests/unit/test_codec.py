@@ -27,7 +27,7 @@ from topics.records import (
     StagedEvent,
     TrainingSample,
 )
-from topics.rows import stage_row
+from topics.staging import staging_row
 
 idents = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,15}\Z")
 hashes = st.from_regex(r"\A[0-9a-f]{64}\Z")
@@ -182,7 +182,7 @@ def test_sample_round_trip(logprobs: list[float]) -> None:
 
 def test_staged_call_round_trips_through_json() -> None:
     delta = digest.build_delta([1, 2], [3], [-0.3], 0)
-    row = stage_row(
+    row = staging_row(
         rollout_id="r",
         call_id="c",
         parent_call_id=None,

@@ -24,7 +24,7 @@ import promql_parser
 import pytest
 import yaml
 
-from pipeline.metrics import StageMetrics, exposed_names
+from pipeline.stagehost.metrics import StageMetrics, exposed_names
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSIONS = ["1.30.0", "1.37.0"]  # oldest and newest Kubernetes the manifests are held to

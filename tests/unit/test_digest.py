@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from topics import digest
 from topics.canonical import EncodingError
-from topics.rows import stage_row
+from topics.staging import staging_row
 
 # --- an independent, loop-based reference of the byte layout --------------------------
 
@@ -87,7 +87,7 @@ EXTRAS = {"policy_epochs": [[0, 0], [2, 1]], "engine": "vllm", "ratio": 0.5, "ok
 
 def root_row():  # type: ignore[no-untyped-def]
     delta = digest.build_delta(ROOT_PROMPT, ROOT_GEN, [-0.5, -0.25], 0)
-    return stage_row(
+    return staging_row(
         rollout_id="r-1",
         call_id="c1",
         parent_call_id=None,
@@ -102,7 +102,7 @@ def child_row(extras: dict[str, Any] | None = None):  # type: ignore[no-untyped-
     root = root_row()
     prefix = root.token_ids_delta
     delta = digest.build_delta([*prefix, *CHILD_NEW], CHILD_GEN, [-1.0, -0.125, -2.0], len(prefix))
-    return stage_row(
+    return staging_row(
         rollout_id="r-1",
         call_id="c2",
         parent_call_id="c1",
@@ -331,7 +331,7 @@ def test_stage_row_checks_its_scalar_fields(changes: dict[str, Any], field: str)
         **changes,
     }
     with pytest.raises(ValueError, match=field):
-        stage_row(**args)
+        staging_row(**args)
 
 
 def test_stage_row_output_passes_full_validation() -> None:

@@ -355,7 +355,7 @@ def test_commit_point_keeps_open_rollouts_and_a_restart_replays_none_of_the_clos
     # (its later events replayed) changes nothing.
     restarted_sink = RecordingSink()
     restarted = LedgerStage(restarted_sink, LedgerConfig(seal_grace_s=0))
-    restarted.receipted.update(["s"])
+    restarted.answered.update(["s"])
     asyncio.run(restarted.handle(consumed([*events[1:], open_one.events[-1]], 1)))
     assert [r.rollout_id for r in restarted_sink.payloads(RolloutReceipt)] == ["r"]  # type: ignore[attr-defined]
     assert restarted.stats.late == 2
@@ -411,7 +411,7 @@ def test_finished_rollouts_leave_no_state() -> None:
 def test_a_duplicate_after_the_commit_point_passed_is_late_not_a_new_rollout() -> None:
     r = build("single_chain")
     sink = RecordingSink()
-    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=0, remember=10))
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=0), remember=10)
 
     async def go() -> None:
         await stage.handle(consumed(r.events))
@@ -429,7 +429,7 @@ def test_recalled_rollouts_are_late_after_a_restart() -> None:
     r = build("single_chain")
     sink = RecordingSink()
     stage = LedgerStage(sink, LedgerConfig(seal_grace_s=0))
-    stage.receipted.update(["r"])  # as read back from the committed topic on start
+    stage.answered.update(["r"])  # as read back from the committed topic on start
     asyncio.run(stage.handle(consumed(r.events[3:])))
     assert sink.payloads(RolloutReceipt) == [] and stage.open == {}
 
@@ -462,4 +462,4 @@ def test_hundred_thousand_finished_rollouts_leave_no_state() -> None:
     asyncio.run(go())
     assert stage.stats.receipts == 100_000
     assert stage.open == {} and stage._open_spans == {}
-    assert len(stage.receipted) == stage.config.remember  # bounded: ids only, oldest forgotten
+    assert len(stage.answered) == stage.answered.capacity == 10  # bounded: ids only, oldest forgotten

@@ -1,6 +1,6 @@
 """The contract with megatron-core 0.19.2: the fields and signatures the adapter relies on.
 
-Every assertion here names something ``stages.capture.megatron*`` reads. If a Megatron
+Every assertion here names something ``stages.capture.megatron`` reads. If a Megatron
 upgrade changes one of them, this file fails first and says what moved; update the
 adapter's reader (``megatron_payload``) and the pins together.
 """
@@ -18,7 +18,7 @@ import torch
 from megatron.core.inference import inference_request
 from megatron.core.inference import sampling_params as sampling
 
-from stages.capture.megatron_payload import (
+from stages.capture.megatron.payload import (
     InvalidPayload,
     PayloadDefect,
     epoch_boundaries,

@@ -11,14 +11,14 @@ import httpx
 import pytest
 
 from bench.events import rollout_events
-from pipeline.metrics import Health, StageMetrics
-from pipeline.metrics_server import MetricsServer
-from pipeline.timed_dataplane import timed
+from pipeline.dataplane.timed import timed
+from pipeline.stagehost.metrics import Health, StageMetrics
+from pipeline.stagehost.server import MetricsServer
 from pipeline.worker.metrics import render, worker_registry
 from stages.capture.cache import ChainCache
 from stages.capture.core import CaptureCore
 from stages.capture.resolve import PrefixResolver
-from stages.capture.vllm_worker import VllmWorker, WorkerCounters
+from stages.capture.vllm.worker import VllmWorker, WorkerCounters
 from stages.capture.writer import StagingWriter
 from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerStage

@@ -18,7 +18,7 @@ from topics.records import (
     StagedCall,
     TrainingSample,
 )
-from topics.rows import stage_row
+from topics.staging import staging_row
 
 HASH = "ab" * 32
 
@@ -40,7 +40,7 @@ def admission(**changes: Any) -> dict[str, Any]:
 
 def row(**changes: Any) -> dict[str, Any]:
     delta = digest.build_delta([1, 2, 3], [7, 8], [-0.5, -0.25], 0)
-    base = stage_row(
+    base = staging_row(
         rollout_id="r1",
         call_id="c1",
         parent_call_id=None,

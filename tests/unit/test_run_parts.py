@@ -17,13 +17,13 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.finalized_watch import FinalizedWatcher
 from pipeline.kafka.config import KafkaConfig
-from pipeline.run_archiver import SampleArchiver
-from pipeline.run_config import RunConfig, new_run_id, plan_jobs
-from pipeline.run_driver import INTERRUPTED, SealTrackingClient, play_jobs
-from pipeline.samples_archive import SampleArchive, read_archive, sample_record
-from pipeline.samples_export import export_row, write_jsonl, write_parquet
+from pipeline.run.archiver import SampleArchiver
+from pipeline.run.config import RunConfig, new_run_id, plan_jobs
+from pipeline.run.driver import INTERRUPTED, SealTrackingClient, play_jobs
+from pipeline.run.finalized_watch import FinalizedWatcher
+from pipeline.samples.archive import SampleArchive, read_archive, sample_record
+from pipeline.samples.export import export_row, write_jsonl, write_parquet
 from stages.driver import RolloutDriver
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics import digest

@@ -14,7 +14,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pipeline import cli, tinymodel
+from pipeline import cli
+from pipeline.models import tiny as tinymodel
 
 HASHED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 

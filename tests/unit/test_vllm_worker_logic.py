@@ -24,16 +24,17 @@ import pytest
 
 from pipeline.cli import build_parser
 from pipeline.commands.worker import worker_config
-from pipeline.tinymodel import make_tiny_model, read_manifest
+from pipeline.models.tiny import make_tiny_model, read_manifest
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
 from pipeline.worker.protocol import ChatCompletionRequest, InvalidRequest, parse_body
 from stages.capture.chat import ChatRenderer, parse_reply
 from stages.capture.core import AckPolicy
-from stages.capture.vllm_engine import EngineUnavailable, Generation, Sampling, VersionSpan
-from stages.capture.vllm_worker import SpanPolicy, VllmWorker, weight_spans
-from stages.client import COORDS_FIELD, RolloutClient
+from stages.capture.engine import EngineUnavailable, Generation, Sampling, VersionSpan
+from stages.capture.vllm.worker import SpanPolicy, VllmWorker, weight_spans
+from stages.client import RolloutClient
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics.records import EXTRAS_WEIGHT_SPANS, CommitCoords, StagedEvent
+from topics.wire import COORDS_FIELD
 
 
 class FakeEngine:
@@ -388,7 +389,7 @@ SIGTERM_SCRIPT = r"""
 import asyncio, json, sys
 from pathlib import Path
 from pipeline.worker.main import WorkerConfig, run_worker
-from stages.capture.vllm_engine import Generation, VersionSpan
+from stages.capture.engine import Generation, VersionSpan
 from stages.memory import MemoryDataPlane, RecordingSink
 
 class SlowEngine:

@@ -1,9 +1,10 @@
 """``tokentrail bench engine|pipeline|replay``: the DESIGN §9 benchmarks from the CLI.
 
-Each benchmark lives in ``bench/`` (``bench.engine``, ``bench.pipeline``,
-``bench.replay``) with a ``run(...) -> dict`` for programs and the same options here;
-this verb only wires them in. Their heavy imports (torch, TransferQueue, the broker)
-happen when a benchmark runs, not when the CLI starts.
+The runtime does not import the benchmarks: this verb is registered as an entry point
+(``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
+verbs. Each benchmark (``bench.engine``, ``bench.pipeline``, ``bench.replay``) has a
+``run(...) -> dict`` for programs and the same options here; their heavy imports
+(torch, TransferQueue, the broker) happen when a benchmark runs, not when the CLI starts.
 """
 
 from __future__ import annotations

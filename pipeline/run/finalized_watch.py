@@ -15,10 +15,11 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.lag import LagReader
+from pipeline.kafka.reader import assigned_reader
 from topics.codec import DecodeError, decode
 from topics.records import FinalizedEvent
 
@@ -71,22 +72,15 @@ class FinalizedWatcher:
 
     async def follow(self, start: Mapping[TopicPartition, int]) -> None:
         """Read from ``start`` until every wanted rollout has its event (or until cancelled)."""
-        consumer = AIOKafkaConsumer(
-            **self.config.client_kwargs(), group_id=None, enable_auto_commit=False, fetch_max_wait_ms=100
-        )
-        await consumer.start()
         try:
-            consumer.assign(list(start))
-            for tp, offset in start.items():
-                consumer.seek(tp, offset)
-            while not self.complete.is_set():
-                batch = await consumer.getmany(timeout_ms=POLL_MS)
-                for records in batch.values():
-                    for record in records:
-                        self.offer(record.key, record.value, record.headers)
+            async with assigned_reader(self.config, start, fetch_max_wait_ms=100) as consumer:
+                while not self.complete.is_set():
+                    batch = await consumer.getmany(timeout_ms=POLL_MS)
+                    for records in batch.values():
+                        for record in records:
+                            self.offer(record.key, record.value, record.headers)
         finally:
             self.end()
-            await consumer.stop()
 
     def offer(self, key: bytes | None, value: bytes | None, headers: Iterable[tuple[str, bytes]]) -> None:
         """One record of the finalized topic: kept if it is the first outcome of a wanted rollout."""

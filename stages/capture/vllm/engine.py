@@ -3,7 +3,7 @@
 Everything vLLM-specific the worker needs lives here: start-up arguments, token-in
 generation with the sampled token's logprob, and the refit controls (pause, reload
 weights, label the weight version, resume). The worker logic (template, splice,
-capture) talks to the ``TokenEngine`` protocol only, so it is tested without an engine
+capture) talks to the ``stages.capture.engine.TokenEngine`` protocol only, so it is tested without an engine
 and survives vLLM API changes in one place. vLLM is imported lazily and typed loosely:
 importing this module stays cheap and type checking never walks vLLM's sources.
 
@@ -26,7 +26,15 @@ import importlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+from stages.capture.engine import (
+    EngineRequestError,
+    EngineUnavailable,
+    Generation,
+    Sampling,
+    VersionSpan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,72 +71,6 @@ class EngineSettings:
                 f"logprobs_mode: capture records {LOGPROBS_MODE}, got {kwargs['logprobs_mode']!r}"
             )
         return kwargs
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """The sampling parameters a chat request may set."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class VersionSpan:
-    """Generated tokens ``[start, end)`` came from the weights labelled ``version``."""
-
-    version: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True, slots=True)
-class Generation:
-    """One finished generation: ids, the sampled tokens' logprobs, text and version spans."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str | None
-    version_spans: tuple[VersionSpan, ...] = ()
-
-
-class EngineRequestError(ValueError):
-    """The engine refused the request itself (too long, invalid parameters): a client error."""
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is dead or failed while generating: a server error."""
-
-
-class TokenEngine(Protocol):
-    """What the worker needs from an inference engine."""
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, request_id: str) -> Generation:
-        """Generate from exact prompt ids; return only once the request finished."""
-        ...
-
-    async def pause(self) -> None:
-        """Stop scheduling; in-flight requests are kept and continue after ``resume``."""
-
-    async def resume(self) -> None: ...
-
-    async def reload_weights(self, path: str) -> None:
-        """Load a checkpoint directory into the running model (call while paused)."""
-
-    async def set_weight_version(self, version: str) -> None:
-        """Label the weights that produce tokens from now on."""
-
-    def unfinished_requests(self) -> int: ...
-
-    def shutdown(self) -> None: ...
 
 
 class VllmEngine:
@@ -244,14 +186,4 @@ def _generation(completion: Any) -> Generation:
     )
 
 
-__all__ = [
-    "LOGPROBS_MODE",
-    "EngineRequestError",
-    "EngineSettings",
-    "EngineUnavailable",
-    "Generation",
-    "Sampling",
-    "TokenEngine",
-    "VersionSpan",
-    "VllmEngine",
-]
+__all__ = ["LOGPROBS_MODE", "EngineSettings", "VllmEngine"]

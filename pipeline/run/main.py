@@ -36,16 +36,17 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from pipeline.chat_http import HttpChatEndpoint
-from pipeline.finalized_watch import FinalizedWatcher, finalized_ends
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import BrokerError
 from pipeline.kafka.config import ConfigError, KafkaConfig
-from pipeline.kafka.log import KafkaEventSink, ensure_topics
-from pipeline.run_archiver import SampleArchiver
-from pipeline.run_config import RunConfig, new_run_id, plan_jobs
-from pipeline.run_driver import SealTrackingClient, play_jobs
-from pipeline.run_report import RunProgress, RunStatus, RunSummary, outcome_totals
-from pipeline.run_services import (
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.run.archiver import SampleArchiver
+from pipeline.run.chat_http import HttpChatEndpoint
+from pipeline.run.config import RunConfig, new_run_id, plan_jobs
+from pipeline.run.driver import SealTrackingClient, play_jobs
+from pipeline.run.finalized_watch import FinalizedWatcher, finalized_ends
+from pipeline.run.report import RunProgress, RunStatus, RunSummary, outcome_totals
+from pipeline.run.services import (
     RunSetupError,
     ensure_model,
     event_log,
@@ -53,8 +54,8 @@ from pipeline.run_services import (
     serving_worker,
     start_engine,
 )
-from pipeline.samples_archive import SampleArchive, archive_path
-from pipeline.stage_lag import StageLagProbe
+from pipeline.samples.archive import SampleArchive, archive_path
+from pipeline.stagehost.lag import StageLagProbe
 from stages.driver import RolloutDriver
 from stages.ledger.stage import LedgerConfig
 from stages.ports import DataPlaneError

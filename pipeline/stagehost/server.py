@@ -19,7 +19,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
-from pipeline.metrics import Health, StageMetrics
+from pipeline.stagehost.metrics import Health, StageMetrics
 
 log = logging.getLogger(__name__)
 

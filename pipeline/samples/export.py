@@ -13,7 +13,7 @@ from typing import IO, Any, Literal
 
 import orjson
 
-from pipeline.samples_archive import ARCHIVE_FIELDS
+from pipeline.samples.archive import ARCHIVE_FIELDS
 
 ExportFormat = Literal["jsonl", "parquet"]
 FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")

@@ -22,7 +22,7 @@ from topics.records import EXTRAS_WEIGHT_SPANS, IDENT_PATTERN, SCHEMA_VERSION, S
 _IDENT = re.compile(IDENT_PATTERN)
 
 
-def stage_row(
+def staging_row(
     *,
     rollout_id: str,
     call_id: str,

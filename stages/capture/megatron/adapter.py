@@ -45,19 +45,26 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from stages.capture.core import CaptureCore, CapturedRow, PreparedCall, capture_row, failed_coords
+from stages.capture.core import (
+    CaptureCore,
+    CapturedRow,
+    PreparedCall,
+    capture_row,
+    failed_coords,
+    starts_with,
+)
 from stages.capture.errors import CaptureFailure
-from stages.capture.megatron_handoff import Handoff, HandoffClosed
-from stages.capture.megatron_payload import (
+from stages.capture.megatron.handoff import Handoff, HandoffClosed
+from stages.capture.megatron.payload import (
     InvalidPayload,
     generation_versions,
     read_finished_call,
 )
-from stages.capture.megatron_registry import PreparedCalls
+from stages.capture.megatron.registry import PreparedCalls
 from stages.capture.splice import SpliceError, splice_prefix
-from stages.client import CAPTURE_FIELD, COORDS_FIELD
 from topics.failures import WorkerFailure
 from topics.records import EXTRAS_WEIGHT_SPANS, CaptureAdmission, CommitCoords
+from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -532,16 +539,6 @@ def prompt_ids(prompt: Any) -> list[int] | None:
     if isinstance(prompt, tuple):
         return list(prompt)
     return None
-
-
-def starts_with(ids: Sequence[int], prefix: npt.NDArray[np.int64]) -> bool:
-    if len(ids) < prefix.size:
-        return False
-    try:
-        head = np.asarray(ids[: prefix.size], dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        return False
-    return bool(np.array_equal(head, prefix))
 
 
 def _failed(prepared: PreparedCall, code: WorkerFailure, detail: str) -> PreparedCall:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from pipeline.samples_archive import SampleArchive, sample_record
+from pipeline.samples.archive import SampleArchive, sample_record
 from stages.finalize.reader import SampleReader
 from stages.ports import DataPlane, DataPlaneError
 from topics.records import FinalizedEvent

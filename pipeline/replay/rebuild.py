@@ -13,11 +13,12 @@ import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.lag import LagReader
-from pipeline.ledger_store import LedgerStore
+from pipeline.kafka.reader import assigned_reader
+from pipeline.replay.store import LedgerStore
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.ports import Consumed
 from topics.codec import DecodeError, decode
@@ -58,15 +59,8 @@ async def read_log(
     async with LagReader(config) as reader:
         partitions = await reader.partitions(topics)
         ends = {tp: marks.highwater for tp, marks in (await reader.watermarks(partitions)).items()}
-    consumer = AIOKafkaConsumer(**config.client_kwargs(), enable_auto_commit=False, group_id=None)
-    await consumer.start()
-    try:
-        consumer.assign(partitions)
-        for tp in partitions:
-            if start and tp in start:
-                consumer.seek(tp, start[tp])
-            else:
-                await consumer.seek_to_beginning(tp)
+    positions = {tp: (start or {}).get(tp) for tp in partitions}
+    async with assigned_reader(config, positions) as consumer:
         begin = {tp: await consumer.position(tp) for tp in partitions}
         remaining = {tp for tp in partitions if ends[tp] > begin[tp]}
         total = sum(ends[tp] - begin[tp] for tp in remaining)
@@ -105,8 +99,6 @@ async def read_log(
             if progress is not None:
                 progress(done, total)
             yield [item for _, item in ready], [stamp for stamp, _ in ready], bad
-    finally:
-        await consumer.stop()
 
 
 async def rebuild(

@@ -1,6 +1,6 @@
 """What a stage process exports from state it does not count itself, read at scrape time.
 
-The lag reading (written by the lag poller), the stage's own ``stats`` and the
+The lag reading (written by the lag poller), the stage's ``gauges()`` and the
 consumer loop's counters already exist; a collector reads them when Prometheus
 scrapes instead of mirroring every change into metric objects.
 """
@@ -14,8 +14,7 @@ from prometheus_client.registry import Collector
 
 from pipeline.kafka.consumer import LoopStats
 from pipeline.kafka.lag import PartitionLag
-from stages.finalize.stage import FinalizerStage
-from stages.ledger.stage import LedgerStage
+from stages.ports import StagePort
 
 
 class StateCollector(Collector):
@@ -28,7 +27,7 @@ class StateCollector(Collector):
 
     def __init__(self, stage: str) -> None:
         self.stage = stage
-        self.stage_source: LedgerStage | FinalizerStage | None = None
+        self.stage_source: StagePort | None = None
         self.loop: tuple[str, LoopStats] | None = None
         self.lag: dict[str, tuple[tuple[PartitionLag, ...], float]] = {}
         self.lag_errors: dict[str, int] = {}
@@ -75,13 +74,13 @@ class StateCollector(Collector):
         late = CounterMetricFamily(
             "tokentrail_ledger_late_events", "Events for rollouts already receipted", labels=labels
         )
-        source = self.stage_source
-        if isinstance(source, LedgerStage):
-            open_rollouts.add_metric([self.stage], len(source.open))
-            duplicates.add_metric([self.stage], source.stats.duplicates)
-            late.add_metric([self.stage], source.stats.late)
-        elif isinstance(source, FinalizerStage):
-            duplicates.add_metric([self.stage], source.stats.duplicates)
+        if self.stage_source is not None:
+            gauges = self.stage_source.gauges()
+            duplicates.add_metric([self.stage], gauges.duplicates)
+            if gauges.open_rollouts is not None:
+                open_rollouts.add_metric([self.stage], gauges.open_rollouts)
+            if gauges.late is not None:
+                late.add_metric([self.stage], gauges.late)
         yield from (open_rollouts, duplicates, late)
 
     def _loop(self) -> Iterator[Metric]:

@@ -22,7 +22,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.run_report import RunProgress, RunSummary
+from pipeline.run.report import RunProgress, RunSummary
 
 
 class ProgressView:

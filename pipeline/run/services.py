@@ -1,6 +1,6 @@
 """The long-lived parts of a run, each as a context that starts it and stops it cleanly.
 
-``pipeline.run`` stacks these in dependency order (an ``AsyncExitStack``), so they stop
+``pipeline.run.main`` stacks these in dependency order (an ``AsyncExitStack``), so they stop
 in reverse: the worker drains before the stages commit and stop, the stages before the
 data plane, and the broker last.
 """
@@ -11,26 +11,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.log import KafkaEventSink
-from pipeline.run_config import RunConfig
-from pipeline.stage_runner import (
-    FINALIZER_GROUP,
-    LEDGER_GROUP,
-    ConsumerTuning,
-    finalizer_topics,
-    ledger_topics,
-    serve_stage,
-)
+from pipeline.kafka.consumer import ConsumerTuning
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.run.config import RunConfig
+from pipeline.stagehost.runner import serve_stage
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
-from stages.capture.vllm_engine import EngineSettings, VllmEngine
-from stages.finalize.stage import FinalizerStage
-from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.capture.vllm.engine import EngineSettings, VllmEngine
+from stages.ledger.stage import LedgerConfig
 from stages.ports import DataPlane
+from stages.specs import STAGES, StageSettings
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +44,7 @@ def ensure_model(config: RunConfig) -> Path:
         if not (config.model_dir / "config.json").is_file():
             raise RunSetupError(f"{config.model_dir} is not a model directory (no config.json)")
         return config.model_dir.resolve()
-    from pipeline.tinymodel import make_tiny_model
+    from pipeline.models.tiny import make_tiny_model
 
     return make_tiny_model(config.resolved_model_dir, seed=0).resolve()
 
@@ -87,13 +80,6 @@ def start_engine(model_dir: Path, seed: int) -> VllmEngine:
     return VllmEngine.start(EngineSettings(model=str(model_dir), seed=seed))
 
 
-@dataclass(slots=True)
-class RunningStages:
-    ledger: LedgerStage
-    finalizer: FinalizerStage
-    tasks: dict[str, asyncio.Task[object]]
-
-
 @contextlib.asynccontextmanager
 async def running_stages(
     kafka: KafkaConfig,
@@ -103,40 +89,17 @@ async def running_stages(
     *,
     on_failure: Callable[[str], None],
     tuning: ConsumerTuning = RUN_GROUPS,
-) -> AsyncIterator[RunningStages]:
-    """The ledger and finalizer as consumer-group members; on exit they finish their batch,
-    commit and leave their groups. A stage that stops on its own calls ``on_failure``."""
+) -> AsyncIterator[dict[str, asyncio.Task[object]]]:
+    """Every stage as a consumer-group member; on exit they finish their batch, commit
+    and leave their groups. A stage that stops on its own calls ``on_failure``."""
     stop = asyncio.Event()
-    ledger = LedgerStage(sink, ledger_config)
-    finalizer = FinalizerStage(data_plane, sink)
-    names = kafka.names
+    settings = StageSettings(ledger=ledger_config)
     tasks: dict[str, asyncio.Task[object]] = {
-        "ledger": asyncio.create_task(
-            serve_stage(
-                ledger,
-                kafka,
-                sink,
-                stage="ledger",
-                group=LEDGER_GROUP,
-                topics=ledger_topics(names),
-                stop=stop,
-                tuning=tuning,
-            ),
-            name="stage-ledger",
-        ),
-        "finalizer": asyncio.create_task(
-            serve_stage(
-                finalizer,
-                kafka,
-                sink,
-                stage="finalizer",
-                group=FINALIZER_GROUP,
-                topics=finalizer_topics(names),
-                stop=stop,
-                tuning=tuning,
-            ),
-            name="stage-finalizer",
-        ),
+        name: asyncio.create_task(
+            serve_stage(spec.build(sink, data_plane, settings), spec, kafka, sink, stop=stop, tuning=tuning),
+            name=f"stage-{name}",
+        )
+        for name, spec in STAGES.items()
     }
 
     def watch(name: str) -> Callable[[asyncio.Task[object]], None]:
@@ -151,7 +114,7 @@ async def running_stages(
     for name, task in tasks.items():
         task.add_done_callback(watch(name))
     try:
-        yield RunningStages(ledger, finalizer, tasks)
+        yield tasks
     finally:
         stop.set()
         _, pending = await asyncio.wait(tasks.values(), timeout=STAGE_STOP_TIMEOUT_S)

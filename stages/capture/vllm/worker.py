@@ -14,7 +14,7 @@ When vLLM reports that some generated tokens came from other weights (a refit la
 mid-call, or while the call waited in a paused engine), the spans go into the row's
 extras under ``EXTRAS_WEIGHT_SPANS`` as ``[[generated_offset, version], ...]``.
 
-The engine is any ``TokenEngine``; ``stages.capture.vllm_engine.VllmEngine`` is the real
+The engine is any ``TokenEngine``; ``stages.capture.vllm.engine.VllmEngine`` is the real
 one (``processed_logprobs``: recorded logprobs are those of the sampling distribution).
 """
 
@@ -30,14 +30,8 @@ from typing import Any
 
 from stages.capture.chat import AssistantReply, ChatRenderer, parse_reply
 from stages.capture.core import CaptureCore, Completion, PreparedCall
+from stages.capture.engine import EngineRequestError, Generation, Sampling, TokenEngine, VersionSpan
 from stages.capture.splice import SpliceError
-from stages.capture.vllm_engine import (
-    EngineRequestError,
-    Generation,
-    Sampling,
-    TokenEngine,
-    VersionSpan,
-)
 from topics.failures import WorkerFailure
 from topics.records import EXTRAS_WEIGHT_SPANS, CaptureAdmission
 

@@ -7,7 +7,7 @@ the broker acknowledged is counted by event type, outcomes by status and reason,
 latencies are taken from the records' own timestamps. ``StageMetrics.handler`` wraps
 the ``StageHandler`` the consumer loop drives, so inputs and batches are counted and
 every tick proves the loop still makes progress (the liveness probe). What only a
-stage knows (open rollouts, duplicates) is read from its ``stats`` at scrape time.
+stage knows (open rollouts, duplicates) is read from its ``gauges()`` at scrape time.
 
 Latency clocks. Every interval is the difference of two wall-clock (``time.time()``)
 readings, usually taken on different hosts, so keep the hosts NTP-synchronised:
@@ -38,13 +38,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from pipeline.dataplane.timed import TimedDataPlane, timed
 from pipeline.kafka.consumer import LoopStats
 from pipeline.kafka.lag import PartitionLag
-from pipeline.metrics_state import StateCollector
-from pipeline.timed_dataplane import TimedDataPlane, timed
-from stages.finalize.stage import FinalizerStage
-from stages.ledger.stage import LedgerStage
-from stages.ports import Consumed, DataPlane, EventSink, StageHandler, TopicPartition
+from pipeline.stagehost.collector import StateCollector
+from stages.ports import Consumed, DataPlane, EventSink, StageHandler, StagePort, TopicPartition
 from topics.events import PAYLOAD_TYPES
 from topics.records import CallRecord, DeadLetter, FailedCall, FinalizedEvent, Record, RolloutReceipt
 
@@ -97,7 +95,7 @@ class StageMetrics:
 
     Give the stage ``sink()`` to publish with (the consumer loop dead-letters through
     it too); ``serve_stage(..., metrics=...)`` meters the handler (``handler()``, which
-    also exports the stage's ``stats``) and keeps the lag gauge fresh.
+    also exports the stage's ``gauges()``) and keeps the lag gauge fresh.
     """
 
     def __init__(self, stage: str, *, health: Health | None = None, process: bool = True) -> None:
@@ -201,15 +199,10 @@ class StageMetrics:
     def _observe_data_plane(self, op: str, outcome: str, seconds: float) -> None:
         self.dataplane_seconds.labels(self.stage, op, outcome).observe(seconds)
 
-    def handler(self, inner: StageHandler) -> MeteredHandler:
-        """The metered handler; a ledger or finalizer is also ``watch``-ed."""
-        if isinstance(inner, LedgerStage | FinalizerStage):
-            self.watch(inner)
-        return MeteredHandler(inner, self)
-
-    def watch(self, stage: LedgerStage | FinalizerStage) -> None:
-        """Export what only the stage knows (open rollouts, duplicates), read at scrape time."""
+    def handler(self, stage: StagePort) -> MeteredHandler:
+        """The metered handler; what only the stage knows (its gauges) is read at scrape time."""
         self._state.stage_source = stage
+        return MeteredHandler(stage, self)
 
     def watch_loop(self, group: str, stats: LoopStats) -> None:
         """Export the consumer loop's rebalances and commits."""

@@ -1,0 +1,1 @@
+"""Models tokentrail builds for itself: the tiny model for single-machine runs and tests."""

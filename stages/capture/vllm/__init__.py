@@ -1,0 +1,1 @@
+"""The vLLM adapter: ``AsyncLLM`` as a token engine, and the chat worker around it."""

@@ -1,0 +1,91 @@
+"""The consumer stages, in one table: what each reads, writes, and how it is built.
+
+Everything that runs a stage (``tokentrail run``, ``tokentrail stage``, the lag probe,
+the benchmarks, the fault harness) looks a stage up here, so a stage's group, input
+topics and output topic are written once. The runtime hosts a stage through
+``stages.ports.StagePort`` and never names a concrete one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from stages.finalize.stage import FinalizerStage
+from stages.finalize.verify import MixedVersionPolicy
+from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.ports import DataPlane, EventSink, StagePort
+from stages.recent import DEFAULT_REMEMBER
+from topics.events import EventType
+from topics.names import TopicNames
+
+
+@dataclass(frozen=True, slots=True)
+class StageSettings:
+    """Every stage's knobs in one object; each stage reads its own."""
+
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    mixed_versions: MixedVersionPolicy = MixedVersionPolicy.ALLOW
+    remember: int = DEFAULT_REMEMBER
+    """Rollouts a stage remembers as answered (recalled from its output topic's tail)."""
+
+
+class MissingDataPlane(ValueError):
+    """A stage that reads rows was built without a data plane."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """One consumer stage: its name, consumer group, topics, and how to build it.
+
+    ``answer`` is the event type on ``output`` that closes a rollout for this stage: the
+    host re-reads those from the output topic's tail to recall what was answered.
+    """
+
+    name: str
+    group: str
+    inputs: Callable[[TopicNames], list[str]]
+    output: Callable[[TopicNames], str]
+    answer: EventType
+    uses_data_plane: bool
+    factory: Callable[[EventSink, DataPlane | None, StageSettings], StagePort]
+
+    def build(
+        self, sink: EventSink, data_plane: DataPlane | None = None, settings: StageSettings | None = None
+    ) -> StagePort:
+        if self.uses_data_plane and data_plane is None:
+            raise MissingDataPlane(f"stage {self.name} reads rows: it needs a data plane")
+        return self.factory(sink, data_plane, settings or StageSettings())
+
+
+def _ledger(sink: EventSink, _: DataPlane | None, settings: StageSettings) -> StagePort:
+    return LedgerStage(sink, settings.ledger, remember=settings.remember)
+
+
+def _finalizer(sink: EventSink, data_plane: DataPlane | None, settings: StageSettings) -> StagePort:
+    assert data_plane is not None  # StageSpec.build checked it
+    return FinalizerStage(data_plane, sink, policy=settings.mixed_versions, remember=settings.remember)
+
+
+LEDGER = StageSpec(
+    name="ledger",
+    group="tokentrail-ledger",
+    inputs=lambda names: [names.admission, names.staged],
+    output=lambda names: names.committed,
+    answer=EventType.RECEIPT,
+    uses_data_plane=False,
+    factory=_ledger,
+)
+
+FINALIZER = StageSpec(
+    name="finalizer",
+    group="tokentrail-finalizer",
+    inputs=lambda names: [names.committed],
+    output=lambda names: names.finalized,
+    answer=EventType.FINALIZED,
+    uses_data_plane=True,
+    factory=_finalizer,
+)
+
+STAGES: dict[str, StageSpec] = {spec.name: spec for spec in (LEDGER, FINALIZER)}
+"""Every stage, in pipeline order."""
