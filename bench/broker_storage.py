@@ -2,8 +2,9 @@
 
 A worker publishes most events on their own (an admission per call, a seal per
 rollout), so the log holds many batches of one record each. Both storage engines are
-run side by side on the same records: ``--batches`` single-record batches spread over
-4 partitions, then one consumer reads them all from the beginning.
+run side by side on the same records: ``--batches`` admissions published one per batch
+by the project's producer over 4 partitions, then one group-less reader reads them all
+from the beginning.
 
     python -m bench.broker_storage --batches 300 --json
 """
@@ -17,48 +18,39 @@ import tempfile
 import time
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
 from bench.common import machine, versions
+from bench.events import rollout_events
+from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker, StorageMode
+from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.lag import LagReader
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.kafka.reader import assigned_reader
+from topics.names import TopicNames
 
-TOPIC = "bench-small-batches"
 PARTITIONS = 4
 READ_LIMIT_S = 60.0
 
 
 async def _measure(bootstrap: str, batches: int) -> dict[str, float]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])
-    finally:
-        await admin.close()
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    await producer.start()
+    config = KafkaConfig(
+        bootstrap_servers=bootstrap, names=TopicNames(prefix="bench-small", partitions=PARTITIONS)
+    )
+    await ensure_topics(config)
+    admissions = [rollout_events(f"r{number}", 1)[0] for number in range(batches)]
     began = time.monotonic()
-    try:
-        for number in range(batches):  # one record per request: one batch each
-            await producer.send_and_wait(
-                TOPIC, b"x" * 300, key=b"r%d" % number, partition=number % PARTITIONS
-            )
-    finally:
-        await producer.stop()
+    async with KafkaEventSink(config, linger_ms=0) as sink:
+        for admission in admissions:  # one record per request: one batch each
+            await sink.publish([admission])
     produced_s = time.monotonic() - began
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
-    await consumer.start()
-    try:
-        partitions = [TopicPartition(TOPIC, p) for p in range(PARTITIONS)]
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
+    async with LagReader(config) as lag:
+        partitions = await lag.partitions([config.names.admission])
+    async with assigned_reader(config, dict.fromkeys(partitions)) as consumer:
         read, began = 0, time.monotonic()
         while read < batches and time.monotonic() - began < READ_LIMIT_S:
             fetched = await consumer.getmany(timeout_ms=200, max_records=500)
             read += sum(len(records) for records in fetched.values())
         read_s = time.monotonic() - began
-    finally:
-        await consumer.stop()
     return {"produced_per_s": batches / produced_s, "read": read, "read_per_s": read / read_s}
 
 

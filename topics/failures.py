@@ -15,8 +15,8 @@ class WorkerFailure(StrEnum):
     STAGING_WRITE_FAILED = "staging_write_failed"
     STAGING_TIMEOUT = "staging_timeout"
     EPOCH_SPAN_REJECTED = "epoch_span_rejected"
-    # Not in DESIGN §6: an admitted call the engine never finished (error, cancelled),
-    # reported at once so the ledger need not wait out its grace period.
+    # An admitted call the engine never finished (error, cancelled), reported at once so
+    # the ledger need not wait out its grace period.
     NOT_SERVED = "not_served"
 
 
@@ -29,7 +29,7 @@ class LedgerFailure(StrEnum):
     AMBIGUOUS_TERMINAL = "ambiguous_terminal"
     DECLARED_TERMINAL_MISSING = "declared_terminal_missing"
     NO_CALLS = "no_calls"
-    # Not in DESIGN §6, needed so that every admitted rollout still gets its one outcome:
+    # So that every admitted rollout still gets its one outcome:
     ROLLOUT_FAILED = "rollout_failed"  # the driver sealed the rollout as failed
     NEVER_SEALED = "never_sealed"  # admitted calls, but no seal within the open limit
 

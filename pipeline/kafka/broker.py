@@ -266,11 +266,8 @@ class EmbeddedBroker:
 
     @property
     def bucket_pid(self) -> int | None:
+        """Process id of the storage server of durable storage (diagnostics and failure tests)."""
         return self._bucket.pid if self._bucket is not None else None
-
-    @property
-    def log_dir(self) -> Path | None:
-        return self._log_dir
 
     @property
     def running(self) -> bool:

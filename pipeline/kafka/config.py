@@ -71,9 +71,6 @@ class KafkaConfig:
     def with_bootstrap(self, bootstrap_servers: str) -> KafkaConfig:
         return dataclasses.replace(self, bootstrap_servers=bootstrap_servers)
 
-    def with_names(self, names: TopicNames) -> KafkaConfig:
-        return dataclasses.replace(self, names=names)
-
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments every aiokafka client (producer, consumer, admin) accepts."""
         kwargs: dict[str, Any] = {

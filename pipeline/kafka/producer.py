@@ -113,20 +113,6 @@ class KafkaEventSink:
                 raise result
         self.published += len(records)
 
-    async def publish_raw(
-        self,
-        topic: str,
-        value: bytes | None,
-        *,
-        key: bytes | None = None,
-        headers: Sequence[tuple[str, bytes]] = (),
-    ) -> tuple[int, int]:
-        """Write one raw record (tools and tests); returns its (partition, offset)."""
-        producer = self._require_producer()
-        future = await producer.send(topic, value=value, key=key, headers=list(headers))
-        metadata = await future
-        return metadata.partition, metadata.offset
-
     def _require_producer(self) -> AIOKafkaProducer:
         if self._producer is None:
             raise RuntimeError("KafkaEventSink is not started; use 'async with' or await start()")

@@ -19,8 +19,9 @@ from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.reader import assigned_reader
 from pipeline.replay.store import LedgerStore
-from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.ledger.stage import LedgerConfig
 from stages.ports import Consumed
+from stages.specs import LEDGER, StageSettings
 from topics.codec import DecodeError, decode
 
 Progress = Callable[[int, int], None]
@@ -111,7 +112,7 @@ async def rebuild(
 ) -> ReplayResult:
     """Re-run the ledger over its input topics into ``store``."""
     now = [0.0]
-    stage = LedgerStage(store, ledger)
+    stage = LEDGER.build(store, settings=StageSettings(ledger=ledger))
     names = config.names
     count = bad_total = 0
     async for events, stamps, bad in read_log(
@@ -135,7 +136,7 @@ async def rebuild(
             begin = end
     now[0] = math.inf  # the log is over: every sealed rollout's grace has passed
     await stage.tick(now[0])
-    return ReplayResult(count, bad_total, store.counts(), len(stage.open))
+    return ReplayResult(count, bad_total, store.counts(), stage.gauges().open_rollouts or 0)
 
 
 async def materialize(

@@ -302,23 +302,3 @@ class MeteredHandler:
 
     def on_revoked(self, partitions: Sequence[TopicPartition]) -> None:
         self.inner.on_revoked(partitions)
-
-
-_SUFFIXES: Final[dict[str, tuple[str, ...]]] = {
-    "counter": ("_total", "_created"),
-    "histogram": ("_bucket", "_count", "_sum", "_created"),
-    "summary": ("", "_count", "_sum", "_created"),
-    "info": ("_info",),
-}
-
-
-def exposed_names(registry: CollectorRegistry) -> set[str]:
-    """Every sample name the registry can expose, with or without samples yet.
-
-    A dashboard or alert may query any of these (``_bucket`` of a histogram, ``_total``
-    of a counter); anything else it names does not exist.
-    """
-    names: set[str] = set()
-    for family in registry.collect():
-        names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
-    return names

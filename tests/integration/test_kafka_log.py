@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from pipeline.commands import lag as lag_command
 from pipeline.kafka.admin import TopicLayoutError, ensure_topics
@@ -93,7 +94,7 @@ async def test_topics_are_created_idempotently_with_one_partition_count(kafka_co
     assert len(partitions) == len(names.all()) * names.partitions
     wrong = TopicNames(prefix=names.prefix, partitions=names.partitions + 1)
     with pytest.raises(TopicLayoutError, match="partitions"):
-        await ensure_topics(kafka_config.with_names(wrong))
+        await ensure_topics(replace(kafka_config, names=wrong))
 
 
 async def test_events_are_routed_by_type_keyed_by_rollout_and_kept_in_order(
@@ -245,12 +246,17 @@ async def test_undecodable_records_go_to_the_dead_letter_topic_and_the_loop_keep
     }
     handler = CollectingHandler()
     letters = CollectingHandler()
+    raw = AIOKafkaProducer(**kafka_config.client_kwargs(), acks="all")  # writes what ours never would
+    await raw.start()
     async with KafkaEventSink(kafka_config) as sink:
         await sink.publish([admission("r1", 0)])
         sources: dict[tuple[int, int], tuple[str, bytes]] = {}
-        for name, (value, headers) in bad.items():
-            where = await sink.publish_raw(names.admission, value, key=b"r1", headers=headers)
-            sources[where] = (name, value)
+        try:
+            for name, (value, headers) in bad.items():
+                sent = await (await raw.send(names.admission, value=value, key=b"r1", headers=headers))
+                sources[(sent.partition, sent.offset)] = (name, value)
+        finally:
+            await raw.stop()
         await sink.publish([admission("r1", 1)])
         stage_loop = make_loop(kafka_config, sink, handler, f"{names.prefix}-g", fast_group)
         dlq_loop = make_loop(

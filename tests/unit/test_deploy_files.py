@@ -23,12 +23,33 @@ import kubernetes_validate
 import promql_parser
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
-from pipeline.stagehost.metrics import StageMetrics, exposed_names
+from pipeline.stagehost.metrics import StageMetrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSIONS = ["1.30.0", "1.37.0"]  # oldest and newest Kubernetes the manifests are held to
 GRAFANA_VARIABLES = re.compile(r"\$__(rate_interval|interval|range)\b|\$\{__(rate_interval|interval|range)\}")
+
+
+_SUFFIXES: dict[str, tuple[str, ...]] = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_count", "_sum", "_created"),
+    "summary": ("", "_count", "_sum", "_created"),
+    "info": ("_info",),
+}
+
+
+def exposed_names(registry: CollectorRegistry) -> set[str]:
+    """Every sample name the registry can expose, with or without samples yet.
+
+    A dashboard or alert may query any of these (``_bucket`` of a histogram, ``_total``
+    of a counter); anything else it names does not exist.
+    """
+    names: set[str] = set()
+    for family in registry.collect():
+        names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
+    return names
 
 
 def yaml_documents(path: Path) -> list[Any]:
