@@ -126,7 +126,9 @@ async def make_hooks(mode: Mode, plane: DataPlane) -> Hooks:
         return Hooks(inline, inline, failures=lambda: sum(inline.stats.failed.values()))
     from stages.capture.cache import ChainCache
     from stages.capture.core import AckPolicy, CaptureCore
-    from stages.capture.megatron.adapter import MegatronPayloadStager, MegatronPromptPreparer, PreparedCalls
+    from stages.capture.megatron.preparer import MegatronPromptPreparer
+    from stages.capture.megatron.registry import PreparedCalls
+    from stages.capture.megatron.stager import MegatronPayloadStager
     from stages.capture.resolve import PrefixResolver
     from stages.capture.writer import StagingWriter
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from stages.capture.cache import ChainCache, ChainLink
 from stages.capture.core import CaptureCore, PreparedCall, capture_row, failed_coords
 from stages.capture.errors import CaptureFailure
-from stages.capture.megatron.adapter import parse_admission
+from stages.capture.megatron.admission import parse_admission
 from stages.capture.megatron.payload import generation_versions, read_finished_call
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter

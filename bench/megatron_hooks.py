@@ -34,13 +34,10 @@ import numpy as np
 
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore, PreparedCall
-from stages.capture.megatron.adapter import (
-    TEMPLATE_PREFIX_FIELD,
-    MegatronPayloadStager,
-    MegatronPromptPreparer,
-    PreparedCalls,
-)
 from stages.capture.megatron.payload import read_finished_call
+from stages.capture.megatron.preparer import TEMPLATE_PREFIX_FIELD, MegatronPromptPreparer
+from stages.capture.megatron.registry import PreparedCalls
+from stages.capture.megatron.stager import MegatronPayloadStager
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
 from stages.memory import MemoryDataPlane, RecordingSink

@@ -224,11 +224,9 @@ class Capture:
     def __init__(self, loop: CaptureLoop) -> None:
         from stages.capture.cache import ChainCache
         from stages.capture.core import AckPolicy, CaptureCore
-        from stages.capture.megatron.adapter import (
-            MegatronPayloadStager,
-            MegatronPromptPreparer,
-            PreparedCalls,
-        )
+        from stages.capture.megatron.preparer import MegatronPromptPreparer
+        from stages.capture.megatron.registry import PreparedCalls
+        from stages.capture.megatron.stager import MegatronPayloadStager
         from stages.capture.resolve import PrefixResolver
         from stages.capture.writer import StagingWriter
         from stages.client import RolloutClient
@@ -428,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         max_len = args.turns * (args.max_tokens + USER_TOKENS + 1) + 64
         engine, model = build_engine(max_len)
         phase = "hooks"
-        from stages.capture.megatron.adapter import install_capture_hooks
+        from stages.capture.megatron.install import install_capture_hooks
 
         loop = CaptureLoop()
         capture = Capture(loop)

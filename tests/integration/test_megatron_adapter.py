@@ -43,18 +43,10 @@ from megatron.core.inference import sampling_params as sampling
 from pipeline.models.tiny import make_tiny_model, read_manifest
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore
-from stages.capture.megatron.adapter import (
-    FAILURE_FIELD,
-    MISSING_HOOKS,
-    TEMPLATE_PREFIX_FIELD,
-    EpochSpanPolicy,
-    HooksUnavailable,
-    MegatronPayloadStager,
-    MegatronPromptPreparer,
-    PreparedCalls,
-    StageResult,
-    install_capture_hooks,
-)
+from stages.capture.megatron.install import MISSING_HOOKS, HooksUnavailable, install_capture_hooks
+from stages.capture.megatron.preparer import TEMPLATE_PREFIX_FIELD, MegatronPromptPreparer
+from stages.capture.megatron.registry import PreparedCalls
+from stages.capture.megatron.stager import FAILURE_FIELD, EpochSpanPolicy, MegatronPayloadStager, StageResult
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.memory import RecordingSink
 from stages.ports import Consumed
+from topics.codec import RawRecord, encode
 from topics.events import envelope
 from topics.records import (
     CallRecord,
@@ -463,3 +465,36 @@ def test_hundred_thousand_finished_rollouts_leave_no_state() -> None:
     assert stage.stats.receipts == 100_000
     assert stage.open == {} and stage._open_spans == {}
     assert len(stage.answered) == stage.answered.capacity  # bounded: ids only, oldest forgotten
+
+
+def test_a_refused_event_is_dead_lettered_with_its_bytes_and_every_header_as_read() -> None:
+    first = CaptureAdmission(rollout_id="r", call_id="c1", mode="text", prev_len=0, admitted_at=1.0)
+    differing = first.model_copy(update={"group_id": "g"})
+    value = b'{"as":"read from the log"}'
+    headers = (("tt-type", b"admission"), ("tt-schema", b"3"), ("tt-event-id", b"adm/r/c1"), ("x", b"\xff"))
+    read = Consumed("in", 2, 7, envelope(differing), raw=RawRecord("in", 2, 7, b"r", value, headers))
+    sink = RecordingSink()
+    stage = LedgerStage(sink)
+    asyncio.run(stage.handle([*consumed([first]), read]))
+    (letter,) = sink.payloads(DeadLetter)
+    assert letter.field == "group_id" and letter.stage == "ledger" and letter.key == "r"
+    assert (letter.source_topic, letter.source_partition, letter.source_offset) == ("in", 2, 7)
+    assert base64.b64decode(letter.value_b64) == value  # the raw value, not a re-encoding
+    assert letter.headers == {
+        "tt-type": "admission",
+        "tt-schema": "3",
+        "tt-event-id": "adm/r/c1",
+        "x": "\\xff",
+    }
+
+
+def test_a_refused_event_never_read_from_a_log_keeps_its_wire_form() -> None:
+    first = CaptureAdmission(rollout_id="r", call_id="c1", mode="text", prev_len=0, admitted_at=1.0)
+    differing = first.model_copy(update={"prev_len": 0, "group_id": "g"})
+    sink = RecordingSink()
+    asyncio.run(LedgerStage(sink).handle(consumed([first, differing])))
+    (letter,) = sink.payloads(DeadLetter)
+    key, value, headers = encode(envelope(differing))
+    assert base64.b64decode(letter.value_b64) == value and letter.key == key.decode()
+    assert letter.headers == {name: raw.decode() for name, raw in headers}
+    assert "tt-schema" in letter.headers
