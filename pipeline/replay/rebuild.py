@@ -112,7 +112,7 @@ async def rebuild(
 ) -> ReplayResult:
     """Re-run the ledger over its input topics into ``store``."""
     now = [0.0]
-    stage = LEDGER.build(store, settings=StageSettings(ledger=ledger))
+    stage = LEDGER.build(store, settings=StageSettings(ledger=ledger or LedgerConfig()))
     names = config.names
     count = bad_total = 0
     async for events, stamps, bad in read_log(
