@@ -15,7 +15,13 @@ import pytest
 from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import FAST_GROUPS, ConsumerTuning
+from pipeline.process.guard import guard_descendants
 from topics.names import TopicNames
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Whatever the tests start dies with the test run, even if it is killed outright."""
+    guard_descendants()
 
 
 @pytest.fixture(scope="session")

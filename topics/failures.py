@@ -31,6 +31,7 @@ class LedgerFailure(StrEnum):
     NO_CALLS = "no_calls"
     # So that every admitted rollout still gets its one outcome:
     ROLLOUT_FAILED = "rollout_failed"  # the driver sealed the rollout as failed
+    INTERRUPTED = "interrupted"  # sealed failed because its run stopped (a signal, or a crash)
     NEVER_SEALED = "never_sealed"  # admitted calls, but no seal within the open limit
 
 

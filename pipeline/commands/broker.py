@@ -12,14 +12,19 @@ import json
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from aiokafka.errors import KafkaError
 
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import STORAGE_MODES, BrokerError, EmbeddedBroker, StorageMode
+from pipeline.kafka.broker import STORAGE_MODES, BrokerError, EmbeddedBroker, StorageMode, StoreLockedError
 from pipeline.kafka.config import ConfigError, add_topic_layout_arguments, topic_names_from_args
+from pipeline.process.guard import guard_descendants
+
+EXIT_STORE_LOCKED = 3
+"""Exit code when the durable store is held by another live broker."""
 
 EXAMPLES = """\
 examples:
@@ -36,7 +41,9 @@ def add_parser(subparsers: Any) -> None:
         description=(
             "Run the embedded tansu broker until SIGINT/SIGTERM and print its bootstrap address.\n"
             "'memory' storage forgets everything on stop; 'durable' keeps topics, records and\n"
-            "committed offsets in --data-dir (an S3-compatible store kept as folders)."
+            "committed offsets in --data-dir (an S3-compatible store kept as folders).\n"
+            "One broker per store: a second one on a store in use exits 3 naming the holder.\n"
+            "The broker's processes die with this one, also on SIGKILL."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -66,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
+    guard_descendants(
+        Path(args.data_dir) if args.data_dir else None, role="broker"
+    )  # tansu and its store die with this process
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         broker = EmbeddedBroker(storage=storage, data_dir=args.data_dir, host=args.host, port=args.port)
@@ -73,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     except BrokerError as exc:
         _restore(previous)
         print(f"tokentrail broker: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_STORE_LOCKED if isinstance(exc, StoreLockedError) else 1
     try:
         broker.on_failure(lambda failure: stop.set())
         created: list[str] = []

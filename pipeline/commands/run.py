@@ -19,6 +19,7 @@ from typing import Any
 from pipeline.commands.jsonlog import configure_logging
 from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.process.guard import guard_descendants
 from pipeline.run.config import RunConfig
 
 EXAMPLES = """\
@@ -195,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and not (args.model / "config.json").is_file():
         print(f"tokentrail run: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
+    guard_descendants(config.data_dir, role="run")  # broker, engine: none outlives this process
     return _execute(config, as_json=args.json)
 
 

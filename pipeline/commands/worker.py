@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka.errors import KafkaError
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.process.guard import guard_descendants
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from stages.ports import DataPlaneError
 
@@ -191,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if not (args.model / "config.json").is_file():
         print(f"tokentrail worker: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
+    guard_descendants()  # the engine's processes die with the worker
     try:
         asyncio.run(_serve(args))
     except (ConfigError, DataPlaneError, KafkaError, ValueError, OSError) as exc:

@@ -27,6 +27,7 @@ import errno
 import fcntl
 import http.client
 import importlib.resources
+import json
 import os
 import re
 import shutil
@@ -68,6 +69,8 @@ _SCRUBBED_ENV = (
     "OTEL_EXPORTER_OTLP_ENDPOINT",
 )
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+TAKEOVER_WAIT_S = 10.0
+"""How long a broker waits for the processes of a dead holder of its store to go."""
 _AUTO_PORT_ATTEMPTS = 3
 
 
@@ -77,6 +80,10 @@ class BrokerError(RuntimeError):
 
 class PortBusyError(BrokerError):
     """The requested port is already taken by another process."""
+
+
+class StoreLockedError(BrokerError):
+    """The durable store is held by another live broker (two brokers on one store corrupt it)."""
 
 
 def tansu_binary() -> Path:
@@ -135,6 +142,7 @@ class _Child:
         env: dict[str, str],
         log_path: Path,
         on_exit: Callable[[_Child, int], None],
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         self.name = name
         self.log_path = log_path
@@ -147,6 +155,7 @@ class _Child:
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a terminal's Ctrl-C reaches us, and we stop children in order
+                pass_fds=pass_fds,
             )
         except OSError as exc:
             self._log.close()
@@ -379,14 +388,33 @@ class EmbeddedBroker:
             self._cluster_id = self._requested_cluster_id or f"tokentrail-{uuid.uuid4().hex[:12]}"
 
     def _lock_data_dir(self, data_dir: Path) -> None:
-        """Hold an exclusive lock on the data directory: two brokers on one store corrupt it."""
-        handle = (data_dir / LOCK_FILE).open("ab")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            raise BrokerError(f"{data_dir} is in use by another running broker") from None
+        """Hold an exclusive lock on the store: two brokers on one store corrupt it.
+
+        The children inherit the lock, so it is held while any process of this broker
+        lives, not only while this supervisor does. A store whose holder died is taken
+        over once the holder's processes are gone (they die with it: ``pipeline.process``).
+        """
+        path = data_dir / LOCK_FILE
+        handle = path.open("a+b")
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = _holder(path)
+                if _holder_alive(holder) or time.monotonic() >= deadline:
+                    handle.close()
+                    raise StoreLockedError(_locked_message(data_dir, holder)) from None
+                time.sleep(0.2)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"pid": os.getpid(), "started_at": time.time()}).encode())
+        handle.flush()
         self._dir_lock = handle
+
+    def _inherited_lock(self) -> tuple[int, ...]:
+        return () if self._dir_lock is None else (self._dir_lock.fileno(),)
 
     def _durable_cluster_id(self, data_dir: Path) -> str:
         """The cluster id recorded in the data directory (tansu keys all state by it)."""
@@ -437,7 +465,12 @@ class EmbeddedBroker:
         )
         argv = [sys.executable, "-c", code, str(root), "--host", self.host, "--port", str(port)]
         child = _Child(
-            "localbucket", argv, self._child_env(), self._log_dir / "localbucket.log", self._on_child_exit
+            "localbucket",
+            argv,
+            self._child_env(),
+            self._log_dir / "localbucket.log",
+            self._on_child_exit,
+            self._inherited_lock(),
         )
         self._bucket = child
         deadline = time.monotonic() + self.startup_timeout
@@ -492,7 +525,9 @@ class EmbeddedBroker:
             "--storage-engine",
             engine,
         ]
-        child = _Child("tansu", argv, env, self._log_dir / "tansu.log", self._on_child_exit)
+        child = _Child(
+            "tansu", argv, env, self._log_dir / "tansu.log", self._on_child_exit, self._inherited_lock()
+        )
         self._tansu = child
         self._port = port
         deadline = time.monotonic() + self.startup_timeout
@@ -537,3 +572,39 @@ def _s3_ready(host: str, port: int) -> bool:
 
 def _with_log(tail: str) -> str:
     return f"\n--- last log lines ---\n{tail}" if tail.strip() else ""
+
+
+def _holder(path: Path) -> dict[str, object]:
+    """What the holder of a store lock wrote about itself (empty if unreadable)."""
+    try:
+        record = json.loads(path.read_bytes() or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _holder_alive(holder: dict[str, object]) -> bool:
+    pid = holder.get("pid")
+    if not isinstance(pid, int):
+        return True  # unknown holder: do not wait for it to go
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _locked_message(data_dir: Path, holder: dict[str, object]) -> str:
+    pid = holder.get("pid")
+    if not isinstance(pid, int):
+        return f"{data_dir} is in use by another running broker"
+    if _holder_alive(holder):
+        return (
+            f"{data_dir} is in use by the broker of process {pid}; stop it first, or use another --data-dir"
+        )
+    return (
+        f"{data_dir} is still locked by processes of a broker whose process {pid} died "
+        f"({TAKEOVER_WAIT_S:.0f}s waited); stop them, or use another --data-dir"
+    )

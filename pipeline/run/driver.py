@@ -5,8 +5,10 @@
 cancelled episode never reaches its seal: the ledger would hold it open until
 ``max_open_s`` and no ``FinalizedEvent`` would follow for a long time. Here each
 cancelled rollout that had not begun sealing is sealed as failed
-(``driver: interrupted``), so the next run's stages reject it promptly; rollouts that
-never started are never admitted and need nothing.
+(``interrupted``), so the next run's stages reject it promptly; rollouts that never
+started are never admitted and need nothing. With a ``RunJournal`` every start and every
+acknowledged seal is journaled, so that a run killed outright is finished by the next
+(``pipeline.run.journal``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from pipeline.run.journal import INTERRUPTED, RunJournal
 from stages.client import RolloutClient
 from stages.driver import Job, RolloutDriver
 from stages.ports import EventSink
@@ -22,14 +25,14 @@ from topics.records import RolloutSeal
 
 log = logging.getLogger(__name__)
 
-INTERRUPTED = "driver: interrupted"
-
 
 class SealTrackingClient(RolloutClient):
-    """A ``RolloutClient`` that remembers which rollouts began sealing (one seal each)."""
+    """A ``RolloutClient`` that remembers which rollouts began sealing (one seal each), and
+    journals each seal once the broker acknowledged it."""
 
-    def __init__(self, sink: EventSink) -> None:
+    def __init__(self, sink: EventSink, journal: RunJournal | None = None) -> None:
         super().__init__(sink)
+        self.journal = journal
         self.sealing: set[str] = set()
 
     async def seal(
@@ -42,9 +45,12 @@ class SealTrackingClient(RolloutClient):
         failed: str | None = None,
     ) -> RolloutSeal:
         self.sealing.add(rollout_id)
-        return await super().seal(
+        seal = await super().seal(
             rollout_id, group_id=group_id, reward=reward, terminal_call_id=terminal_call_id, failed=failed
         )
+        if self.journal is not None:
+            self.journal.sealed(rollout_id)
+        return seal
 
 
 async def play_jobs(
@@ -60,6 +66,8 @@ async def play_jobs(
 
     async def one(job: Job) -> None:
         async with gate:
+            if client.journal is not None:
+                client.journal.started(job)
             try:
                 await driver.play(job)
             except asyncio.CancelledError:

@@ -4,7 +4,8 @@ Order of start (each part stops in reverse, through one ``AsyncExitStack``):
 
 1. the model (the tiny model is built in the data directory if missing);
 2. the event log: the embedded tansu broker (durable in the data directory) or an
-   external Kafka, and the topics;
+   external Kafka, and the topics; what an earlier run on this data directory and log
+   left open when it was killed is sealed as ``interrupted`` (``pipeline.run.journal``);
 3. the vLLM engine, which blocks the event loop while it starts and so comes before
    any Kafka or data-plane client exists;
 4. the data plane (embedded TransferQueue, addresses in ``DATA_DIR/dataplane.json``,
@@ -45,17 +46,20 @@ from pipeline.run.chat_http import HttpChatEndpoint
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs
 from pipeline.run.driver import SealTrackingClient, play_jobs
 from pipeline.run.finalized_watch import FinalizedWatcher, finalized_ends
+from pipeline.run.journal import RunJournal, close_dead_runs
 from pipeline.run.report import RunProgress, RunStatus, RunSummary, outcome_totals
 from pipeline.run.services import (
     RunSetupError,
     ensure_model,
     event_log,
+    event_log_identity,
     running_stages,
     serving_worker,
     start_engine,
 )
 from pipeline.samples.archive import SampleArchive, archive_path
 from pipeline.stagehost.lag import StageLagProbe
+from stages.client import RolloutClient
 from stages.driver import RolloutDriver
 from stages.ledger.stage import LedgerConfig
 from stages.ports import DataPlaneError
@@ -137,6 +141,8 @@ class Run:
         self._endpoint: HttpChatEndpoint | None = None
         self._probe: StageLagProbe | None = None
         self._archiving: asyncio.Task[None] | None = None
+        self.journal: RunJournal | None = None
+        self.closed_interrupted = 0
         self.timeout: str | None = None
         self.error: str | None = None
         self.completed = False
@@ -157,7 +163,7 @@ class Run:
                         await self._keep_serving()
                 except _Stopped:
                     pass
-                self.progress.phase = "stopping"
+                self.progress.enter("stopping")
                 log.info("run %s: stopping", self.run_id)
         except EXPECTED_ERRORS as exc:  # a clear message is enough; no traceback
             log.error("run %s failed: %s", self.run_id, exc)
@@ -168,30 +174,31 @@ class Run:
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
-        self.progress.phase = "stopped"
+        self.progress.enter("stopped")
         summary = self.summary()
         log.info("run %s: %s", self.run_id, summary.status)
         return summary
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         config, progress, shutdown = self.config, self.progress, self.shutdown
-        progress.phase = "preparing the model"
+        progress.enter("preparing the model")
         self.model_dir = await asyncio.to_thread(ensure_model, config)
         shutdown.check()
 
-        progress.phase = "starting the event log"
-        kafka, _ = await stack.enter_async_context(event_log(config, shutdown.fail))
+        progress.enter("starting the event log")
+        kafka, broker = await stack.enter_async_context(event_log(config, shutdown.fail))
         self.kafka = kafka
         await ensure_topics(kafka)
+        log_identity = event_log_identity(kafka, broker)
         shutdown.check()
 
-        progress.phase = "starting the vLLM engine"
+        progress.enter("starting the vLLM engine")
         log.info("starting the vLLM engine on %s", self.model_dir)
         engine = start_engine(self.model_dir, config.seed)
         stack.callback(engine.shutdown)
         shutdown.check()
 
-        progress.phase = "starting the data plane"
+        progress.enter("starting the data plane")
         from pipeline.dataplane import DataPlaneConfig, open_data_plane
 
         plane_config = DataPlaneConfig(
@@ -202,9 +209,12 @@ class Run:
             self.dataplane_addresses = str(plane_config.addresses_path)
         sink = await stack.enter_async_context(KafkaEventSink(kafka))
         probe = await stack.enter_async_context(StageLagProbe(kafka))
+        self.closed_interrupted = await close_dead_runs(config.data_dir, log_identity, RolloutClient(sink))
+        self.journal = journal = RunJournal(config.data_dir, self.run_id, log_identity)
+        stack.callback(journal.close)
         shutdown.check()
 
-        progress.phase = "starting the stages"
+        progress.enter("starting the stages")
         ledger = LedgerConfig(seal_grace_s=config.seal_grace_s, max_open_s=config.max_open_s)
         await stack.enter_async_context(running_stages(kafka, sink, plane, ledger, on_failure=shutdown.fail))
 
@@ -222,7 +232,7 @@ class Run:
         self._probe = probe
         self._sink = sink
 
-        progress.phase = "starting the worker"
+        progress.enter("starting the worker")
         server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))
         self.worker_url = server.url
         self._endpoint = await stack.enter_async_context(HttpChatEndpoint(server.url))
@@ -265,7 +275,7 @@ class Run:
         config, progress = self.config, self.progress
         assert self._sink is not None and self._endpoint is not None
         assert self._archiving is not None and self._probe is not None
-        client = SealTrackingClient(self._sink)
+        client = SealTrackingClient(self._sink, self.journal)
         self.driver = driver = RolloutDriver(
             client,
             self._endpoint,
@@ -275,7 +285,7 @@ class Run:
             seed=config.seed,
         )
         progress.driver = driver.stats
-        progress.phase = "driving rollouts"
+        progress.enter("driving rollouts")
         progress.driving_since = time.monotonic()
         log.info(
             "run %s: driving %d rollouts (%d groups of %d) against %s",
@@ -290,7 +300,7 @@ class Run:
         finally:
             progress.driving_until = time.monotonic()
 
-        progress.phase = "waiting for finalized events"
+        progress.enter("waiting for finalized events")
         try:
             await asyncio.wait_for(asyncio.shield(self._archiving), config.finalize_timeout_s)
         except TimeoutError:
@@ -299,7 +309,7 @@ class Run:
             log.error("run %s: %s", self.run_id, self.timeout)
             return
 
-        progress.phase = "waiting for consumer lag 0"
+        progress.enter("waiting for consumer lag 0")
         self.lag_by_stage = await self._probe.wait_for_zero(config.lag_timeout_s)
         progress.lag = dict(self.lag_by_stage)
         if any(self.lag_by_stage.values()):
@@ -311,7 +321,7 @@ class Run:
 
     async def _keep_serving(self) -> None:
         """``--keep``: report, then serve the broker, data plane and worker until a signal."""
-        self.progress.phase = "serving (Ctrl-C to stop)"
+        self.progress.enter("serving (Ctrl-C to stop)")
         if self.on_complete is not None:
             self.on_complete(self.summary())
         log.info(
@@ -397,6 +407,7 @@ class Run:
             drive_s=drive_s,
             signal=self.shutdown.signal,
             error="; ".join(errors) or None,
+            closed_interrupted=self.closed_interrupted,
         )
 
 

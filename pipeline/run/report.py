@@ -12,6 +12,7 @@ refresh thread: plain counters, no locking needed for a progress view).
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections import Counter
@@ -20,6 +21,8 @@ from typing import Any, Literal
 
 from stages.driver import DriverStats
 from topics.records import FinalizedEvent
+
+log = logging.getLogger(__name__)
 
 RunStatus = Literal["completed", "interrupted", "timeout", "failed"]
 MISSING_LISTED = 20  # the JSON names at most this many rollouts without an outcome
@@ -50,6 +53,11 @@ class RunProgress:
             self.accepted += 1
         else:
             self.rejected[str(event.rejection_reason)] += 1
+
+    def enter(self, phase: str) -> None:
+        """Move to ``phase``, and say so in the log (an operator sees where a run is)."""
+        self.phase = phase
+        log.info("run %s: %s", self.run_id, phase)
 
     def calls_per_s(self, now: float | None = None) -> float:
         if self.driving_since is None:
@@ -94,6 +102,8 @@ class RunSummary:
     drive_s: float | None
     signal: int | None = None
     error: str | None = None
+    closed_interrupted: int = 0
+    """Rollouts of earlier, killed runs this run sealed as interrupted."""
 
     @property
     def exit_code(self) -> int:
@@ -145,6 +155,7 @@ class RunSummary:
             "calls_per_s": None if self.calls_per_s is None else round(self.calls_per_s, 2),
             "signal": None if self.signal is None else signal.Signals(self.signal).name,
             "error": self.error,
+            "closed_interrupted": self.closed_interrupted,
         }
 
 

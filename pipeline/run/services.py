@@ -75,6 +75,14 @@ async def event_log(
         log.info("embedded broker stopped")
 
 
+def event_log_identity(kafka: KafkaConfig, broker: EmbeddedBroker | None) -> str:
+    """Which log this is: a durable store keeps its cluster id across runs, a memory
+    broker's log is gone with it, and an external cluster is named by its bootstrap."""
+    if broker is None:
+        return f"kafka:{kafka.bootstrap_servers}"
+    return f"{broker.storage}:{broker.cluster_id}"
+
+
 def start_engine(model_dir: Path, seed: int) -> VllmEngine:
     """The vLLM engine (blocks the loop for tens of seconds; start it before any client)."""
     return VllmEngine.start(EngineSettings(model=str(model_dir), seed=seed))

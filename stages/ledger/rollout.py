@@ -134,7 +134,8 @@ class OpenRollout:
         if reason is not None:
             pass
         elif seal.status == "failed":
-            reason = LedgerFailure.ROLLOUT_FAILED
+            interrupted = seal.failure_reason == LedgerFailure.INTERRUPTED.value
+            reason = LedgerFailure.INTERRUPTED if interrupted else LedgerFailure.ROLLOUT_FAILED
         elif not self.admissions:
             reason = LedgerFailure.NO_CALLS
         else:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pipeline.kafka.admin import ensure_topics
@@ -272,3 +273,39 @@ def test_broker_command_runs_in_the_foreground_and_stops_on_sigterm(tmp_path: Pa
         if process.poll() is None:
             process.kill()
     assert not port_accepts(port)
+
+
+def _broker_cli(data_dir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "broker", "--data-dir", str(data_dir), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_one_broker_per_store_and_a_dead_holder_is_taken_over(tmp_path: Path) -> None:
+    holder = _broker_cli(tmp_path)
+    try:
+        assert holder.stdout is not None
+        first = json.loads(holder.stdout.readline())
+        second = _broker_cli(tmp_path)
+        _, err = second.communicate(timeout=60)
+        assert second.returncode == 3, err
+        assert f"in use by the broker of process {holder.pid}" in err and str(tmp_path) in err
+        children = psutil.Process(holder.pid).children(recursive=True)
+        holder.send_signal(signal.SIGKILL)  # its tansu and storage server die with it
+        holder.wait()
+        assert psutil.wait_procs(children, timeout=10)[1] == []
+        third = _broker_cli(tmp_path)
+        try:
+            assert third.stdout is not None
+            taken = json.loads(third.stdout.readline())
+            assert taken["cluster_id"] == first["cluster_id"]  # the same store, taken over
+        finally:
+            third.send_signal(signal.SIGTERM)
+            assert third.wait(30) == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()

@@ -498,3 +498,20 @@ def test_a_refused_event_never_read_from_a_log_keeps_its_wire_form() -> None:
     assert base64.b64decode(letter.value_b64) == value and letter.key == key.decode()
     assert letter.headers == {name: raw.decode() for name, raw in headers}
     assert "tt-schema" in letter.headers
+
+
+@pytest.mark.parametrize(
+    ("reason", "code", "staged"),
+    [
+        ("interrupted", "interrupted", True),
+        ("interrupted", "interrupted", False),  # a call cut off mid-flight: still the run's stop
+        ("driver gave up", "rollout_failed", True),
+    ],
+)
+def test_a_rollout_sealed_failed_is_rejected_with_why(reason: str, code: str, staged: bool) -> None:
+    r = Rollout()
+    r.call("a", staged=staged)
+    r.events.append(RolloutSeal(rollout_id="r", status="failed", failure_reason=reason, sealed_at=99.0))
+    _, sink = run_ledger(r.events)
+    (receipt,) = sink.payloads(RolloutReceipt)
+    assert receipt.capture_poisoned and receipt.failure_reason == code

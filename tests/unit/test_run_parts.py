@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,12 @@ import pytest
 from pipeline.kafka.config import KafkaConfig
 from pipeline.run.archiver import SampleArchiver
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs
-from pipeline.run.driver import INTERRUPTED, SealTrackingClient, play_jobs
+from pipeline.run.driver import SealTrackingClient, play_jobs
 from pipeline.run.finalized_watch import FinalizedWatcher
+from pipeline.run.journal import INTERRUPTED, RunJournal, close_dead_runs, dead_runs
 from pipeline.samples.archive import SampleArchive, read_archive, sample_record
 from pipeline.samples.export import export_row, write_jsonl, write_parquet
+from stages.client import RolloutClient
 from stages.driver import RolloutDriver
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics import digest
@@ -199,3 +203,45 @@ def test_an_interrupted_run_seals_its_in_flight_rollouts_once() -> None:
     assert len(seals) == 2  # the two in flight; the four never started were never admitted
     assert all(seal.status == "failed" and seal.failure_reason == INTERRUPTED for seal in seals)
     assert len({seal.rollout_id for seal in seals}) == 2
+
+
+def _as_dead(journal: RunJournal) -> None:
+    """Rewrite the journal's header as if its run's process were gone."""
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    header, *rest = journal.path.read_text().splitlines()
+    dead = {**json.loads(header), "pid": int(gone.stdout)}
+    journal.path.write_text("\n".join([json.dumps(dead), *rest]) + "\n")
+
+
+def test_a_killed_run_is_finished_by_the_next_one_on_the_same_log(tmp_path: Path) -> None:
+    """What the journal of a dead run says is open gets sealed ``interrupted``, once."""
+    jobs = plan_jobs("run-dead", rollouts=6, group_size=2, seed=0)
+    killed = RunJournal(tmp_path, "run-dead", "durable:c1")
+    for job in jobs[:3]:
+        killed.started(job)
+    killed.sealed(jobs[0].rollout_id)
+    killed.close()  # two started rollouts are open: the journal stays
+    assert killed.path.exists()
+    _as_dead(killed)
+    elsewhere = RunJournal(tmp_path, "run-memory", "memory:c2")  # its log died with its broker
+    elsewhere.started(jobs[3])
+    elsewhere.close()
+    _as_dead(elsewhere)
+    alive = RunJournal(tmp_path, "run-alive", "durable:c1")  # this process: a run still going
+    alive.started(jobs[4])
+    assert sorted(run.run_id for run in dead_runs(tmp_path)) == ["run-dead", "run-memory"]
+
+    sink = RecordingSink()
+    sealed = asyncio.run(close_dead_runs(tmp_path, "durable:c1", RolloutClient(sink)))
+
+    seals = [s for s in sink.payloads(RolloutSeal) if isinstance(s, RolloutSeal)]
+    assert sealed == 2 and {s.rollout_id for s in seals} == {jobs[1].rollout_id, jobs[2].rollout_id}
+    assert all(s.status == "failed" and s.failure_reason == INTERRUPTED for s in seals)
+    assert {s.group_id for s in seals} == {jobs[1].group_id, jobs[2].group_id}
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run-alive.jsonl"]
+    assert asyncio.run(close_dead_runs(tmp_path, "durable:c1", RolloutClient(sink))) == 0  # once
+    alive.sealed(jobs[4].rollout_id)
+    alive.close()
+    assert not alive.path.exists()  # everything it started was sealed

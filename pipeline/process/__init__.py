@@ -1,0 +1,1 @@
+"""Process lifecycle: no process tokentrail starts outlives the process that started it."""
