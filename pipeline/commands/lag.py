@@ -1,7 +1,8 @@
 """``tokentrail lag``: consumer lag per group, topic and partition.
 
 Lag is highwater − committed, with the highwater read from Fetch responses (exact on
-tansu as on Kafka, where ListOffsets is not; see ``pipeline.kafka.lag``).
+tansu as on Kafka, where ListOffsets is not; see ``pipeline.kafka.lag``). A broker that
+cannot be reached is not lag: it is reported as down, with its own exit code.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.kafka.errors import BROKER_UNREACHABLE
 from pipeline.kafka.lag import LagError, LagReader, PartitionLag, lag_by_group, total_lag
+
+EXIT_BROKER_DOWN = 3
+"""Exit code when the broker cannot be reached (lag unknown, not zero)."""
 
 EXAMPLES = """\
 examples:
@@ -35,7 +40,8 @@ def add_parser(subparsers: Any) -> None:
             "Show consumer lag (highwater - committed) per group, topic and partition.\n"
             "Without --group every group is shown; without --topic, every topic where a\n"
             "group has committed offsets. A partition the group never committed on counts\n"
-            "from the log start."
+            "from the log start. Exits 3 (and says the broker is down) when the broker\n"
+            "cannot be reached."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -50,6 +56,13 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         rows = asyncio.run(_read(args))
+    except BROKER_UNREACHABLE as exc:
+        if args.json:
+            print(
+                json.dumps({"bootstrap": args.bootstrap, "broker": "down", "error": str(exc)}, sort_keys=True)
+            )
+        print(f"tokentrail lag: broker down: cannot reach {args.bootstrap} ({exc})", file=sys.stderr)
+        return EXIT_BROKER_DOWN
     except (ConfigError, LagError, KafkaError, OSError) as exc:
         print(f"tokentrail lag: {exc}", file=sys.stderr)
         return 1
@@ -69,6 +82,7 @@ def report(bootstrap: str, rows: list[PartitionLag]) -> dict[str, Any]:
     """The ``--json`` document."""
     return {
         "bootstrap": bootstrap,
+        "broker": "up",
         "total_lag": total_lag(rows),
         "groups": lag_by_group(rows),
         "partitions": [row.as_dict() for row in rows],

@@ -17,6 +17,7 @@ from pipeline.commands.jsonlog import configure_logging
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.consumer import DEFAULT_TUNING
+from pipeline.kafka.errors import BROKER_UNREACHABLE
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S
 from pipeline.stagehost.metrics import Health, StageMetrics
@@ -27,6 +28,9 @@ from stages.ledger.stage import LedgerConfig
 from stages.specs import STAGES, StageSettings
 
 log = logging.getLogger(__name__)
+
+RECONNECT_MIN_S = 0.5
+RECONNECT_MAX_S = 10.0
 
 EXAMPLES = """\
 examples:
@@ -41,7 +45,8 @@ consumer loop stalls for --stall-after seconds) and /readyz (200 once the group
 assigned this member its partitions).
 
 Run several instances with the same --group to split partitions between them.
-SIGTERM/SIGINT finish the in-flight batch, commit, and leave the group.
+SIGTERM/SIGINT finish the in-flight batch, commit, and leave the group. A broker that
+goes away is waited for: the stage reconnects (backing off up to 10 s), no restart needed.
 """
 
 
@@ -180,15 +185,43 @@ async def _serve(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     metrics = StageMetrics(args.name, health=Health(stall_after_s=args.stall_after))
     server = _metrics_server(args, metrics)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
-        await ensure_topics(config)
-        await _serve_stage(args, config, metrics)
+        await _serve_through_outages(args, config, metrics, stop)
     finally:
         if server is not None:
             server.stop()
 
 
-async def _serve_stage(args: argparse.Namespace, config: KafkaConfig, metrics: StageMetrics) -> None:
+async def _serve_through_outages(
+    args: argparse.Namespace, config: KafkaConfig, metrics: StageMetrics, stop: asyncio.Event
+) -> None:
+    """Serve the stage; when the broker cannot be reached, start it again in this process
+    once the broker answers (backing off), as a restart would: from the committed offsets,
+    with state rebuilt by replay. Short outages never get here: the clients reconnect."""
+    backoff = RECONNECT_MIN_S
+    while not stop.is_set():
+        started = asyncio.get_running_loop().time()
+        try:
+            await ensure_topics(config)
+            await _serve_stage(args, config, metrics, stop)
+            return
+        except BROKER_UNREACHABLE as exc:
+            metrics.health.set_ready(False)
+            if asyncio.get_running_loop().time() - started > RECONNECT_MAX_S:
+                backoff = RECONNECT_MIN_S  # it had been serving: a new outage
+            log.warning("stage %s: broker unreachable (%r); starting again in %.1fs", args.name, exc, backoff)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff)
+            backoff = min(backoff * 2, RECONNECT_MAX_S)
+
+
+async def _serve_stage(
+    args: argparse.Namespace, config: KafkaConfig, metrics: StageMetrics, stop: asyncio.Event
+) -> None:
     spec = STAGES[args.name]
     tuning = replace(
         DEFAULT_TUNING, session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_ms
@@ -198,10 +231,6 @@ async def _serve_stage(args: argparse.Namespace, config: KafkaConfig, metrics: S
         mixed_versions=MixedVersionPolicy(args.mixed_versions),
         remember=args.remember,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     async with contextlib.AsyncExitStack() as stack:
         sink = metrics.sink(await stack.enter_async_context(KafkaEventSink(config)))
         plane = None

@@ -17,6 +17,7 @@ from aiokafka import AIOKafkaProducer
 
 from pipeline.commands import lag as lag_command
 from pipeline.kafka.admin import TopicLayoutError, ensure_topics
+from pipeline.kafka.broker import free_port
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning
 from pipeline.kafka.lag import LagReader, total_lag
@@ -356,6 +357,18 @@ async def test_lag_command_prints_one_json_document(
     assert document["groups"] == {group: remaining}
     assert {row["group"] for row in document["partitions"]} == {group}
     assert sum(row["lag"] for row in document["partitions"]) == remaining
+    assert document["broker"] == "up"
+
+
+def test_lag_command_tells_a_broker_down_from_lag(capsys: pytest.CaptureFixture[str]) -> None:
+    bootstrap = f"127.0.0.1:{free_port()}"  # nothing listens there
+    parser = argparse.ArgumentParser()
+    lag_command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["lag", "--bootstrap", bootstrap, "--json"])
+    assert args.run(args) == lag_command.EXIT_BROKER_DOWN
+    out, err = capsys.readouterr()
+    assert json.loads(out) | {"error": None} == {"bootstrap": bootstrap, "broker": "down", "error": None}
+    assert f"broker down: cannot reach {bootstrap}" in err
 
 
 class HoldingBack(CollectingHandler):
