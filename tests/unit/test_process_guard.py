@@ -60,7 +60,10 @@ def test_a_sigkilled_process_leaves_no_descendant(tmp_path: Path) -> None:
     executed, forked = (int(pid) for pid in parent.stdout.readline().split())
     record = json.loads((tmp_path / "processes-test.json").read_text())
     assert record["pid"] == parent.pid
-    assert {executed, forked} <= {p.pid for p in owned(record["marker"])}
+    deadline = time.monotonic() + 10  # the forked child registers itself as it starts
+    while not {executed, forked} <= {p.pid for p in owned(record["marker"])}:
+        assert time.monotonic() < deadline, "the guard does not see both descendants"
+        time.sleep(0.05)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     assert _gone_within(executed, 10), "a program it started outlived its SIGKILLed ancestor"
