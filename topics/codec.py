@@ -198,13 +198,13 @@ class RawRecord:
     offset: int
     key: bytes | None
     value: bytes | None
-    headers: tuple[tuple[str, bytes], ...] = ()
+    headers: Sequence[tuple[str, bytes]] = ()
 
 
 def raw_record(topic: str, partition: int, offset: int, event: Envelope[Record]) -> RawRecord:
     """The wire form of a decoded event (for one that was never read from a log)."""
     key, value, headers = _encode(event)
-    return RawRecord(topic, partition, offset, key, value, tuple(headers))
+    return RawRecord(topic, partition, offset, key, value, headers)
 
 
 def dead_letter(raw: RawRecord, reason: str, field: str | None, stage: str) -> DeadLetter:

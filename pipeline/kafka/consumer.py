@@ -42,9 +42,8 @@ Record: TypeAlias = ConsumerRecord[bytes, bytes]
 
 
 def _raw(record: Record) -> RawRecord:
-    return RawRecord(
-        record.topic, record.partition, record.offset, record.key, record.value, tuple(record.headers)
-    )
+    """The record's own bytes, not copied: a stage's hot loop builds one per record."""
+    return RawRecord(record.topic, record.partition, record.offset, record.key, record.value, record.headers)
 
 
 @dataclass(slots=True)
