@@ -40,6 +40,8 @@ class StageSpec:
 
     ``answer`` is the event type on ``output`` that closes a rollout for this stage: the
     host re-reads those from the output topic's tail to recall what was answered.
+    ``log_time_order``: the stage decides by log time (grace periods), so its host hands
+    it events merged across partitions in log-time order, as a replay does (DESIGN §7.2).
     """
 
     name: str
@@ -49,6 +51,7 @@ class StageSpec:
     answer: EventType
     uses_data_plane: bool
     factory: Callable[[EventSink, DataPlane | None, StageSettings], StagePort]
+    log_time_order: bool = False
 
     def build(
         self, sink: EventSink, data_plane: DataPlane | None = None, settings: StageSettings | None = None
@@ -75,6 +78,7 @@ LEDGER = StageSpec(
     answer=EventType.RECEIPT,
     uses_data_plane=False,
     factory=_ledger,
+    log_time_order=True,
 )
 
 FINALIZER = StageSpec(

@@ -11,6 +11,9 @@ from pipeline.kafka.config import KafkaConfig
 from topics.names import TopicNames
 
 _TOPIC_ALREADY_EXISTS = TopicAlreadyExistsError.errno
+APPEND_TIME = {"message.timestamp.type": "LogAppendTime"}
+"""Brokers that honour it stamp records when appended, which makes the log-time merge
+exact (DESIGN §7.2); others (the embedded tansu) keep producer time."""
 
 
 class TopicLayoutError(RuntimeError):
@@ -28,7 +31,10 @@ async def ensure_topics(config: KafkaConfig, names: TopicNames | None = None) ->
     admin = AIOKafkaAdminClient(**config.client_kwargs())
     await admin.start()
     try:
-        wanted = [NewTopic(name, names.partitions, config.replication_factor) for name in names.all()]
+        wanted = [
+            NewTopic(name, names.partitions, config.replication_factor, topic_configs=APPEND_TIME)
+            for name in names.all()
+        ]
         response = await admin.create_topics(wanted)
         created: list[str] = []
         for entry in response.topic_errors:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import ConsumerRecord
 
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.logtime import LogTimeMerge
 from stages.ports import Consumed, EventSink, StageHandler
 from stages.ports import TopicPartition as PortPartition
 from topics.codec import DecodeError, RawRecord, dead_letter, decode
@@ -55,6 +57,19 @@ class LoopStats:
     dead_lettered: int = 0
     commits: int = 0
     rebalances: int = 0
+    held: int = 0
+    """Records fetched but waiting for the log-time merge (ordered loops)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Fetched:
+    """A fetched record in the merge: where it lies, its log time, and the event
+    (``None`` for a record already dead-lettered, which still holds its place)."""
+
+    tp: TopicPartition
+    offset: int
+    timestamp: float
+    item: Consumed | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +82,10 @@ class ConsumerTuning:
     heartbeat_interval_ms: int = 3_000
     max_records: int = 500
     idle_poll_ms: int = 100
+    idle_margin_ms: int = 500
+    """Log-time order (``ordered`` loops): a caught-up partition counts as read up to
+    its last fetch response minus this much, the longest a record may take from its
+    producer's clock to the log without breaking the order (DESIGN §7.2)."""
 
 
 DEFAULT_TUNING = ConsumerTuning()
@@ -93,9 +112,9 @@ class ConsumerLoop:
         dead_letters: EventSink,
         stage: str,
         tuning: ConsumerTuning = DEFAULT_TUNING,
+        ordered: bool = False,
         max_poll_interval_ms: int = 300_000,
         fetch_max_wait_ms: int = 100,
-        clock: Callable[[], float] = time.time,
         on_assigned: Callable[[frozenset[PortPartition]], Awaitable[None]] | None = None,
     ) -> None:
         if not topics:
@@ -123,7 +142,10 @@ class ConsumerLoop:
             # all topics share the key partitioner, so a rollout's events stay together.
             "partition_assignment_strategy": (RangePartitionAssignor,),
         }
-        self._clock = clock
+        self.ordered = ordered
+        """Hand records over in log-time order across partitions (``LogTimeMerge``),
+        holding each until every other partition has caught up with it."""
+        self._idle_margin_s = tuning.idle_margin_ms / 1000
         self._on_assigned_hook = on_assigned
         """Runs once new partitions are assigned, before any of their records is handled."""
         self._consumer: AIOKafkaConsumer | None = None
@@ -132,6 +154,9 @@ class ConsumerLoop:
         self._assigned = asyncio.Event()
         self._positions: dict[TopicPartition, int] = {}
         self._read_up_to: dict[TopicPartition, float] = {}  # log time of the last record handled
+        self._fetched_to: dict[TopicPartition, int] = {}  # offset after the last record fetched
+        self._held: LogTimeMerge[_Fetched] = LogTimeMerge()
+        self._frontier = -math.inf  # log time the ordered merge has provably reached
         self._committed: dict[TopicPartition, int] = {}
         self._epoch = 0  # bumped by every revocation and assignment
         self.stats = LoopStats()
@@ -186,8 +211,8 @@ class ConsumerLoop:
                             # partitions were revoked or sought back; drop it unhandled.
                             batch = {}
                         if batch:
-                            await self._process(batch)
-                        await self.handler.tick(self._log_time(consumer))
+                            await self._hold(batch)
+                        await self._release(consumer)
                         await self._commit(consumer)
             finally:
                 stop_wait.cancel()
@@ -201,39 +226,55 @@ class ConsumerLoop:
         """How far this member has read, in log time: the earliest, over its partitions, of
         the last record handled, where a partition still has unread records; the clock
         where every partition is read to its end (or its end is not known yet)."""
-        now = self._clock()
         behind = [
             self._read_up_to.get(tp, 0.0)
             for tp in consumer.assignment()
             if (end := consumer.highwater(tp)) is not None and self._positions.get(tp, 0) < end
         ]
-        return min([now, *behind])
+        return min([time.time(), *behind])
+
+    def _caught_up_to(self, consumer: AIOKafkaConsumer) -> Callable[[PortPartition], float]:
+        """The log-time bound of a partition with nothing held: read to its end at the last
+        fetch response, less the margin for records still on their way; ``-inf`` while it
+        has records not fetched yet (or its end is unknown)."""
+
+        def bound(key: PortPartition) -> float:
+            tp = TopicPartition(*key)
+            end = consumer.highwater(tp)
+            polled: int | None = consumer.last_poll_timestamp(tp)
+            if end is None or polled is None or self._fetched_to.get(tp, -1) < end:
+                return -math.inf
+            return polled / 1000 - self._idle_margin_s
+
+        return bound
 
     async def _fetch(self, consumer: AIOKafkaConsumer) -> tuple[dict[TopicPartition, list[Record]], int]:
         """A batch, tagged with the assignment epoch current when it was returned."""
         batch = await consumer.getmany(timeout_ms=self.idle_poll_ms, max_records=self.max_records)
         return batch, self._epoch
 
-    async def _process(self, batch: Mapping[TopicPartition, list[Record]]) -> None:
-        consumed: list[Consumed] = []
+    async def _hold(self, batch: Mapping[TopicPartition, list[Record]]) -> None:
+        """Decode a fetched batch into the held records; dead-letter what does not decode.
+
+        A record that does not decode keeps its place (as ``None``), so positions, and
+        therefore commits, only pass it in order."""
         dead: list[DeadLetter] = []
-        advanced: dict[TopicPartition, int] = {}
         for tp, records in batch.items():
+            entries: list[tuple[float, _Fetched]] = []
             for record in records:
                 raw = _raw(record)
+                stamp = record.timestamp / 1000
                 try:
                     event = decode(record.key, record.value, record.headers)
                 except DecodeError as exc:
                     dead.append(dead_letter(raw, exc.reason, exc.field, self.stage))
+                    entries.append((stamp, _Fetched(tp, record.offset, stamp, None)))
                 else:
-                    consumed.append(
-                        Consumed(
-                            record.topic, record.partition, record.offset, event, record.timestamp / 1000, raw
-                        )
-                    )
+                    item = Consumed(record.topic, record.partition, record.offset, event, stamp, raw)
+                    entries.append((stamp, _Fetched(tp, record.offset, stamp, item)))
             if records:
-                advanced[tp] = records[-1].offset + 1
-                self._read_up_to[tp] = records[-1].timestamp / 1000
+                self._held.add(tp, entries)
+                self._fetched_to[tp] = records[-1].offset + 1
         if dead:
             for letter in dead:
                 log.warning(
@@ -245,13 +286,30 @@ class ConsumerLoop:
                     letter.reason,
                 )
             await self.dead_letters.publish(dead)
+            self.stats.dead_lettered += len(dead)
+
+    async def _release(self, consumer: AIOKafkaConsumer) -> None:
+        """Hand the handler what may be handled now, then tell it how far log time got."""
+        if self.ordered:
+            released = self._held.release(consumer.assignment(), self._caught_up_to(consumer))
+            entries = released.items
+            self._frontier = max(self._frontier, released.frontier)
+        else:
+            entries = self._held.release_all()
+        consumed = [entry.item for entry in entries if entry.item is not None]
         if consumed:
             await self.handler.handle(consumed)
-        # Only a handled batch moves the positions that commits are computed from.
-        self._positions.update(advanced)
-        self.stats.batches += 1
-        self.stats.consumed += len(consumed)
-        self.stats.dead_lettered += len(dead)
+        # Only a handled record moves the positions that commits are computed from.
+        for entry in entries:
+            self._positions[entry.tp] = entry.offset + 1
+            self._read_up_to[entry.tp] = entry.timestamp
+        if entries:
+            self.stats.batches += 1
+            self.stats.consumed += len(consumed)
+        self.stats.held = self._held.held()
+        now = self._frontier if self.ordered else self._log_time(consumer)
+        if now > -math.inf:
+            await self.handler.tick(now)
 
     async def _commit(self, consumer: AIOKafkaConsumer, only: Iterable[TopicPartition] | None = None) -> None:
         """Commit what the handler allows, for partitions still owned, where it moved."""
@@ -284,9 +342,11 @@ class ConsumerLoop:
             if consumer is not None and revoked:
                 await self._commit(consumer, only=revoked)
             self.handler.on_revoked([(tp.topic, tp.partition) for tp in revoked])
+            self._held.drop(revoked)
             for tp in revoked:
                 self._positions.pop(tp, None)
                 self._read_up_to.pop(tp, None)
+                self._fetched_to.pop(tp, None)
                 self._committed.pop(tp, None)
         self.stats.rebalances += 1
 
@@ -300,14 +360,17 @@ class ConsumerLoop:
                 # No await from here on: batches returned before this point carry the
                 # old epoch and are dropped; those after it come from these positions.
                 self._epoch += 1
+                self._held.drop(assigned)
                 for tp in assigned:
                     offset = committed[tp]
                     if offset is None:
                         consumer.seek(tp, starts[tp])
+                        self._fetched_to[tp] = starts[tp]
                         self._positions.pop(tp, None)
                         self._committed.pop(tp, None)
                     else:
                         consumer.seek(tp, offset)
+                        self._fetched_to[tp] = offset
                         self._positions[tp] = offset
                         self._committed[tp] = offset
                 if self._on_assigned_hook is not None:

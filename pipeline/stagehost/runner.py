@@ -62,6 +62,7 @@ async def serve_stage(
         dead_letters=sink,
         stage=spec.name,
         tuning=tuning,
+        ordered=spec.log_time_order,
         on_assigned=recall,
     )
 

@@ -34,13 +34,28 @@ class OpenRollout:
     """Log time of the seal event."""
     opened_logged_at: float = 0.0
     """Log time of the rollout's first event."""
+    unjoined: set[str] = field(default_factory=set)
+    """Calls with an admission or a staged event but not both yet: settled once empty,
+    checked after every event without walking the rollout."""
+
+    def admit(self, admission: CaptureAdmission) -> CallRecord | FailedCall | None:
+        self.admissions[admission.call_id] = admission
+        return self.join(admission.call_id)
+
+    def stage(self, staged: StagedEvent) -> CallRecord | FailedCall | None:
+        self.staged[staged.coords.call_id] = staged
+        return self.join(staged.coords.call_id)
 
     def join(self, call_id: str) -> CallRecord | FailedCall | None:
         """Join the admission and staged event of ``call_id`` once both are here."""
         admission = self.admissions.get(call_id)
         staged = self.staged.get(call_id)
-        if admission is None or staged is None or call_id in self.committed or call_id in self.failed:
+        if call_id in self.committed or call_id in self.failed:
             return None
+        if admission is None or staged is None:
+            self.unjoined.add(call_id)
+            return None
+        self.unjoined.discard(call_id)
         coords = staged.coords
         if coords.disposition == "capture_failed":
             assert coords.failure_reason is not None
@@ -72,10 +87,8 @@ class OpenRollout:
         return failed
 
     def settled(self) -> bool:
-        """Every admitted call is committed or failed, and no staged event waits for an admission."""
-        return all(c in self.committed or c in self.failed for c in self.admissions) and all(
-            c in self.admissions for c in self.staged
-        )
+        """Sealed, every admitted call committed or failed, no staged event waiting for an admission."""
+        return self.seal is not None and not self.unjoined
 
     def close(self, forced: LedgerFailure | None = None) -> tuple[list[FailedCall], RolloutReceipt]:
         """Fail what never settled, check lineage, select the terminal, build the receipt.

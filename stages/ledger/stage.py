@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stages.ledger.rollout import OpenRollout
+from stages.ledger.timers import TaskTimers
 from stages.ports import Consumed, EventSink, StageGauges, TopicPartition
 from stages.recent import DEFAULT_REMEMBER, RecentIds
 from topics.codec import HEADER_TYPE, dead_letter
@@ -85,6 +86,7 @@ class LedgerStage:
         self.stats = LedgerStats()
         self.open: dict[str, OpenRollout] = {}
         self._open_spans: dict[str, _Tracked] = {}
+        self._timers = TaskTimers()
         self.answered = RecentIds(remember)
         """Rollouts whose receipt is published. Their events arriving again (a duplicate
         delivery, a replayed segment) are late, not a new rollout. Seed it from the tail
@@ -96,9 +98,13 @@ class LedgerStage:
         )
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
+        """Apply events one at a time, in the order given (the consumer's log-time merge):
+        before each, its task's clock moves to the event's log time and the grace periods
+        it passed expire; after each, its rollout closes if that event settled it. So the
+        outcome depends on the order of events alone, never on how they were batched."""
         outputs: list[Record] = []
-        touched: set[str] = set()
         for item in batch:
+            outputs += self._advance(item.partition, item.timestamp)
             rollout_id = item.event.key
             if not isinstance(item.event.payload, CaptureAdmission | StagedEvent | RolloutSeal):
                 outputs.append(
@@ -112,19 +118,24 @@ class LedgerStage:
             if rollout_id in self.answered:  # a replayed or duplicated event of a receipted rollout
                 self.stats.late += 1
                 continue
-            state = self.open.get(rollout_id)
-            if state is None:
-                state = self.open[rollout_id] = OpenRollout(rollout_id, opened_logged_at=item.timestamp)
-                self._open_spans[rollout_id] = _Tracked()
-            self._open_spans[rollout_id].add((item.topic, item.partition), item.offset)
-            state.opened_logged_at = min(state.opened_logged_at, item.timestamp)
+            state = self._track(rollout_id, item)
             outputs += self._apply(state, item)
-            touched.add(rollout_id)
-        for rollout_id in touched:
-            state = self.open[rollout_id]
-            if state.seal is not None and state.settled():
+            if state.settled():
                 outputs += self._close(state)
         await self._publish(outputs)
+
+    def _track(self, rollout_id: str, item: Consumed) -> OpenRollout:
+        """The rollout's state (opened on its first event), noting where its events lie."""
+        state = self.open.get(rollout_id)
+        if state is None:
+            state = self.open[rollout_id] = OpenRollout(rollout_id, opened_logged_at=item.timestamp)
+            self._open_spans[rollout_id] = _Tracked()
+            self._timers.schedule(item.partition, item.timestamp + self.config.max_open_s, rollout_id)
+        elif item.timestamp < state.opened_logged_at:
+            state.opened_logged_at = item.timestamp
+            self._timers.schedule(item.partition, item.timestamp + self.config.max_open_s, rollout_id)
+        self._open_spans[rollout_id].add((item.topic, item.partition), item.offset)
+        return state
 
     def _apply(self, state: OpenRollout, item: Consumed) -> list[Record]:
         """Apply one event; an equal repeat is a duplicate, a different one a dead letter."""
@@ -148,15 +159,14 @@ class LedgerStage:
             ]
         joined: CallRecord | FailedCall | None
         if isinstance(payload, CaptureAdmission):
-            state.admissions[payload.call_id] = payload
-            joined = state.join(payload.call_id)
+            joined = state.admit(payload)
         elif isinstance(payload, StagedEvent):
-            state.staged[payload.coords.call_id] = payload
-            joined = state.join(payload.coords.call_id)
+            joined = state.stage(payload)
         else:
             assert isinstance(payload, RolloutSeal)
             state.seal = payload
             state.sealed_logged_at = item.timestamp
+            self._timers.schedule(item.partition, item.timestamp + self.config.seal_grace_s, state.rollout_id)
             joined = None
         if joined is None:
             return []
@@ -178,11 +188,26 @@ class LedgerStage:
         return [*late, receipt]
 
     async def tick(self, now: float) -> None:
+        """Every task has been read up to ``now`` in log time: expire what that passes."""
         outputs: list[Record] = []
-        for state in list(self.open.values()):
-            if state.seal is not None and now - state.sealed_logged_at >= self.config.seal_grace_s:
-                outputs += self._close(state)
-            elif state.seal is None and now - state.opened_logged_at >= self.config.max_open_s:
+        for task in self._timers.tasks():
+            outputs += self._advance(task, now)
+        await self._publish(outputs)
+
+    def _advance(self, task: int, now: float) -> list[Record]:
+        """Move ``task``'s clock to ``now``; close the rollouts whose grace (or whose
+        ``max_open_s`` without a seal) it passed."""
+        outputs: list[Record] = []
+        due = self._timers.advance(task, now)
+        clock = self._timers.now(task)
+        for rollout_id in due:
+            state = self.open.get(rollout_id)
+            if state is None:
+                continue  # closed since this deadline was set
+            if state.seal is not None:
+                if clock >= state.sealed_logged_at + self.config.seal_grace_s:
+                    outputs += self._close(state)
+            elif clock >= state.opened_logged_at + self.config.max_open_s:
                 state.seal = RolloutSeal(
                     rollout_id=state.rollout_id,
                     status="failed",
@@ -190,7 +215,7 @@ class LedgerStage:
                     sealed_at=_last_seen(state),
                 )
                 outputs += self._close(state, LedgerFailure.NEVER_SEALED)
-        await self._publish(outputs)
+        return outputs
 
     async def _publish(self, outputs: list[Record]) -> None:
         if outputs:
@@ -210,6 +235,7 @@ class LedgerStage:
             if lost & tracked.first.keys():
                 del self._open_spans[rollout_id]
                 self.open.pop(rollout_id, None)
+        self._timers.forget({partition for _, partition in lost})
 
     def _dead_letter(self, item: Consumed, reason: str, field_name: str | None) -> DeadLetter:
         self.stats.dead_letters += 1

@@ -1,0 +1,53 @@
+"""Log-time clocks per task, and the rollout deadlines they pass (DESIGN §7.2).
+
+A task is one partition number: partition p of every input topic, where all of a
+rollout's events land. Each task keeps its own clock (the latest log time applied in
+it), so a partition taken over mid-run, or re-read after a restart from an old commit
+point, replays its rollouts against its own time, not against the time other
+partitions have reached. Deadlines sit in a heap per task; an entry may be stale (the
+rollout closed, or got an earlier deadline), so the caller checks what it pops.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class _Task:
+    now: float = -math.inf
+    deadlines: list[tuple[float, str]] = field(default_factory=list)
+
+
+class TaskTimers:
+    """Deadlines (log time, rollout id) per task, released as the task's clock passes them."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[int, _Task] = {}
+
+    def schedule(self, task: int, at: float, rollout_id: str) -> None:
+        heapq.heappush(self._tasks.setdefault(task, _Task()).deadlines, (at, rollout_id))
+
+    def now(self, task: int) -> float:
+        state = self._tasks.get(task)
+        return state.now if state is not None else -math.inf
+
+    def advance(self, task: int, now: float) -> list[str]:
+        """Move ``task``'s clock to ``now`` (never back); the rollouts whose deadline it passed."""
+        state = self._tasks.setdefault(task, _Task())
+        state.now = max(state.now, now)
+        due: list[str] = []
+        while state.deadlines and state.deadlines[0][0] <= state.now:
+            due.append(heapq.heappop(state.deadlines)[1])
+        return due
+
+    def tasks(self) -> list[int]:
+        return list(self._tasks)
+
+    def forget(self, tasks: Iterable[int]) -> None:
+        """Drop the clocks and deadlines of tasks this instance no longer owns."""
+        for task in tasks:
+            self._tasks.pop(task, None)
