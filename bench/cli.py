@@ -1,10 +1,11 @@
-"""``tokentrail bench engine|pipeline|replay``: the DESIGN §9 benchmarks from the CLI.
+"""``tokentrail bench engine|pipeline|replay|long-horizon``: the benchmarks from the CLI.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
-verbs. Each benchmark (``bench.engine``, ``bench.pipeline``, ``bench.replay``) has a
-``run(...) -> dict`` for programs and the same options here; their heavy imports
-(torch, TransferQueue, the broker) happen when a benchmark runs, not when the CLI starts.
+verbs. Each benchmark (``bench.engine``, ``bench.pipeline``, ``bench.replay``,
+``bench.long_horizon``) has a ``run(...) -> dict`` for programs and the same options here;
+their heavy imports (torch, TransferQueue, the broker) happen when a benchmark runs, not
+when the CLI starts. A benchmark's name is its module's, with ``-`` for ``_``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "engine throughput with capture off, inline and tokentrail, vs data-plane delay",
     "pipeline": "calls/s, rollouts/s and seal-to-finalized latency through ledger + finalizer",
     "replay": "events/s rebuilding the ledger from the log",
+    "long-horizon": "event bytes and ledger memory per call as one rollout grows to 10,000 calls",
 }
 
 EXAMPLES = """\
@@ -27,21 +29,22 @@ examples:
   tokentrail bench engine --json --plot bench/engine_throughput.png
   tokentrail bench pipeline --instances 1,2 --lengths 16 --json
   tokentrail bench replay --sizes 10000,100000
+  tokentrail bench long-horizon --quick --json
 """
 
 
 def add_parser(subparsers: Any) -> None:
-    """Register ``bench`` and its three benchmarks on the CLI's subparsers."""
+    """Register ``bench`` and its benchmarks on the CLI's subparsers."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
-        help="run a benchmark (engine, pipeline, replay)",
-        description="Run one of the DESIGN §9 benchmarks; --json prints the full report.",
+        help=f"run a benchmark ({', '.join(BENCHMARKS)})",
+        description="Run one of the benchmarks (DESIGN §9); --json prints the full report.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     which = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, summary in BENCHMARKS.items():
-        module = importlib.import_module(f"bench.{name}")
+        module = _module(name)
         sub: argparse.ArgumentParser = which.add_parser(
             name,
             help=summary,
@@ -52,9 +55,13 @@ def add_parser(subparsers: Any) -> None:
         sub.set_defaults(run=_runner(name))
 
 
+def _module(name: str) -> Any:
+    return importlib.import_module(f"bench.{name.replace('-', '_')}")
+
+
 def _runner(name: str) -> Any:
     def run(args: argparse.Namespace) -> int:
-        module = importlib.import_module(f"bench.{name}")
+        module = _module(name)
         command = shlex.join(["tokentrail", *sys.argv[1:]])
         result: int = module.run_args(args, command)
         return result

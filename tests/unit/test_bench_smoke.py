@@ -14,6 +14,7 @@ import pytest
 
 from bench import ledger_memory
 from bench.engine import MODES, EngineConfig
+from bench.long_horizon import LongHorizonConfig
 from bench.pipeline import PipelineConfig
 from bench.replay import ReplayConfig
 from pipeline import cli
@@ -113,7 +114,29 @@ def test_replay_smallest_configuration() -> None:
     assert report["without_broker"]["ledger_events_per_s"] > 0
 
 
-def test_cli_wires_the_three_benchmarks() -> None:
+@pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.dataplane
+def test_long_horizon_smallest_configuration() -> None:
+    from bench import long_horizon
+
+    report = long_horizon.run(LongHorizonConfig(lengths=(2,)), command="test")
+    assert report["benchmark"] == "long-horizon" and report["command"] == "test"
+    (result,) = report["results"]
+    assert result["calls"] == result["captured_calls"] == 2 and not result["errors"]
+    for figure in ("admission", "staged", "committed"):
+        assert report[f"{figure}_bytes_per_call"]["2"] == result["bytes_per_call"][figure] > 0
+    assert report["ledger_bytes_per_open_call"]["2"] > 0
+    assert result["committed_events"] == {"call_committed": 2, "receipt": 1}
+    assert set(result["largest_event_bytes"]) == {"admission", "staged", "call_committed", "receipt"}
+    assert min(result["largest_event_bytes"].values()) > 0 and result["replay_differences"] == 0
+    assert result["finalized"]["status"] == "accepted"  # real digests, verified by the finalizer
+    assert (report["accepted"], report["rejected"], report["rejection_reasons"]) == (1, 0, {})
+    assert report["replay_equal"] is True and report["errors"] == {}
+    assert report["machine"]["cpus"] >= 1
+
+
+def test_cli_wires_the_benchmarks() -> None:
     parser = cli.build_parser()
     engine = parser.parse_args(["bench", "engine", "--quick", "--latencies", "0,5", "--json"])
     assert engine.benchmark == "engine" and engine.quick and engine.json and callable(engine.run)
@@ -126,3 +149,8 @@ def test_cli_wires_the_three_benchmarks() -> None:
     assert pipeline_bench.config_from_args(piped).instances == (1, 2)
     replayed = parser.parse_args(["bench", "replay", "--sizes", "1000"])
     assert replay_bench.config_from_args(replayed).sizes == (1000,)
+    long = parser.parse_args(["bench", "long-horizon", "--quick", "--lengths", "3,30", "--timeout", "5"])
+    from bench import long_horizon
+
+    config = long_horizon.config_from_args(long)
+    assert (config.lengths, config.timeout_s) == ((3, 30), 5.0) and callable(long.run)
