@@ -40,8 +40,9 @@ class StageSpec:
 
     ``answer`` is the event type on ``output`` that closes a rollout for this stage: the
     host re-reads those from the output topic's tail to recall what was answered.
-    ``log_time_order``: the stage decides by log time (grace periods), so its host hands
-    it events merged across partitions in log-time order, as a replay does (DESIGN §7.2).
+    ``log_time_order``: for a stage that decides by log time (grace periods), the input
+    topics in the order records of equal timestamp go; its host then hands it events
+    merged across partitions in log-time order, as a replay does (DESIGN §7.2).
     """
 
     name: str
@@ -51,7 +52,7 @@ class StageSpec:
     answer: EventType
     uses_data_plane: bool
     factory: Callable[[EventSink, DataPlane | None, StageSettings], StagePort]
-    log_time_order: bool = False
+    log_time_order: Callable[[TopicNames], list[str]] | None = None
 
     def build(
         self, sink: EventSink, data_plane: DataPlane | None = None, settings: StageSettings | None = None
@@ -78,7 +79,9 @@ LEDGER = StageSpec(
     answer=EventType.RECEIPT,
     uses_data_plane=False,
     factory=_ledger,
-    log_time_order=True,
+    # A staged event stamped in the seal's millisecond goes first: its worker answered
+    # before the driver sealed.
+    log_time_order=lambda names: [names.staged, names.admission],
 )
 
 FINALIZER = StageSpec(

@@ -112,7 +112,7 @@ class ConsumerLoop:
         dead_letters: EventSink,
         stage: str,
         tuning: ConsumerTuning = DEFAULT_TUNING,
-        ordered: bool = False,
+        log_time_order: Sequence[str] | None = None,
         max_poll_interval_ms: int = 300_000,
         fetch_max_wait_ms: int = 100,
         on_assigned: Callable[[frozenset[PortPartition]], Awaitable[None]] | None = None,
@@ -142,9 +142,10 @@ class ConsumerLoop:
             # all topics share the key partitioner, so a rollout's events stay together.
             "partition_assignment_strategy": (RangePartitionAssignor,),
         }
-        self.ordered = ordered
-        """Hand records over in log-time order across partitions (``LogTimeMerge``),
-        holding each until every other partition has caught up with it."""
+        self.ordered = log_time_order is not None
+        """Hand records over in log-time order across partitions (equal timestamps going
+        to the topics of ``log_time_order`` in that order), holding each until every
+        other partition has caught up with it."""
         self._idle_margin_s = tuning.idle_margin_ms / 1000
         self._on_assigned_hook = on_assigned
         """Runs once new partitions are assigned, before any of their records is handled."""
@@ -155,7 +156,7 @@ class ConsumerLoop:
         self._positions: dict[TopicPartition, int] = {}
         self._read_up_to: dict[TopicPartition, float] = {}  # log time of the last record handled
         self._fetched_to: dict[TopicPartition, int] = {}  # offset after the last record fetched
-        self._held: LogTimeMerge[_Fetched] = LogTimeMerge()
+        self._held: LogTimeMerge[_Fetched] = LogTimeMerge(log_time_order or ())
         self._frontier = -math.inf  # log time the ordered merge has provably reached
         self._committed: dict[TopicPartition, int] = {}
         self._epoch = 0  # bumped by every revocation and assignment

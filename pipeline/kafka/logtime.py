@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -40,10 +40,19 @@ class Released(Generic[Item]):
 
 
 class LogTimeMerge(Generic[Item]):
-    """Per-partition buffers of ``(timestamp_s, item)`` released in merge order."""
+    """Per-partition buffers of ``(timestamp_s, item)`` released in merge order.
 
-    def __init__(self) -> None:
+    ``ties``: topics in the order their records go when timestamps are equal (topics
+    not named go last, by name). Timestamps have millisecond resolution, so ties are
+    common and their order must be a rule, not chance.
+    """
+
+    def __init__(self, ties: Sequence[str] = ()) -> None:
         self._buffers: dict[TopicPartition, deque[tuple[float, Item]]] = {}
+        self._rank = {topic: rank for rank, topic in enumerate(ties)}
+
+    def _key(self, stamp: float, tp: TopicPartition) -> tuple[float, int, TopicPartition]:
+        return (stamp, self._rank.get(tp[0], len(self._rank)), tp)
 
     def add(self, tp: TopicPartition, entries: Iterable[tuple[float, Item]]) -> None:
         """Append records fetched from ``tp``, in their log order."""
@@ -63,21 +72,21 @@ class LogTimeMerge(Generic[Item]):
     def release(self, partitions: Iterable[TopicPartition], bound: Bound) -> Released[Item]:
         """Everything that can leave now, across ``partitions``, in merge order."""
         limit = math.inf
-        heads: list[tuple[float, TopicPartition]] = []
+        heads: list[tuple[float, int, TopicPartition]] = []
         for tp in partitions:
             buffer = self._buffers.get(tp)
             if buffer:
-                heads.append((buffer[0][0], tp))
+                heads.append(self._key(buffer[0][0], tp))
             else:
                 limit = min(limit, bound(tp))
         heapq.heapify(heads)
         out: list[Item] = []
         while heads and heads[0][0] <= limit:
-            _, tp = heapq.heappop(heads)
+            _, _, tp = heapq.heappop(heads)
             buffer = self._buffers[tp]
             out.append(buffer.popleft()[1])
             if buffer:
-                heapq.heappush(heads, (buffer[0][0], tp))
+                heapq.heappush(heads, self._key(buffer[0][0], tp))
             else:
                 limit = min(limit, bound(tp))
         frontier = min(limit, heads[0][0]) if heads else limit

@@ -44,12 +44,14 @@ async def read_log(
     start: Mapping[TopicPartition, int] | None = None,
     batch: int = 2000,
     progress: Progress | None = None,
+    ties: Sequence[str] = (),
 ) -> AsyncIterator[tuple[list[Consumed], float, int]]:
     """Batches of decoded events up to today's high watermarks, in log-time merge order.
 
     Yields ``(events, frontier, undecodable_count)``: ``frontier`` is the log time below
     which every event has been yielded. Partitions not in ``start`` are read from their
-    beginning. The order is the live ledger's (``LogTimeMerge``, DESIGN §7.2): a partition
+    beginning. The order is the live ledger's (``LogTimeMerge``, equal timestamps going
+    to ``ties`` in that order, DESIGN §7.2): a partition
     is fetched only when nothing of it is held, so each holds at most one fetch.
     """
     async with LagReader(config) as reader:
@@ -60,7 +62,7 @@ async def read_log(
         read_to = {tp: await consumer.position(tp) for tp in partitions}
         total = sum(max(0, ends[tp] - read_to[tp]) for tp in partitions)
         done = 0
-        merge: LogTimeMerge[Consumed] = LogTimeMerge()
+        merge: LogTimeMerge[Consumed] = LogTimeMerge(ties)
 
         def finished(key: tuple[str, int]) -> float:
             return math.inf if read_to[TopicPartition(*key)] >= ends[TopicPartition(*key)] else -math.inf
@@ -107,8 +109,13 @@ async def rebuild(
     stage = LEDGER.build(store, settings=StageSettings(ledger=ledger or LedgerConfig()))
     names = config.names
     count = bad_total = 0
+    assert LEDGER.log_time_order is not None
     async for events, frontier, bad in read_log(
-        config, [names.admission, names.staged], start=start, progress=progress
+        config,
+        LEDGER.inputs(names),
+        start=start,
+        progress=progress,
+        ties=LEDGER.log_time_order(names),
     ):
         bad_total += bad
         count += len(events)

@@ -62,7 +62,7 @@ async def serve_stage(
         dead_letters=sink,
         stage=spec.name,
         tuning=tuning,
-        ordered=spec.log_time_order,
+        log_time_order=spec.log_time_order(config.names) if spec.log_time_order else None,
         on_assigned=recall,
     )
 

@@ -29,6 +29,7 @@ from topics.events import envelope
 from topics.records import CaptureAdmission, Record, RolloutReceipt, RolloutSeal, StagedEvent
 
 ADMISSION, STAGED = "admission", "staged"
+TIES = [STAGED, ADMISSION]  # the ledger's rule (stages.specs.LEDGER)
 GRACE_S = 0.5
 MARGIN_S = 0.2
 
@@ -55,7 +56,7 @@ def outputs(sink: RecordingSink) -> dict[str, dict[str, object]]:
 
 def replay(log: Log) -> RecordingSink:
     """The finished log, merged in one go, applied, then the end of time."""
-    merge: LogTimeMerge[Consumed] = LogTimeMerge()
+    merge: LogTimeMerge[Consumed] = LogTimeMerge(TIES)
     for tp, records in log.items():
         merge.add(tp, [(r.stamp, consumed(tp, offset, r)) for offset, r in enumerate(records)])
     sink = RecordingSink()
@@ -81,7 +82,7 @@ class Step:
 
 
 def live(log: Log, steps: Sequence[Step]) -> RecordingSink:
-    merge: LogTimeMerge[Consumed] = LogTimeMerge()
+    merge: LogTimeMerge[Consumed] = LogTimeMerge(TIES)
     fetched = dict.fromkeys(log, 0)
     polled: dict[TopicPartition, tuple[float, int]] = {}  # when, and the end it saw
     sink = RecordingSink()
@@ -189,13 +190,26 @@ def test_staged_event_just_inside_grace_joins_though_fetched_after_a_later_event
     assert outputs(sink) == outputs(replay(log))
 
 
-def test_merge_orders_heads_by_time_then_partition_and_keeps_partition_order() -> None:
-    merge: LogTimeMerge[str] = LogTimeMerge()
+def test_merge_orders_heads_by_time_then_tie_rule_and_keeps_partition_order() -> None:
+    merge: LogTimeMerge[str] = LogTimeMerge(ties=["b"])
     merge.add(("a", 0), [(1.0, "a1"), (3.0, "a3"), (2.0, "a2-late")])
     merge.add(("b", 0), [(1.0, "b1"), (2.5, "b2")])
-    released = merge.release([("a", 0), ("b", 0)], lambda tp: math.inf)
-    assert released.items == ["a1", "b1", "b2", "a3", "a2-late"]
+    merge.add(("a", 1), [(1.0, "a1'")])
+    released = merge.release([("a", 0), ("a", 1), ("b", 0)], lambda tp: math.inf)
+    assert released.items == ["b1", "a1", "a1'", "b2", "a3", "a2-late"]
     assert released.frontier == math.inf
+
+
+def test_a_staged_event_in_the_seals_millisecond_counts_though_it_has_no_admission() -> None:
+    """Ties go to the staged topic: the worker answered before the driver sealed."""
+    r = rollout_events("r", 2)
+    adm0, staged0, _, staged1, seal = r  # call 1's admission was lost
+    log: Log = {
+        (ADMISSION, 0): [Logged(1.0, 1.0, adm0), Logged(2.0, 2.0, seal)],
+        (STAGED, 0): [Logged(1.5, 1.5, staged0), Logged(2.0, 2.0, staged1)],
+    }
+    receipt = replay(log).payloads(RolloutReceipt)[0]
+    assert [f.reason for f in receipt.failed_calls] == ["unknown_admission"]  # type: ignore[attr-defined]
 
 
 def test_merge_holds_records_until_an_empty_partition_is_known_past_them() -> None:
