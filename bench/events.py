@@ -51,7 +51,7 @@ def rollout_events(
             extras_digest=_HASH,
             disposition="staged",
         )
-        events.append(StagedEvent(coords=coords, worker_id="w", staged_at=1.5 + i))
+        events.append(StagedEvent(coords=coords.call_coords(), worker_id="w", staged_at=1.5 + i))
         parent = coords
     events.append(
         RolloutSeal(rollout_id=rollout_id, group_id=group_id, reward=1.0, status="completed", sealed_at=99.0)

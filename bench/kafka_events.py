@@ -37,7 +37,7 @@ from stages.ports import Consumed
 from stages.ports import TopicPartition as PortPartition
 from topics.codec import decode, encode_record
 from topics.names import TopicNames
-from topics.records import CaptureAdmission, CommitCoords, Record, StagedEvent, staging_key
+from topics.records import CallCoords, CaptureAdmission, Record, StagedEvent, staging_key
 
 
 def _hex(*parts: object) -> str:
@@ -62,7 +62,7 @@ def call_events(
         group_id="bench",
         admitted_at=time.time(),
     )
-    coords = CommitCoords(
+    coords = CallCoords(
         rollout_id=rollout,
         call_id=call,
         parent_call_id=parent,
@@ -72,7 +72,6 @@ def call_events(
         cum_len=prev_len + delta_len,
         weight_version=3,
         staging_key=staging_key(rollout, call),
-        staging_chain=[*chain, staging_key(rollout, call)],
         chain_hash=_hex(rollout, call, "chain"),
         cumulative_hash=_hex(rollout, call, "cumulative"),
         digest=_hex(rollout, call, "digest"),

@@ -22,7 +22,7 @@ import orjson
 from pydantic import ValidationError
 
 from topics.events import PAYLOAD_TYPES, Envelope, EventType, envelope
-from topics.records import SCHEMA_VERSION, DeadLetter, Record
+from topics.records import READABLE_EVENT_SCHEMAS, DeadLetter, Record
 
 HEADER_TYPE = "tt-type"
 HEADER_SCHEMA = "tt-schema"
@@ -167,8 +167,11 @@ def decode(
     except ValueError:
         raise DecodeError(f"header {HEADER_TYPE}", f"unknown event type {type_name!r}") from None
     schema = _header(headers, HEADER_SCHEMA)
-    if schema != str(SCHEMA_VERSION):
-        raise DecodeError(f"header {HEADER_SCHEMA}", f"unsupported schema version {schema!r}")
+    if schema not in {str(version) for version in READABLE_EVENT_SCHEMAS}:
+        raise DecodeError(
+            f"header {HEADER_SCHEMA}",
+            f"unsupported schema version {schema!r}; this reader knows {READABLE_EVENT_SCHEMAS}",
+        )
     if value is None:
         raise DecodeError("value", "missing (tombstone)")
     payload = decode_payload(event_type, value)

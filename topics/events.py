@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Generic, TypeVar
 
 from topics.records import (
-    SCHEMA_VERSION,
+    EVENT_SCHEMA_VERSION,
     CallRecord,
     CaptureAdmission,
     DeadLetter,
@@ -58,7 +58,7 @@ class Envelope(Generic[P]):
     event_id: str
     key: str
     payload: P
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = EVENT_SCHEMA_VERSION
 
 
 def envelope(payload: Record) -> Envelope[Record]:

@@ -4,10 +4,16 @@ Every model forbids unknown fields, refuses type coercion and non-finite floats,
 and carries ``schema_version``; a reader rejects versions it does not know, so a
 newer producer can never be half-understood. Invariants are checked with numpy so
 that validating a 32K-token row costs microseconds per thousand tokens.
+
+Two schemas are versioned apart (DESIGN §4.6): data-plane rows and samples
+(``RowRecord``: NeMo Gym schema 3, byte for byte, digests included) and events on the
+topics (``EventRecord``: schema 4, read in a two-version window: a schema-3 event is
+read into the schema-4 record, so a cluster upgrades one process at a time).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -16,7 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from topics import canonical
 from topics.failures import FinalizerFailure, LedgerFailure, WorkerFailure
 
-SCHEMA_VERSION = 3
+ROW_SCHEMA_VERSION = 3
+"""Rows and samples in the data plane: NeMo Gym's schema 3, kept byte-compatible."""
+EVENT_SCHEMA_VERSION = 4
+"""Events on the topics. Schema 4: only the admission carries the staging chain."""
+READABLE_EVENT_SCHEMAS = (3, 4)
+"""The window: readers accept the current event schema and the one before it."""
+SCHEMA_VERSION = ROW_SCHEMA_VERSION
+"""The public name of the row schema (NeMo Gym's), kept stable for digest users."""
 DIGEST_VERSION = 2
 EXTRAS_DIGEST_VERSION = 1
 
@@ -25,11 +38,11 @@ EXTRAS_WEIGHT_SPANS = "weight_version_spans"
 ascending offsets starting at 0; token ``i`` of the generation has the version of the
 last span whose offset is <= i."""
 
-MAX_CHAIN_DEPTH = 4096
+MAX_CHAIN_DEPTH = 16_384
 """Most calls on one chain, root through the call itself. The chain travels in every
-admission, staged event and call record, so it must stay bounded: 4096 keys of the
-longest form are 1.6 MB, well inside the codec's event limit, and an admission that
-claims more is refused where it enters (HTTP 400, or a dead letter)."""
+admission (and the worker's reply, ``CommitCoords``), so it must stay bounded; an
+admission that claims more is refused where it enters (HTTP 400, or a dead letter).
+With the longest keys (401 bytes) the event limit binds first, near 10,000 keys."""
 
 IDENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 STAGING_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -65,14 +78,47 @@ class Record(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int
+
+
+class RowRecord(Record):
+    """A row or sample in the data plane: exactly schema 3."""
+
+    schema_version: int = ROW_SCHEMA_VERSION
 
     @field_validator("schema_version")
     @classmethod
     def _known_schema(cls, value: int) -> int:
-        if value != SCHEMA_VERSION:
-            raise ValueError(f"unsupported schema_version {value}; this reader knows {SCHEMA_VERSION}")
+        if value != ROW_SCHEMA_VERSION:
+            raise ValueError(f"unsupported schema_version {value}; rows are {ROW_SCHEMA_VERSION}")
         return value
+
+
+class EventRecord(Record):
+    """An event: written as schema 4; a schema-3 event is read into this schema-4 record."""
+
+    schema_version: int = EVENT_SCHEMA_VERSION
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_schema(cls, value: int) -> int:
+        if value != EVENT_SCHEMA_VERSION:  # a readable older version was upgraded before this
+            raise ValueError(
+                f"unsupported schema_version {value}; this reader knows {READABLE_EVENT_SCHEMAS}"
+            )
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("schema_version") == 3:
+            return cls._from_v3({**data, "schema_version": EVENT_SCHEMA_VERSION})
+        return data
+
+    @classmethod
+    def _from_v3(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A schema-3 payload as the schema-4 fields (most events did not change)."""
+        return data
 
 
 def _check_lineage(mode: str, parent_call_id: str | None, prev_len: int) -> None:
@@ -110,7 +156,7 @@ def _check_extras(extras: ExtrasDict | None) -> None:
             raise ValueError(str(exc)) from None
 
 
-class CaptureAdmission(Record):
+class CaptureAdmission(EventRecord):
     """The driver's statement that a call is about to run, and on which prefix."""
 
     rollout_id: RolloutId
@@ -150,7 +196,17 @@ class CaptureAdmission(Record):
         return staging_key(self.rollout_id, self.call_id)
 
 
-class StagedCallBody(Record):
+def chain_fingerprints(chain: list[str] | None, own_key: str) -> tuple[bytes, bytes]:
+    """Digests of a call's ancestors' keys and of those keys plus its own: a child's first
+    must equal its parent's second, which the ledger checks without keeping any chain."""
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update("\n".join(chain or ()).encode())
+    ancestry = hasher.digest()
+    hasher.update((("\n" if chain else "") + own_key).encode())
+    return ancestry, hasher.digest()
+
+
+class StagedCallBody(RowRecord):
     """Every field of a staged row except its digest: what ``call_digest`` covers."""
 
     rollout_id: RolloutId
@@ -234,11 +290,12 @@ class StagedCall(StagedCallBody):
     digest: Sha256Hex
 
 
-class CommitCoords(Record):
-    """Light coordinates of a captured call, returned to the driver as ``ng_commit_coords``.
+class CallCoords(EventRecord):
+    """Light coordinates of a captured call, as its staged event and call record carry them.
 
     A ``staged`` call carries every hash; a ``capture_failed`` call carries its code and
-    whatever was known when capture failed.
+    whatever was known when capture failed. The parent is named by id; the chain of keys
+    is not repeated (schema 4), so the event is the same size at any depth.
     """
 
     rollout_id: RolloutId
@@ -250,7 +307,6 @@ class CommitCoords(Record):
     cum_len: Count
     weight_version: Count
     staging_key: StagingKey
-    staging_chain: ChainKeys
     chain_hash: Sha256Hex | None = None
     cumulative_hash: Sha256Hex | None = None
     digest: Sha256Hex | None = None
@@ -258,14 +314,18 @@ class CommitCoords(Record):
     disposition: Disposition
     failure_reason: WorkerCode | None = None
 
+    @classmethod
+    def _from_v3(cls, data: dict[str, Any]) -> dict[str, Any]:
+        chain = data.pop("staging_chain", None)
+        if not isinstance(chain, list) or not chain or chain[-1] != data.get("staging_key"):
+            raise ValueError("staging_chain: must end with the call's own staging key")
+        return data
+
     @model_validator(mode="after")
-    def _rules(self) -> CommitCoords:
+    def _rules(self) -> CallCoords:
         _check_lineage(self.mode, self.parent_call_id, self.prev_len)
         if self.staging_key != staging_key(self.rollout_id, self.call_id):
             raise ValueError("staging_key: must be '{rollout_id}/{call_id}'")
-        _check_chain(self.rollout_id, self.staging_chain, "staging_chain")
-        if self.staging_chain[-1] != self.staging_key:
-            raise ValueError("staging_chain: must end with the call's own staging key")
         if self.cum_len != self.prev_len + self.delta_len:
             raise ValueError(
                 f"cum_len: {self.cum_len} != prev_len {self.prev_len} + delta_len {self.delta_len}"
@@ -283,16 +343,38 @@ class CommitCoords(Record):
         return self
 
 
-class StagedEvent(Record):
+class CommitCoords(CallCoords):
+    """The worker's reply to the driver (``ng_commit_coords``): the coords plus the chain
+    of staging keys, root through this call, from which the next admission is built."""
+
+    staging_chain: ChainKeys
+
+    @classmethod
+    def _from_v3(cls, data: dict[str, Any]) -> dict[str, Any]:
+        return data
+
+    @model_validator(mode="after")
+    def _chain_rules(self) -> CommitCoords:
+        _check_chain(self.rollout_id, self.staging_chain, "staging_chain")
+        if self.staging_chain[-1] != self.staging_key:
+            raise ValueError("staging_chain: must end with the call's own staging key")
+        return self
+
+    def call_coords(self) -> CallCoords:
+        """The coords without the chain, as the staged event carries them (no re-validation)."""
+        return CallCoords.model_construct(**{name: getattr(self, name) for name in CallCoords.model_fields})
+
+
+class StagedEvent(EventRecord):
     """Published by a worker's background writer once a row is written (or failed)."""
 
-    coords: CommitCoords
+    coords: CallCoords
     response_id: Label | None = None
     worker_id: Label
     staged_at: Timestamp
 
 
-class CallRecord(CommitCoords):
+class CallRecord(CallCoords):
     """A ledger row: the coords of one committed call, joined with its admission."""
 
     response_id: Label | None = None
@@ -301,7 +383,7 @@ class CallRecord(CommitCoords):
     staged_at: Timestamp
 
 
-class FailedCall(Record):
+class FailedCall(EventRecord):
     """A call that was admitted but will never be part of a sample."""
 
     rollout_id: RolloutId
@@ -311,7 +393,7 @@ class FailedCall(Record):
     detail: str | None = None
 
 
-class RolloutSeal(Record):
+class RolloutSeal(EventRecord):
     """The driver's statement that a rollout is over (no more calls will be admitted)."""
 
     rollout_id: RolloutId
@@ -332,37 +414,96 @@ class RolloutSeal(Record):
         return self
 
 
-class RolloutReceipt(Record):
+class ManifestEntry(BaseModel):
+    """One committed call in a receipt: what the finalizer verifies its row against.
+
+    Compact on purpose (no rollout id, staging key or chain: the receipt's rollout and
+    the parent links give them), so a receipt grows linearly, about 260 bytes a call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    call_id: CallId
+    parent_call_id: CallId | None = None
+    mode: Mode
+    prev_len: Count
+    delta_len: Annotated[int, Field(ge=1)]
+    chain_hash: Sha256Hex
+    digest: Sha256Hex
+
+    @model_validator(mode="after")
+    def _rules(self) -> ManifestEntry:
+        _check_lineage(self.mode, self.parent_call_id, self.prev_len)
+        return self
+
+    @property
+    def cum_len(self) -> int:
+        return self.prev_len + self.delta_len
+
+    @classmethod
+    def of(cls, record: CallRecord) -> ManifestEntry:
+        """The entry of a committed (validated, ``staged``) call record."""
+        assert record.chain_hash is not None and record.digest is not None  # staged: both set
+        return cls.model_construct(
+            call_id=record.call_id,
+            parent_call_id=record.parent_call_id,
+            mode=record.mode,
+            prev_len=record.prev_len,
+            delta_len=record.delta_len,
+            chain_hash=record.chain_hash,
+            digest=record.digest,
+        )
+
+
+_ENTRY_FIELDS = tuple(ManifestEntry.model_fields)
+
+
+class RolloutReceipt(EventRecord):
     """The ledger's verdict on a sealed rollout: what to finalize, or why not."""
 
     rollout_id: RolloutId
     group_id: Label | None = None
     reward: float | None = None
-    manifest: list[CallRecord]
+    manifest: list[ManifestEntry]
     failed_calls: list[FailedCall]
     terminal_call_id: CallId | None = None
     terminal_selection: Literal["declared", "unique_leaf"] | None = None
+    terminal_cumulative_hash: Sha256Hex | None = None
+    """The terminal call's cumulative hash: what the linearized sample must hash to."""
     capture_poisoned: bool
     failure_reason: FailureCode | None = None
     sealed_at: Timestamp
 
+    @classmethod
+    def _from_v3(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Schema 3 carried whole call records (chains included) in the manifest."""
+        records = data.get("manifest")
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            return data  # not a list of objects: the schema-4 rules say what is wrong
+        data["manifest"] = [{name: r[name] for name in _ENTRY_FIELDS if name in r} for r in records]
+        terminal = [r for r in records if r.get("call_id") == data.get("terminal_call_id")]
+        if terminal:
+            data["terminal_cumulative_hash"] = terminal[0].get("cumulative_hash")
+        return data
+
     @model_validator(mode="after")
     def _rules(self) -> RolloutReceipt:
-        for record in self.manifest:
-            if record.rollout_id != self.rollout_id:
-                raise ValueError(f"manifest: call {record.call_id} belongs to {record.rollout_id}")
         if self.capture_poisoned:
             if self.failure_reason is None:
                 raise ValueError("failure_reason: required for a poisoned receipt")
         else:
             if self.terminal_call_id is None or self.terminal_selection is None:
                 raise ValueError("terminal_call_id: a receipt that is not poisoned names its terminal")
-            if self.terminal_call_id not in {r.call_id for r in self.manifest}:
+            if self.terminal_call_id not in {entry.call_id for entry in self.manifest}:
                 raise ValueError("terminal_call_id: the terminal must be in the manifest")
+            if self.terminal_cumulative_hash is None:
+                raise ValueError("terminal_cumulative_hash: a receipt that is not poisoned carries it")
+        for failed in self.failed_calls:
+            if failed.rollout_id != self.rollout_id:
+                raise ValueError(f"failed_calls: call {failed.call_id} belongs to {failed.rollout_id}")
         return self
 
 
-class FinalizedEvent(Record):
+class FinalizedEvent(EventRecord):
     """One per admitted rollout: accepted with a sample key, or rejected with a code."""
 
     rollout_id: RolloutId
@@ -391,7 +532,7 @@ class FinalizedEvent(Record):
         return self
 
 
-class CallSpan(Record):
+class CallSpan(RowRecord):
     """Where one call of the terminal chain lies in the linearized sample."""
 
     call_id: CallId
@@ -400,7 +541,7 @@ class CallSpan(Record):
     gen_len: Annotated[int, Field(ge=1)]
 
 
-class TrainingSample(Record):
+class TrainingSample(RowRecord):
     """The finalized sample, stored in the data plane under the rollout id."""
 
     rollout_id: RolloutId
@@ -429,7 +570,7 @@ class TrainingSample(Record):
         return self
 
 
-class DeadLetter(Record):
+class DeadLetter(EventRecord):
     """An input a stage could not use, kept whole with the reason it was refused.
 
     ``value_b64`` is the raw value; only when the letter would exceed the event size

@@ -17,7 +17,13 @@ import numpy.typing as npt
 
 from topics import canonical, digest
 from topics.canonical import IdsLike
-from topics.records import EXTRAS_WEIGHT_SPANS, IDENT_PATTERN, SCHEMA_VERSION, StagedCall, check_weight_spans
+from topics.records import (
+    EXTRAS_WEIGHT_SPANS,
+    IDENT_PATTERN,
+    ROW_SCHEMA_VERSION,
+    StagedCall,
+    check_weight_spans,
+)
 
 _IDENT = re.compile(IDENT_PATTERN)
 
@@ -52,7 +58,7 @@ def staging_row(
     prev_len = len(prefix_ids)
     delta_len = int(delta.token_ids.size)
     fields: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": ROW_SCHEMA_VERSION,
         "rollout_id": rollout_id,
         "call_id": call_id,
         "parent_call_id": parent_call_id,

@@ -23,7 +23,7 @@ from stages.capture.writer import PendingCall, StagingWriter
 from topics.canonical import EncodingError, FloatsLike, IdsLike
 from topics.digest import InvalidDelta, build_delta
 from topics.failures import WorkerFailure
-from topics.records import CaptureAdmission, CommitCoords, StagedCall, staging_key
+from topics.records import EVENT_SCHEMA_VERSION, CaptureAdmission, CommitCoords, StagedCall, staging_key
 from topics.staging import staging_row
 
 
@@ -228,7 +228,7 @@ def _coords(admission: CaptureAdmission, row: StagedCall) -> CommitCoords:
     """Coords of a row just built from a validated admission: built without re-validation."""
     key = row.staging_key
     return CommitCoords.model_construct(
-        schema_version=row.schema_version,
+        schema_version=EVENT_SCHEMA_VERSION,
         rollout_id=row.rollout_id,
         call_id=row.call_id,
         parent_call_id=row.parent_call_id,

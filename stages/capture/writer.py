@@ -143,7 +143,12 @@ class StagingWriter:
         """Publish until acknowledged: a staged event must never be lost."""
         now = time.time()
         events = [
-            StagedEvent(coords=p.coords, response_id=p.response_id, worker_id=self.worker_id, staged_at=now)
+            StagedEvent(
+                coords=p.coords.call_coords(),
+                response_id=p.response_id,
+                worker_id=self.worker_id,
+                staged_at=now,
+            )
             for p in batch
         ]
         while True:

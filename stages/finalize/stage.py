@@ -89,7 +89,9 @@ class FinalizerStage:
                 events[receipt.rollout_id] = _rejected(receipt, receipt.failure_reason.value)
                 continue
             try:
-                chains[receipt.rollout_id] = [record.staging_key for record in terminal_records(receipt)]
+                chains[receipt.rollout_id] = [
+                    staging_key(receipt.rollout_id, entry.call_id) for entry in terminal_records(receipt)
+                ]
             except Rejected as exc:
                 events[receipt.rollout_id] = _rejected(receipt, exc.code.value)
         rows, missing = await read_calls(self.data_plane, [key for keys in chains.values() for key in keys])
@@ -140,7 +142,7 @@ class FinalizerStage:
 
 def _staging_keys(receipt: RolloutReceipt) -> list[str]:
     """Every row the rollout may have left: committed calls, dead branches, failed calls."""
-    keys = [record.staging_key for record in receipt.manifest]
+    keys = [staging_key(receipt.rollout_id, entry.call_id) for entry in receipt.manifest]
     keys += [staging_key(receipt.rollout_id, failed.call_id) for failed in receipt.failed_calls]
     return keys
 

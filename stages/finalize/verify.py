@@ -21,14 +21,15 @@ from topics.digest import chain_hash, cumulative_hash, digest_of_body, extras_di
 from topics.failures import FinalizerFailure
 from topics.records import (
     EXTRAS_WEIGHT_SPANS,
-    SCHEMA_VERSION,
-    CallRecord,
+    ROW_SCHEMA_VERSION,
     CallSpan,
+    ManifestEntry,
     RolloutReceipt,
     StagedCall,
     StagedCallBody,
     TrainingSample,
     check_weight_spans,
+    staging_key,
 )
 
 
@@ -56,10 +57,10 @@ class Linearized:
     max_weight_version: int
 
 
-def terminal_records(receipt: RolloutReceipt) -> list[CallRecord]:
-    """The manifest records from root to terminal, following parent links."""
+def terminal_records(receipt: RolloutReceipt) -> list[ManifestEntry]:
+    """The manifest entries from root to terminal, following parent links."""
     by_id = {record.call_id: record for record in receipt.manifest}
-    chain: list[CallRecord] = []
+    chain: list[ManifestEntry] = []
     current = receipt.terminal_call_id
     while current is not None:
         record = by_id.get(current)
@@ -88,9 +89,10 @@ def linearize(
     parent_hash: str | None = None
     length = 0
     for record in chain:
-        row = rows.get(record.staging_key)
+        key = staging_key(receipt.rollout_id, record.call_id)
+        row = rows.get(key)
         if row is None:
-            raise Rejected(FinalizerFailure.MISSING_ROW, f"no row under {record.staging_key}")
+            raise Rejected(FinalizerFailure.MISSING_ROW, f"no row under {key}")
         _check_identity(receipt, record, row)
         _check_lengths(record, row, length)
         mask = np.asarray(row.token_mask_delta, dtype=np.float64)
@@ -111,9 +113,9 @@ def linearize(
         )
         length = row.cum_len
     all_ids = np.concatenate(ids)
-    terminal = chain[-1]
+    terminal_row = rows[staging_key(receipt.rollout_id, chain[-1].call_id)]
     linear_hash = cumulative_hash(all_ids)
-    if linear_hash != rows[terminal.staging_key].cumulative_hash or linear_hash != terminal.cumulative_hash:
+    if linear_hash != terminal_row.cumulative_hash or linear_hash != receipt.terminal_cumulative_hash:
         raise Rejected(
             FinalizerFailure.CUMULATIVE_HASH_MISMATCH, "linearized ids do not match the terminal's hash"
         )
@@ -123,7 +125,7 @@ def linearize(
         raise Rejected(FinalizerFailure.MIXED_WEIGHT_VERSIONS, f"weight versions {low}..{high}")
     all_mask = np.concatenate(masks)
     sample = TrainingSample.model_construct(
-        schema_version=SCHEMA_VERSION,
+        schema_version=ROW_SCHEMA_VERSION,
         rollout_id=receipt.rollout_id,
         group_id=receipt.group_id,
         token_ids=all_ids.tolist(),
@@ -137,7 +139,7 @@ def linearize(
     return Linearized(sample, spans[0].carry_len, int(all_mask.sum()), len(chain), low, high)
 
 
-def _check_identity(receipt: RolloutReceipt, record: CallRecord, row: StagedCall) -> None:
+def _check_identity(receipt: RolloutReceipt, record: ManifestEntry, row: StagedCall) -> None:
     if (
         row.rollout_id != receipt.rollout_id
         or row.call_id != record.call_id
@@ -146,13 +148,14 @@ def _check_identity(receipt: RolloutReceipt, record: CallRecord, row: StagedCall
     ):
         raise Rejected(
             FinalizerFailure.ROW_IDENTITY_MISMATCH,
-            f"row under {record.staging_key} is {row.rollout_id}/{row.call_id} (parent {row.parent_call_id})",
+            f"row under {staging_key(receipt.rollout_id, record.call_id)} is {row.rollout_id}/{row.call_id}"
+            f" (parent {row.parent_call_id})",
         )
-    if row.schema_version != SCHEMA_VERSION:
+    if row.schema_version != ROW_SCHEMA_VERSION:
         raise Rejected(FinalizerFailure.ROW_IDENTITY_MISMATCH, f"row schema_version {row.schema_version}")
 
 
-def _check_lengths(record: CallRecord, row: StagedCall, expected_prev_len: int) -> None:
+def _check_lengths(record: ManifestEntry, row: StagedCall, expected_prev_len: int) -> None:
     n = row.delta_len
     if not (len(row.token_ids_delta) == len(row.token_mask_delta) == len(row.logprobs_delta) == n):
         raise Rejected(
@@ -183,7 +186,7 @@ def _check_mask(key: str, mask: npt.NDArray[np.float64]) -> int:
     return carry
 
 
-def _check_digest(record: CallRecord, row: StagedCall) -> None:
+def _check_digest(record: ManifestEntry, row: StagedCall) -> None:
     fields: dict[str, Any] = {name: getattr(row, name) for name in StagedCallBody.model_fields}
     try:
         recomputed = digest_of_body(StagedCallBody.model_construct(**fields))

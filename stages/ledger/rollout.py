@@ -1,9 +1,14 @@
 """One open rollout in the ledger: its admissions, staged events and seal, and the
-rules that turn them into call records and, once sealed, a receipt."""
+rules that turn them into call records and, once sealed, a receipt.
+
+Nothing kept here grows with the rollout's depth: an admission's chain of ancestor keys
+is reduced to two fingerprints on arrival (``Admitted``), so an open call costs the
+same at call 10 and at call 10,000 (DESIGN §4.6).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from stages.ledger.terminal import NoTerminal, select_terminal, terminal_chain
 from topics.failures import LedgerFailure, WorkerFailure
@@ -11,13 +16,57 @@ from topics.records import (
     CallRecord,
     CaptureAdmission,
     FailedCall,
+    ManifestEntry,
+    Mode,
     RolloutReceipt,
     RolloutSeal,
     StagedEvent,
-    staging_key,
+    chain_fingerprints,
 )
 
 FailureReason = WorkerFailure | LedgerFailure
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """An admission as the ledger keeps it: every field but the chain, whose place the
+    chain's fingerprints take. Two admissions are equal exactly when these are."""
+
+    call_id: str
+    parent_call_id: str | None
+    prev_len: int
+    mode: Mode
+    parent_chain_hash: str | None
+    logical_call_id: str | None
+    group_id: str | None
+    admitted_at: float
+    ancestry: bytes
+    """Fingerprint of the admission's chain (its ancestors' keys)."""
+    lineage: bytes
+    """Fingerprint of that chain plus this call's key: a child's ``ancestry``."""
+
+    @classmethod
+    def of(cls, admission: CaptureAdmission) -> Admitted:
+        ancestry, lineage = chain_fingerprints(admission.staging_chain, admission.staging_key)
+        return cls(
+            call_id=admission.call_id,
+            parent_call_id=admission.parent_call_id,
+            prev_len=admission.prev_len,
+            mode=admission.mode,
+            parent_chain_hash=admission.parent_chain_hash,
+            logical_call_id=admission.logical_call_id,
+            group_id=admission.group_id,
+            admitted_at=admission.admitted_at,
+            ancestry=ancestry,
+            lineage=lineage,
+        )
+
+    def first_difference(self, other: Admitted) -> str | None:
+        """The admission field where two differ (the chain's name for the fingerprints)."""
+        for item in fields(self):
+            if getattr(self, item.name) != getattr(other, item.name):
+                return "staging_chain" if item.name in {"ancestry", "lineage"} else item.name
+        return None
 
 
 @dataclass(slots=True)
@@ -25,7 +74,7 @@ class OpenRollout:
     """Everything the ledger holds for one rollout until its receipt is out."""
 
     rollout_id: str
-    admissions: dict[str, CaptureAdmission] = field(default_factory=dict)
+    admissions: dict[str, Admitted] = field(default_factory=dict)
     staged: dict[str, StagedEvent] = field(default_factory=dict)
     committed: dict[str, CallRecord] = field(default_factory=dict)
     failed: dict[str, FailedCall] = field(default_factory=dict)
@@ -38,7 +87,7 @@ class OpenRollout:
     """Calls with an admission or a staged event but not both yet: settled once empty,
     checked after every event without walking the rollout."""
 
-    def admit(self, admission: CaptureAdmission) -> CallRecord | FailedCall | None:
+    def admit(self, admission: Admitted) -> CallRecord | FailedCall | None:
         self.admissions[admission.call_id] = admission
         return self.join(admission.call_id)
 
@@ -60,7 +109,7 @@ class OpenRollout:
         if coords.disposition == "capture_failed":
             assert coords.failure_reason is not None
             return self._fail(admission, coords.failure_reason, "capture failed on the worker")
-        mismatch = _coords_mismatch(admission, staged)
+        mismatch = _coords_mismatch(self.rollout_id, admission, staged)
         if mismatch is not None:
             return self._fail(admission, LedgerFailure.COORDS_MISMATCH, mismatch)
         # Both halves were validated on decode and checked against each other above,
@@ -75,9 +124,9 @@ class OpenRollout:
         self.committed[call_id] = record
         return record
 
-    def _fail(self, admission: CaptureAdmission, reason: FailureReason, detail: str) -> FailedCall:
+    def _fail(self, admission: Admitted, reason: FailureReason, detail: str) -> FailedCall:
         failed = FailedCall(
-            rollout_id=admission.rollout_id,
+            rollout_id=self.rollout_id,
             call_id=admission.call_id,
             parent_call_id=admission.parent_call_id,
             reason=reason,
@@ -116,7 +165,7 @@ class OpenRollout:
         return late, self._receipt(forced)
 
     def _demote_broken_lineage(self) -> list[FailedCall]:
-        """A child must continue its parent exactly: chain, length and chain hash."""
+        """A child must continue its parent exactly: chain of keys, length and chain hash."""
         demoted: list[FailedCall] = []
         changed = True
         while changed:
@@ -127,7 +176,7 @@ class OpenRollout:
                     continue
                 admission = self.admissions[call_id]
                 if (
-                    record.staging_chain[:-1] != parent.staging_chain
+                    admission.ancestry != self.admissions[parent.call_id].lineage
                     or record.prev_len != parent.cum_len
                     or admission.parent_chain_hash != parent.chain_hash
                 ):
@@ -171,10 +220,16 @@ class OpenRollout:
             rollout_id=self.rollout_id,
             group_id=seal.group_id,
             reward=seal.reward,
-            manifest=sorted(self.committed.values(), key=lambda r: (r.prev_len, r.call_id)),
+            manifest=[
+                ManifestEntry.of(r)
+                for r in sorted(self.committed.values(), key=lambda r: (r.prev_len, r.call_id))
+            ],
             failed_calls=sorted(self.failed.values(), key=lambda f: f.call_id),
             terminal_call_id=terminal if reason is None else None,
             terminal_selection=selection if reason is None else None,
+            terminal_cumulative_hash=(
+                self.committed[terminal].cumulative_hash if reason is None and terminal else None
+            ),
             capture_poisoned=reason is not None,
             failure_reason=reason,
             sealed_at=seal.sealed_at,
@@ -186,11 +241,20 @@ class OpenRollout:
             return self.failed[terminal].reason
         if terminal not in self.committed:
             return LedgerFailure.UNKNOWN_ADMISSION
-        record = self.committed[terminal]
-        for key in record.staging_chain[:-1]:
-            call_id = key.split("/", 1)[1]
-            if call_id in self.failed:
-                return self.failed[call_id].reason
+        failure: FailureReason | None = None  # the failed ancestor nearest the root wins
+        seen: set[str] = set()
+        current = self.committed[terminal].parent_call_id
+        while current is not None and current not in seen:
+            seen.add(current)
+            if current in self.failed:
+                failure = self.failed[current].reason
+                current = self.failed[current].parent_call_id
+            elif current in self.committed:
+                current = self.committed[current].parent_call_id
+            else:
+                break  # an ancestor nobody admitted: terminal_chain names it
+        if failure is not None:
+            return failure
         try:
             terminal_chain(self.committed, terminal)
         except NoTerminal as exc:
@@ -198,15 +262,13 @@ class OpenRollout:
         return None
 
 
-def _coords_mismatch(admission: CaptureAdmission, staged: StagedEvent) -> str | None:
+def _coords_mismatch(rollout_id: str, admission: Admitted, staged: StagedEvent) -> str | None:
     coords = staged.coords
-    expected_chain = [*(admission.staging_chain or []), staging_key(admission.rollout_id, admission.call_id)]
     checks = (
-        ("rollout_id", coords.rollout_id, admission.rollout_id),
+        ("rollout_id", coords.rollout_id, rollout_id),
         ("parent_call_id", coords.parent_call_id, admission.parent_call_id),
         ("mode", coords.mode, admission.mode),
         ("prev_len", coords.prev_len, admission.prev_len),
-        ("staging_chain", coords.staging_chain, expected_chain),
     )
     for name, got, want in checks:
         if got != want:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from stages.ledger.rollout import OpenRollout
+from stages.ledger.rollout import Admitted, OpenRollout
 from stages.ledger.timers import TaskTimers
 from stages.ports import Consumed, EventSink, StageGauges, TopicPartition
 from stages.recent import DEFAULT_REMEMBER, RecentIds
@@ -140,34 +140,35 @@ class LedgerStage:
     def _apply(self, state: OpenRollout, item: Consumed) -> list[Record]:
         """Apply one event; an equal repeat is a duplicate, a different one a dead letter."""
         payload = item.event.payload
-        known: Record | None
         if isinstance(payload, CaptureAdmission):
+            admitted = Admitted.of(payload)
             known = state.admissions.get(payload.call_id)
-        elif isinstance(payload, StagedEvent):
-            known = state.staged.get(payload.coords.call_id)
-        else:
-            known = state.seal
-        if known is not None:
-            if known == payload:
-                self.stats.duplicates += 1
-                return []
-            kind = item.event.event_type.value
-            return [
-                self._dead_letter(
-                    item, f"conflicting {kind} for the same id", _first_difference(known, payload)
-                )
-            ]
-        joined: CallRecord | FailedCall | None
-        if isinstance(payload, CaptureAdmission):
-            joined = state.admit(payload)
-        elif isinstance(payload, StagedEvent):
-            joined = state.stage(payload)
-        else:
-            assert isinstance(payload, RolloutSeal)
-            state.seal = payload
-            state.sealed_logged_at = item.timestamp
-            self._timers.schedule(item.partition, item.timestamp + self.config.seal_grace_s, state.rollout_id)
-            joined = None
+            if known is not None:
+                return self._repeat(item, known == admitted, lambda: known.first_difference(admitted))
+            return self._count(state.admit(admitted))
+        if isinstance(payload, StagedEvent):
+            staged = state.staged.get(payload.coords.call_id)
+            if staged is not None:
+                return self._repeat(item, staged == payload, lambda: _first_difference(staged, payload))
+            return self._count(state.stage(payload))
+        assert isinstance(payload, RolloutSeal)
+        seal = state.seal
+        if seal is not None:
+            return self._repeat(item, seal == payload, lambda: _first_difference(seal, payload))
+        state.seal = payload
+        state.sealed_logged_at = item.timestamp
+        self._timers.schedule(item.partition, item.timestamp + self.config.seal_grace_s, state.rollout_id)
+        return []
+
+    def _repeat(self, item: Consumed, equal: bool, difference: Callable[[], str | None]) -> list[Record]:
+        """An event seen before: a duplicate when equal, else a dead letter naming the field."""
+        if equal:
+            self.stats.duplicates += 1
+            return []
+        kind = item.event.event_type.value
+        return [self._dead_letter(item, f"conflicting {kind} for the same id", difference())]
+
+    def _count(self, joined: CallRecord | FailedCall | None) -> list[Record]:
         if joined is None:
             return []
         if isinstance(joined, CallRecord):

@@ -200,12 +200,7 @@ def _shifted(chain: Chain) -> dict[str, Any]:
 
 
 def _other_parent(chain: Chain) -> dict[str, Any]:
-    key = chain.coords[1].staging_key
-    return {"parent_call_id": "ghost", "staging_chain": [f"{chain.rollout_id}/ghost", key]}
-
-
-def _longer_chain(chain: Chain) -> dict[str, Any]:
-    return {"staging_chain": [f"{chain.rollout_id}/extra", *chain.coords[1].staging_chain]}
+    return {"parent_call_id": "ghost"}
 
 
 async def _seal_only(kit: Kit, rid: str) -> list[Send]:
@@ -338,9 +333,9 @@ CASES: list[Case] = [
     Case("unknown-header", "unknown header", _unknown_header, "accepted"),
     # schema versions -----------------------------------------------------------------
     Case(
-        "schema-header-4",
+        "schema-header-5",
         "unknown schema version",
-        first_admission(Letter("ledger", SCHEMA, "unsupported schema version '4'"), schema=b"4"),
+        first_admission(Letter("ledger", SCHEMA, "unsupported schema version '5'"), schema=b"5"),
         "accepted",
     ),
     Case(
@@ -473,13 +468,6 @@ CASES: list[Case] = [
         _coords_disagree(_other_parent),
         "coords_mismatch",
         failed=(Failed("coords_mismatch", "parent_call_id: staged 'ghost'"),),
-    ),
-    Case(
-        "coords-chain",
-        "coords disagree with admission",
-        _coords_disagree(_longer_chain),
-        "coords_mismatch",
-        failed=(Failed("coords_mismatch", "staging_chain: staged"),),
     ),
     # seals and duplicates ------------------------------------------------------------
     Case("seal-unknown-rollout", "seal for unknown rollout", _seal_only, "no_calls"),

@@ -43,6 +43,7 @@ from topics import codec
 from topics.codec import HEADER_EVENT_ID, HEADER_SCHEMA, HEADER_TYPE
 from topics.names import TopicNames
 from topics.records import (
+    CallCoords,
     CaptureAdmission,
     CommitCoords,
     DeadLetter,
@@ -153,10 +154,8 @@ class Chain:
     rollout_id: str
     admissions: list[CaptureAdmission]
     staged: list[StagedEvent]
-
-    @property
-    def coords(self) -> list[CommitCoords]:
-        return [s.coords for s in self.staged]
+    coords: list[CommitCoords]
+    """The worker's replies (with the chains the next admissions are built from)."""
 
     def events(self, seal: RolloutSeal | None = None) -> list[Send]:
         """Admission, staged event, ..., then the seal."""
@@ -185,6 +184,10 @@ class Kit:
 
     async def call(self, admission: CaptureAdmission, turn: int) -> StagedEvent:
         """Serve and capture one call; an admission that lies is caught by the core."""
+        return (await self.serve(admission, turn))[0]
+
+    async def serve(self, admission: CaptureAdmission, turn: int) -> tuple[StagedEvent, CommitCoords]:
+        """One call served: its staged event, and the coords the worker replied with."""
         prompt = [*self._seen.get(admission.rollout_id, []), 100 + turn, 101]
         generated = [200 + turn, 300 + turn]
         prepared = await self.core.prepare(admission)
@@ -195,18 +198,21 @@ class Kit:
         (event,) = [
             e.payload
             for e in self.staged.events
-            if isinstance(e.payload, StagedEvent) and e.payload.coords == coords
+            if isinstance(e.payload, StagedEvent) and e.payload.coords == coords.call_coords()
         ]
         assert isinstance(event, StagedEvent)
-        return event
+        return event, coords
 
     async def chain(self, rollout_id: str, turns: int = 2) -> Chain:
         admissions: list[CaptureAdmission] = []
         staged: list[StagedEvent] = []
+        replies: list[CommitCoords] = []
         for turn in range(turns):
-            admissions.append(self.client.admit(rollout_id, staged[-1].coords if staged else None))
-            staged.append(await self.call(admissions[-1], turn))
-        return Chain(rollout_id, admissions, staged)
+            admissions.append(self.client.admit(rollout_id, replies[-1] if replies else None))
+            event, reply = await self.serve(admissions[-1], turn)
+            staged.append(event)
+            replies.append(reply)
+        return Chain(rollout_id, admissions, staged, replies)
 
     def child(self, chain: Chain, **lie: Any) -> tuple[CaptureAdmission, CaptureAdmission]:
         """The truthful admission of the next call on ``chain``, and a valid one that lies."""
@@ -216,21 +222,19 @@ class Kit:
 
 def believed(admission: CaptureAdmission, served: StagedEvent) -> StagedEvent:
     """The staged event of a worker that believed ``admission`` (coords agree with it)."""
-    key = admission.staging_key
     coords = {
         **served.coords.model_dump(),
         "parent_call_id": admission.parent_call_id,
         "mode": admission.mode,
         "prev_len": admission.prev_len,
         "cum_len": admission.prev_len + served.coords.delta_len,
-        "staging_chain": [*(admission.staging_chain or []), key],
     }
-    return served.model_copy(update={"coords": CommitCoords.model_validate(coords)})
+    return served.model_copy(update={"coords": CallCoords.model_validate(coords)})
 
 
 def recoord(staged: StagedEvent, **fields: Any) -> StagedEvent:
     """``staged`` with its coords changed (still a valid record)."""
-    coords = CommitCoords.model_validate({**staged.coords.model_dump(), **fields})
+    coords = CallCoords.model_validate({**staged.coords.model_dump(), **fields})
     return staged.model_copy(update={"coords": coords})
 
 

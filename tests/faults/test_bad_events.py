@@ -53,7 +53,7 @@ from pipeline.kafka.producer import KafkaEventSink
 from topics import codec
 from topics.codec import MAX_EVENT_BYTES, EventTooLarge
 from topics.names import TopicNames
-from topics.records import CallRecord, DeadLetter, RolloutReceipt
+from topics.records import DeadLetter, ManifestEntry, RolloutReceipt
 
 RUN_DEADLINE_S = 90.0
 GOOD_AFTER = 8  # good rollouts published after all the bad input
@@ -222,40 +222,26 @@ def test_the_stages_survive_and_good_rollouts_published_after_the_bad_input_are_
 
 
 def long_receipt(rollout_id: str, calls: int) -> RolloutReceipt:
-    """The receipt of a linear rollout of ``calls`` calls: every record carries its whole
-    chain, so the receipt grows with the square of the length."""
-    records: list[CallRecord] = []
-    chain: list[str] = []
-    for i in range(calls):
-        call_id = f"c{i:05d}"
-        chain = [*chain, f"{rollout_id}/{call_id}"]
-        records.append(
-            CallRecord(
-                rollout_id=rollout_id,
-                call_id=call_id,
-                parent_call_id=records[-1].call_id if records else None,
-                mode="token_in" if records else "text",
-                prev_len=2 * i,
-                delta_len=2,
-                cum_len=2 * i + 2,
-                weight_version=0,
-                staging_key=chain[-1],
-                staging_chain=chain,
-                chain_hash="a" * 64,
-                cumulative_hash="b" * 64,
-                digest="c" * 64,
-                extras_digest="d" * 64,
-                disposition="staged",
-                admitted_at=1.0,
-                staged_at=2.0,
-            )
+    """The receipt of a linear rollout of ``calls`` calls (about 250 bytes a call)."""
+    entries = [
+        ManifestEntry(
+            call_id=f"c{i:05d}",
+            parent_call_id=f"c{i - 1:05d}" if i else None,
+            mode="token_in" if i else "text",
+            prev_len=2 * i,
+            delta_len=2,
+            chain_hash="a" * 64,
+            digest="c" * 64,
         )
+        for i in range(calls)
+    ]
     return RolloutReceipt(
         rollout_id=rollout_id,
-        manifest=records,
+        manifest=entries,
         failed_calls=[],
-        terminal_call_id=records[-1].call_id,
+        terminal_call_id=entries[-1].call_id,
         terminal_selection="unique_leaf",
+        terminal_cumulative_hash="b" * 64,
         capture_poisoned=False,
         sealed_at=3.0,
     )
@@ -266,8 +252,8 @@ def test_an_event_too_large_to_publish_fails_naming_it_and_writes_nothing(
     kafka_config: KafkaConfig, fault_report: Any
 ) -> None:
     names = kafka_config.names
-    huge = long_receipt("long-rollout", 700)  # a 700-turn rollout's receipt
-    big = long_receipt("mid-rollout", 350)
+    huge = long_receipt("long-rollout", 20_000)  # a 20,000-turn rollout's receipt
+    big = long_receipt("mid-rollout", 5_000)
     # The premise: one over the codec's limit, one under it but over a 1 MiB producer's.
     assert len(codec.encode_payload(huge)) > MAX_EVENT_BYTES
     assert MAX_EVENT_BYTES > codec.record_size(*codec.encode_record(big)) > 2**20

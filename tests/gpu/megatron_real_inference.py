@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import socket
 import sys
@@ -338,9 +339,9 @@ def finalize(capture: Capture) -> list[Any]:
     async def go() -> list[Any]:
         events = [event.payload for event in capture.events.events]
         ledger_out = RecordingSink()
-        await LedgerStage(ledger_out, LedgerConfig(seal_grace_s=0)).handle(
-            [Consumed("in", 0, i, envelope(e)) for i, e in enumerate(events)]
-        )
+        ledger = LedgerStage(ledger_out, LedgerConfig())
+        await ledger.handle([Consumed("in", 0, i, envelope(e)) for i, e in enumerate(events)])
+        await ledger.tick(math.inf)  # the log is over (its events all stamped 0): close what is left
         receipts = ledger_out.payloads(RolloutReceipt)
         final_out = RecordingSink()
         await FinalizerStage(capture.data_plane, final_out).handle(

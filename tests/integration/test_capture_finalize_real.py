@@ -210,7 +210,7 @@ async def capture_rollout(core: CaptureCore, client: RolloutClient, rollout_id: 
             c = await core.complete(
                 await core.prepare(retry), prompt, [55], [-3.0], weight_version=0
             ).final_coords()
-            events.append(StagedEvent(coords=c, worker_id="w", staged_at=1.0))
+            events.append(StagedEvent(coords=c.call_coords(), worker_id="w", staged_at=1.0))
         coords = await core.complete(
             await core.prepare(admission),
             prompt,
@@ -218,7 +218,7 @@ async def capture_rollout(core: CaptureCore, client: RolloutClient, rollout_id: 
             [-0.5, -0.125],
             weight_version=turn // 2,
         ).final_coords()
-        events.append(StagedEvent(coords=coords, worker_id="w", staged_at=1.0))
+        events.append(StagedEvent(coords=coords.call_coords(), worker_id="w", staged_at=1.0))
         seen = [*prompt, 10 * turn + 1, 10 * turn + 2]
     return events
 

@@ -26,6 +26,7 @@ import copy
 import inspect
 import itertools
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -524,8 +525,9 @@ async def finalize(worker: Worker) -> list[FinalizedEvent]:
     """Ledger, then finalizer, on everything the driver and the worker published."""
     events: list[Record] = [event.payload for event in worker.events.events]
     ledger_out = RecordingSink()
-    ledger = LedgerStage(ledger_out, LedgerConfig(seal_grace_s=0))
+    ledger = LedgerStage(ledger_out, LedgerConfig())
     await ledger.handle([Consumed("in", 0, i, envelope(e)) for i, e in enumerate(events)])
+    await ledger.tick(math.inf)  # the log is over (its events all stamped 0): close what is left
     receipts = ledger_out.payloads(RolloutReceipt)
     final_out = RecordingSink()
     finalizer = FinalizerStage(worker.data_plane, final_out)
@@ -686,7 +688,7 @@ def test_reject_policy_fails_a_call_that_straddles_a_refit(tiny: TinyLM) -> None
         assert coords.failure_reason == "epoch_span_rejected" and coords.weight_version == 2
         assert reply[FAILURE_FIELD]["code"] == "epoch_span_rejected"
         staged = worker.events.payloads(StagedEvent)[-1]
-        assert isinstance(staged, StagedEvent) and staged.coords == coords
+        assert isinstance(staged, StagedEvent) and staged.coords == coords.call_coords()
         assert worker.data_plane.calls == {}
 
     asyncio.run(go())
@@ -794,7 +796,7 @@ def test_each_bad_payload_fails_capture_with_its_own_code(case: str) -> None:
         }
         assert worker.stager.stats.defects == {case.split("/")[0]: 1}
         event = worker.events.payloads(StagedEvent)[-1]
-        assert isinstance(event, StagedEvent) and event.coords == result.coords
+        assert isinstance(event, StagedEvent) and event.coords == result.coords.call_coords()
         assert worker.data_plane.calls == {}
 
     asyncio.run(go())

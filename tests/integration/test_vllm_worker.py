@@ -14,6 +14,7 @@ the reasoning-stripping template has the same weights and tokenizer as the ChatM
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -217,8 +218,9 @@ class Harness:
             *(p for p in driver if isinstance(p, RolloutSeal)),
         ]
         ledger_out = RecordingSink()
-        ledger = LedgerStage(ledger_out, LedgerConfig(seal_grace_s=0))
+        ledger = LedgerStage(ledger_out, LedgerConfig())
         await ledger.handle([Consumed("in", 0, i, envelope(e)) for i, e in enumerate(ordered)])
+        await ledger.tick(math.inf)  # the log is over (its events all stamped 0): close what is left
         receipts = [
             r
             for r in ledger_out.payloads(RolloutReceipt)

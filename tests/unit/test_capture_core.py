@@ -137,7 +137,7 @@ def test_missing_parent_past_bound_is_prefix_unavailable() -> None:
         coords = await completion.final_coords()
         await second.writer.stop()
         assert coords.disposition == "capture_failed" and coords.failure_reason == "prefix_unavailable"
-        assert sink.payloads(StagedEvent)[-1].coords == coords  # type: ignore[attr-defined]
+        assert sink.payloads(StagedEvent)[-1].coords == coords.call_coords()  # type: ignore[attr-defined]
 
     run(go())
 

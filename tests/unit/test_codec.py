@@ -15,12 +15,14 @@ from topics.codec import DecodeError
 from topics.events import EventType, envelope
 from topics.names import TopicNames, topic_for
 from topics.records import (
+    MAX_CHAIN_DEPTH,
+    CallCoords,
     CallRecord,
     CaptureAdmission,
-    CommitCoords,
     DeadLetter,
     FailedCall,
     FinalizedEvent,
+    ManifestEntry,
     Record,
     RolloutReceipt,
     RolloutSeal,
@@ -76,7 +78,6 @@ def coords_fields(draw: st.DrawFn) -> dict[str, Any]:
         "cum_len": delta,
         "weight_version": draw(counts),
         "staging_key": f"{rollout}/{call}",
-        "staging_chain": [f"{rollout}/{call}"],
         "chain_hash": draw(hashes),
         "cumulative_hash": draw(hashes),
         "digest": draw(hashes),
@@ -102,7 +103,7 @@ def records(draw: st.DrawFn) -> Record:
     fields = draw(coords_fields())
     if kind == "staged":
         return StagedEvent(
-            coords=CommitCoords(**fields),
+            coords=CallCoords(**fields),
             worker_id=draw(labels),
             staged_at=draw(times),
             response_id=draw(st.none() | labels),
@@ -120,10 +121,11 @@ def records(draw: st.DrawFn) -> Record:
     if kind == "receipt":
         return RolloutReceipt(
             rollout_id=fields["rollout_id"],
-            manifest=[record],
+            manifest=[ManifestEntry.of(record)],
             failed_calls=[],
             terminal_call_id=record.call_id,
             terminal_selection="unique_leaf",
+            terminal_cumulative_hash=record.cumulative_hash,
             capture_poisoned=False,
             sealed_at=draw(times),
             reward=draw(st.none() | finite),
@@ -252,10 +254,13 @@ def test_a_rule_across_fields_names_its_field() -> None:
         codec.decode(key, foreign, headers)
     assert info.value.field == "staging_chain"
     assert info.value.reason == "key 'r9/c1' is not of rollout 'r1'"
-    too_long = orjson.dumps({**orjson.loads(value), "staging_chain": [f"r1/k{i}" for i in range(5000)]})
+    too_long = orjson.dumps(
+        {**orjson.loads(value), "staging_chain": [f"r1/k{i}" for i in range(MAX_CHAIN_DEPTH)]}
+    )
     with pytest.raises(DecodeError) as info:
         codec.decode(key, too_long, headers)
-    assert info.value.field == "staging_chain" and "at most 4095 items" in info.value.reason
+    assert info.value.field == "staging_chain"
+    assert f"at most {MAX_CHAIN_DEPTH - 1} items" in info.value.reason
 
 
 def test_an_event_over_the_limit_is_refused_naming_it() -> None:

@@ -28,6 +28,7 @@ from topics.records import (
     RolloutReceipt,
     StagedCall,
     StagedCallBody,
+    staging_key,
 )
 
 
@@ -158,13 +159,19 @@ def test_hash_written_wrong_at_the_source(field: str) -> None:
     tamper_row(data_plane, last, redigest=True, **{field: "1" * 64})
 
     def same_in_receipt(receipt: RolloutReceipt) -> RolloutReceipt:
+        """The ledger took the wrong hash from the worker's coords, as it would (the
+        terminal's cumulative hash travels on the receipt itself)."""
+        wrong = {"digest": data_plane.calls[last].digest}
+        if field == "chain_hash":
+            wrong["chain_hash"] = "1" * 64
         manifest = [
-            r.model_copy(update={field: "1" * 64, "digest": data_plane.calls[last].digest})
-            if r.staging_key == last
-            else r
-            for r in receipt.manifest
+            e.model_copy(update=wrong) if staging_key(receipt.rollout_id, e.call_id) == last else e
+            for e in receipt.manifest
         ]
-        return receipt.model_copy(update={"manifest": manifest})
+        update: dict[str, object] = {"manifest": manifest}
+        if field == "cumulative_hash":
+            update["terminal_cumulative_hash"] = "1" * 64
+        return receipt.model_copy(update=update)
 
     event, _, _ = run_stages(events, data_plane, tamper=same_in_receipt)
     assert event.rejection_reason == f"{field}_mismatch"
@@ -227,7 +234,7 @@ def test_one_batch_of_receipts_one_with_a_missing_row() -> None:
             ledger = LedgerStage(out, LedgerConfig(seal_grace_s=0))
             await ledger.handle([Consumed("in", 0, i, envelope(e)) for i, e in enumerate(events)])
             receipts.append(out.payloads(RolloutReceipt)[0])
-        victim = receipts[1].manifest[0].staging_key
+        victim = staging_key("rb", receipts[1].manifest[0].call_id)
         del data_plane.calls[victim]
         sink = RecordingSink()
         await FinalizerStage(data_plane, sink).handle(

@@ -87,7 +87,7 @@ class Rollout:
         self.coords[call_id] = coords
         self.events.append(admission)
         if staged:
-            staged_coords = coords.model_copy(update=tamper or {})
+            staged_coords = coords.call_coords().model_copy(update=tamper or {})
             self.events.append(
                 StagedEvent(
                     coords=staged_coords, worker_id="w", staged_at=self.clock, response_id=response_id
@@ -515,3 +515,18 @@ def test_a_rollout_sealed_failed_is_rejected_with_why(reason: str, code: str, st
     _, sink = run_ledger(r.events)
     (receipt,) = sink.payloads(RolloutReceipt)
     assert receipt.capture_poisoned and receipt.failure_reason == code
+
+
+def test_an_admission_chain_that_does_not_continue_its_parents_is_demoted() -> None:
+    """The ledger keeps no chain, only fingerprints, and still catches a forged one."""
+    r = build("single_chain")
+    index, forged = next(
+        (i, e)
+        for i, e in enumerate(r.events)
+        if isinstance(e, CaptureAdmission) and e.staging_chain is not None and len(e.staging_chain) == 2
+    )
+    assert forged.staging_chain is not None
+    r.events[index] = forged.model_copy(update={"staging_chain": ["r/elsewhere", forged.staging_chain[-1]]})
+    _, sink = run_ledger(r.events)
+    failed = [f for f in sink.payloads(FailedCall) if f.call_id == forged.call_id]  # type: ignore[attr-defined]
+    assert [(f.reason, f.detail) for f in failed] == [("coords_mismatch", "does not continue parent")]  # type: ignore[attr-defined]

@@ -116,7 +116,13 @@ def test_unknown_field() -> None:
 
 
 def test_unknown_schema_version() -> None:
-    rejects(CaptureAdmission, admission(schema_version=4), "schema_version")
+    rejects(CaptureAdmission, admission(schema_version=5), "schema_version")
+    rejects(CaptureAdmission, admission(schema_version=2), "schema_version")
+    rejects(StagedCall, {**row(), "schema_version": 4}, "schema_version")  # rows stay schema 3
+
+
+def test_a_schema_3_event_is_read_into_the_schema_4_record() -> None:
+    assert CaptureAdmission.model_validate(admission(schema_version=3)).schema_version == 4
 
 
 def test_strict_types_no_coercion() -> None:
