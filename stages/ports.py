@@ -130,6 +130,8 @@ class StageGauges:
     duplicates: int
     open_rollouts: int | None = None
     late: int | None = None
+    swept: Mapping[str, int] | None = None
+    """Staging rows a janitor deleted, by why (``finished``, ``expired``)."""
 
 
 class StagePort(StageHandler, Protocol):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from stages.finalize.janitor import JanitorConfig
 from stages.finalize.stage import FinalizerStage
 from stages.finalize.verify import MixedVersionPolicy
 from stages.ledger.stage import LedgerConfig, LedgerStage
@@ -28,6 +29,8 @@ class StageSettings:
     mixed_versions: MixedVersionPolicy = MixedVersionPolicy.ALLOW
     remember: int = DEFAULT_REMEMBER
     """Rollouts a stage remembers as answered (recalled from its output topic's tail)."""
+    janitor: JanitorConfig = field(default_factory=JanitorConfig)
+    """The finalizer's sweep of staging rows nobody else will delete."""
 
 
 class MissingDataPlane(ValueError):
@@ -68,7 +71,9 @@ def _ledger(sink: EventSink, _: DataPlane | None, settings: StageSettings) -> St
 
 def _finalizer(sink: EventSink, data_plane: DataPlane | None, settings: StageSettings) -> StagePort:
     assert data_plane is not None  # StageSpec.build checked it
-    return FinalizerStage(data_plane, sink, policy=settings.mixed_versions, remember=settings.remember)
+    return FinalizerStage(
+        data_plane, sink, policy=settings.mixed_versions, remember=settings.remember, janitor=settings.janitor
+    )
 
 
 LEDGER = StageSpec(

@@ -23,6 +23,7 @@ from pipeline.stagehost.lag import DEFAULT_INTERVAL_S
 from pipeline.stagehost.metrics import Health, StageMetrics
 from pipeline.stagehost.runner import serve_stage
 from pipeline.stagehost.server import MetricsServer
+from stages.finalize.janitor import JanitorConfig
 from stages.finalize.verify import MixedVersionPolicy
 from stages.ledger.stage import LedgerConfig
 from stages.specs import STAGES, StageSettings
@@ -73,6 +74,14 @@ def add_parser(subparsers: Any) -> None:
         type=float,
         default=ledger.max_open_s,
         help="ledger: seconds before an unsealed rollout closes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--staging-ttl",
+        type=float,
+        help=(
+            "finalizer: seconds after which a staging row nobody finished is deleted "
+            "(default: twice --max-open, so no rollout that can still close loses a row)"
+        ),
     )
     parser.add_argument(
         "--remember",
@@ -230,6 +239,7 @@ async def _serve_stage(
         ledger=LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open),
         mixed_versions=MixedVersionPolicy(args.mixed_versions),
         remember=args.remember,
+        janitor=JanitorConfig(ttl_s=args.staging_ttl or 2 * args.max_open),
     )
     async with contextlib.AsyncExitStack() as stack:
         sink = metrics.sink(await stack.enter_async_context(KafkaEventSink(config)))

@@ -21,6 +21,7 @@ from pipeline.run.config import RunConfig
 from pipeline.stagehost.runner import serve_stage
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
+from stages.finalize.janitor import JanitorConfig
 from stages.ledger.stage import LedgerConfig
 from stages.ports import DataPlane
 from stages.specs import STAGES, StageSettings
@@ -101,7 +102,8 @@ async def running_stages(
     """Every stage as a consumer-group member; on exit they finish their batch, commit
     and leave their groups. A stage that stops on its own calls ``on_failure``."""
     stop = asyncio.Event()
-    settings = StageSettings(ledger=ledger_config)
+    # A staging row nobody finished outlives any rollout that can still close, then goes.
+    settings = StageSettings(ledger=ledger_config, janitor=JanitorConfig(ttl_s=2 * ledger_config.max_open_s))
     tasks: dict[str, asyncio.Task[object]] = {
         name: asyncio.create_task(
             serve_stage(spec.build(sink, data_plane, settings), spec, kafka, sink, stop=stop, tuning=tuning),

@@ -74,6 +74,11 @@ class StateCollector(Collector):
         late = CounterMetricFamily(
             "tokentrail_ledger_late_events", "Events for rollouts already receipted", labels=labels
         )
+        swept = CounterMetricFamily(
+            "tokentrail_staging_rows_swept",
+            "Staging rows the finalizer's janitor deleted: of finalized rollouts, or past the TTL",
+            labels=[*labels, "why"],
+        )
         if self.stage_source is not None:
             gauges = self.stage_source.gauges()
             duplicates.add_metric([self.stage], gauges.duplicates)
@@ -81,7 +86,9 @@ class StateCollector(Collector):
                 open_rollouts.add_metric([self.stage], gauges.open_rollouts)
             if gauges.late is not None:
                 late.add_metric([self.stage], gauges.late)
-        yield from (open_rollouts, duplicates, late)
+            for why, count in (gauges.swept or {}).items():
+                swept.add_metric([self.stage, why], count)
+        yield from (open_rollouts, duplicates, late, swept)
 
     def _loop(self) -> Iterator[Metric]:
         labels = ["stage", "group"]

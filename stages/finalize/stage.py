@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from stages.finalize.janitor import JanitorConfig, StagingJanitor
 from stages.finalize.verify import Linearized, MixedVersionPolicy, Rejected, linearize, terminal_records
 from stages.ports import Consumed, DataPlane, EventSink, MissingRows, StageGauges, TopicPartition, read_calls
 from stages.recent import DEFAULT_REMEMBER, RecentIds
@@ -48,6 +49,7 @@ class FinalizerStage:
         *,
         policy: MixedVersionPolicy = MixedVersionPolicy.ALLOW,
         remember: int = DEFAULT_REMEMBER,
+        janitor: JanitorConfig | None = None,
     ) -> None:
         self.data_plane = data_plane
         self.sink = sink
@@ -56,9 +58,13 @@ class FinalizerStage:
         self.answered = RecentIds(remember)
         """Rollouts already finalized: a receipt for one of them is a duplicate. Seed it
         from the tail of the finalized topic when partitions are assigned (the recall rule, DESIGN §7)."""
+        self.janitor = StagingJanitor(data_plane, self.answered, janitor) if janitor is not None else None
+        """Sweeps the staging partition for rows nobody else will delete (DESIGN §7.3)."""
 
     def gauges(self) -> StageGauges:
-        return StageGauges(duplicates=self.stats.duplicates)
+        janitor = self.janitor.stats if self.janitor is not None else None
+        swept = {"finished": janitor.finished, "expired": janitor.expired} if janitor is not None else None
+        return StageGauges(duplicates=self.stats.duplicates, swept=swept)
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         receipts: dict[str, RolloutReceipt] = {}
@@ -131,7 +137,8 @@ class FinalizerStage:
             self.stats.rejected[str(event.rejection_reason)] += 1
 
     async def tick(self, now: float) -> None:
-        del now
+        if self.janitor is not None:
+            await self.janitor.maybe_sweep(now)
 
     def committable(self, positions: Mapping[TopicPartition, int]) -> Mapping[TopicPartition, int]:
         return positions

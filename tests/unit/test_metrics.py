@@ -20,12 +20,15 @@ from stages.capture.core import CaptureCore
 from stages.capture.resolve import PrefixResolver
 from stages.capture.vllm.worker import VllmWorker, WorkerCounters
 from stages.capture.writer import StagingWriter
+from stages.finalize.janitor import JanitorConfig
 from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerStage
 from stages.memory import MemoryDataPlane, RecordingSink
 from stages.ports import Consumed
+from topics import digest
 from topics.events import envelope
-from topics.records import DeadLetter, Record, RolloutReceipt, RolloutSeal
+from topics.records import DeadLetter, Record, RolloutReceipt, RolloutSeal, StagedCall
+from topics.staging import staging_row
 
 
 def consumed(records: Sequence[Record], topic: str = "t") -> list[Consumed]:
@@ -192,3 +195,34 @@ def test_worker_registry_times_the_writer_and_resolver_data_plane() -> None:
     text = render(registry).decode()
     assert 'tokentrail_worker_writer_queue_capacity{worker="w"} 4096.0' in text
     assert "tokentrail_worker_writer_backlog" in text
+
+
+def test_the_finalizer_exports_what_its_janitor_swept() -> None:
+    async def go() -> StageMetrics:
+        plane = MemoryDataPlane()
+        receipts = (
+            await through_ledger(StageMetrics("ledger", process=False), failed_rollout("gone"))
+        ).payloads(RolloutReceipt)
+        metrics = StageMetrics("finalizer", process=False)
+        finalizer = FinalizerStage(plane, metrics.sink(RecordingSink()), janitor=JanitorConfig())
+        await metrics.handler(finalizer).handle(consumed(receipts))
+        await plane.put_calls([staged_row("gone", "late")])  # written after the rollout was finalized
+        await metrics.handler(finalizer).tick(1.0)
+        return metrics
+
+    metrics = asyncio.run(go())
+    assert sample(metrics, "tokentrail_staging_rows_swept_total", stage="finalizer", why="finished") == 1
+    assert sample(metrics, "tokentrail_staging_rows_swept_total", stage="finalizer", why="expired") == 0
+
+
+def staged_row(rollout_id: str, call_id: str) -> StagedCall:
+    delta = digest.build_delta([1, 2], [3], [-0.5], 0)
+    return staging_row(
+        rollout_id=rollout_id,
+        call_id=call_id,
+        parent_call_id=None,
+        parent_chain_hash=None,
+        prefix_ids=[],
+        delta=delta,
+        weight_version=0,
+    )
