@@ -9,8 +9,9 @@ Offsets: per partition it commits the lowest offset any open rollout still needs
 a restart rebuilds every open rollout from its first event. Rollouts it has receipted
 are remembered by id (``answered``, recalled from the committed topic when partitions
 are assigned): their events arriving again, replayed after a restart or delivered
-twice, are late and change nothing. Closed rollouts therefore never hold the commit
-point back, however much rollouts overlap under sustained load.
+twice, are late and change nothing; a call the receipt never saw is dead-lettered
+(``ClosedRollouts``). Closed rollouts therefore never hold the commit point back,
+however much rollouts overlap under sustained load.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from stages.ledger.closed import ClosedRollouts
 from stages.ledger.rollout import Admitted, OpenRollout
 from stages.ledger.timers import TaskTimers
 from stages.ports import Consumed, EventSink, StageGauges, TopicPartition
@@ -87,6 +89,8 @@ class LedgerStage:
         self.open: dict[str, OpenRollout] = {}
         self._open_spans: dict[str, _Tracked] = {}
         self._timers = TaskTimers()
+        self.closed = ClosedRollouts()
+        """The calls each recently receipted rollout covered: late events are judged by it."""
         self.answered = RecentIds(remember)
         """Rollouts whose receipt is published. Their events arriving again (a duplicate
         delivery, a replayed segment) are late, not a new rollout. Seed it from the tail
@@ -115,14 +119,31 @@ class LedgerStage:
                     )
                 )
                 continue
-            if rollout_id in self.answered:  # a replayed or duplicated event of a receipted rollout
-                self.stats.late += 1
+            if rollout_id in self.answered:  # the rollout's receipt is out
+                outputs += self._late(item)
                 continue
             state = self._track(rollout_id, item)
             outputs += self._apply(state, item)
             if state.settled():
                 outputs += self._close(state)
         await self._publish(outputs)
+
+    def _late(self, item: Consumed) -> list[Record]:
+        """An event of a receipted rollout: a copy of one the receipt accounts for is
+        counted; a call the receipt never saw is dead-lettered, never dropped silently."""
+        payload = item.event.payload
+        if isinstance(payload, CaptureAdmission):
+            call_id, field_name = payload.call_id, "call_id"
+        elif isinstance(payload, StagedEvent):
+            call_id, field_name = payload.coords.call_id, "coords.call_id"
+        else:  # a seal: the receipt answered the rollout's only one
+            self.stats.late += 1
+            return []
+        if self.closed.covers(item.event.key, call_id) is False:
+            reason = f"late: call {call_id} arrived after rollout {item.event.key} was receipted without it"
+            return [self._dead_letter(item, reason, field_name)]
+        self.stats.late += 1
+        return []
 
     def _track(self, rollout_id: str, item: Consumed) -> OpenRollout:
         """The rollout's state (opened on its first event), noting where its events lie."""
@@ -186,6 +207,7 @@ class LedgerStage:
         del self.open[state.rollout_id]
         del self._open_spans[state.rollout_id]
         self.answered.add(state.rollout_id)
+        self.closed.add(state.rollout_id, [*state.admissions, *state.staged])
         return [*late, receipt]
 
     async def tick(self, now: float) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from stages.ledger.closed import ROLLOUT_OVERHEAD_BYTES, ClosedRollouts
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.memory import RecordingSink
 from stages.ports import Consumed
@@ -530,3 +531,37 @@ def test_an_admission_chain_that_does_not_continue_its_parents_is_demoted() -> N
     _, sink = run_ledger(r.events)
     failed = [f for f in sink.payloads(FailedCall) if f.call_id == forged.call_id]  # type: ignore[attr-defined]
     assert [(f.reason, f.detail) for f in failed] == [("coords_mismatch", "does not continue parent")]  # type: ignore[attr-defined]
+
+
+def test_a_late_call_is_dead_lettered_a_late_copy_counted() -> None:
+    r = build("single_chain")
+    stage, sink = run_ledger(r.events)
+    assert len(sink.payloads(RolloutReceipt)) == 1
+    late = Rollout("r")
+    late.call("a")
+    late.call("z", "a")  # a call the receipt never saw
+    copy = next(e for e in r.events if isinstance(e, StagedEvent))  # one it accounts for
+    asyncio.run(stage.handle(consumed([copy, *late.events[2:]], start=100)))
+    letters = sink.payloads(DeadLetter)
+    assert [(d.field, d.reason.split(":")[0]) for d in letters] == [  # type: ignore[attr-defined]
+        ("call_id", "late"),
+        ("coords.call_id", "late"),
+    ]
+    assert stage.stats.late == 1
+
+
+def test_late_events_of_a_rollout_closed_before_a_restart_are_counted() -> None:
+    r = build("single_chain")
+    sink = RecordingSink()
+    restarted = LedgerStage(sink, LedgerConfig(seal_grace_s=0))
+    restarted.answered.add("r")  # recalled from the output topic: content unknown
+    asyncio.run(restarted.handle(consumed(r.events)))
+    assert sink.payloads(DeadLetter) == [] and restarted.stats.late == len(r.events)
+
+
+def test_closed_rollouts_answer_for_their_calls_within_a_byte_budget() -> None:
+    closed = ClosedRollouts(budget_bytes=2 * (ROLLOUT_OVERHEAD_BYTES + 8 * 3))
+    for number in range(3):
+        closed.add(f"r{number}", ["a", "b", "c"])
+    assert len(closed) == 2 and closed.covers("r0", "a") is None  # the oldest went
+    assert closed.covers("r2", "b") is True and closed.covers("r2", "z") is False
