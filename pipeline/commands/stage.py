@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.commands.jsonlog import configure_logging
+from pipeline.dataplane.config import RESTAGE_GRACE_S
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.consumer import DEFAULT_TUNING
@@ -248,7 +249,10 @@ async def _serve_stage(
             from pipeline.dataplane import DataPlaneConfig, open_data_plane
 
             plane_config = DataPlaneConfig.from_env(
-                mode=args.dataplane_mode, data_dir=args.data_dir, ray_address=args.ray_address
+                mode=args.dataplane_mode,
+                data_dir=args.data_dir,
+                ray_address=args.ray_address,
+                restage_grace_s=RESTAGE_GRACE_S,  # missing rows may be on their way back
             )
             plane = metrics.data_plane(await stack.enter_async_context(open_data_plane(plane_config)))
         await serve_stage(

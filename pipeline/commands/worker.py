@@ -25,6 +25,7 @@ from aiokafka.errors import KafkaError
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
+from stages.capture.retain import DEFAULT_BUDGET_BYTES
 from stages.ports import DataPlaneError
 
 if TYPE_CHECKING:
@@ -82,6 +83,16 @@ def add_parser(subparsers: Any) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="N",
         help="larger request bodies are answered 413 before they are read (default: %(default)s, 8 MiB)",
+    )
+    parser.add_argument(
+        "--retain-bytes",
+        type=int,
+        default=DEFAULT_BUDGET_BYTES,
+        metavar="N",
+        help=(
+            "staged rows kept until their rollout is finalized, to stage again into a data plane "
+            "that restarted (default: %(default)s, 256 MiB); rows beyond it are lost with the data plane"
+        ),
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="float32")
@@ -142,6 +153,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         span_policy=SpanPolicy(args.span_policy),
         prefix_wait_s=args.prefix_wait_s,
         max_body_bytes=args.max_body_bytes,
+        retain_bytes=args.retain_bytes,
         engine=EngineSettings(
             model=str(args.model),
             dtype=args.dtype,
@@ -178,7 +190,7 @@ async def _serve(args: argparse.Namespace) -> None:
     engine = VllmEngine.start(config.engine_settings())
     try:
         async with KafkaEventSink(kafka) as sink, attach_data_plane(args.dataplane_addresses) as plane:
-            await run_worker(config, data_plane=plane, sink=sink, engine=engine, on_ready=ready)
+            await run_worker(config, data_plane=plane, sink=sink, engine=engine, on_ready=ready, kafka=kafka)
     finally:
         engine.shutdown()
 

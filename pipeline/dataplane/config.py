@@ -42,12 +42,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+RESTAGE_GRACE_S = 10.0
+"""How long the finalizer waits for rows missing from a data plane that has just started."""
+
+
 @dataclass(frozen=True, slots=True)
 class DataPlaneConfig:
     """Settings of the data plane; every field has a single-machine default.
 
     ``timeout_s`` bounds every data-plane call: TransferQueue's own RPCs have no
     timeout, so without it a dead controller hangs the caller forever.
+    ``restage_grace_s``: for a reader that decides rows are lost (the finalizer), how long
+    after an owner started missing rows are waited for, as workers stage them again.
     """
 
     mode: DataPlaneMode = "embedded"
@@ -59,6 +65,7 @@ class DataPlaneConfig:
     ray_namespace: str = DEFAULT_RAY_NAMESPACE
     staging_partition: str = "staging"
     samples_partition: str = "samples"
+    restage_grace_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in get_args(DataPlaneMode):

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pipeline.dataplane.addresses import DataPlaneAddresses
 from pipeline.dataplane.config import DataPlaneConfig
 from pipeline.dataplane.embedded import embedded_data_plane
+from pipeline.dataplane.reattach import ReattachingDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
 
 
 @contextlib.asynccontextmanager
-async def open_data_plane(config: DataPlaneConfig) -> AsyncIterator[TransferQueueDataPlane]:
+async def open_data_plane(
+    config: DataPlaneConfig,
+) -> AsyncIterator[TransferQueueDataPlane | ReattachingDataPlane]:
     """``embedded``: start one here and publish its addresses to ``config.addresses_path``;
     ``attach``: join the one published in ``config.addresses_file`` if set, else in
     ``TOKENTRAIL_DATAPLANE_ADDRESSES``, else in ``data_dir/dataplane.json``;
     ``ray``: join TransferQueue on the Ray cluster at ``config.ray_address``.
 
-    On exit only what this call started is stopped; an attached data plane keeps running.
+    An attached data plane named by a file follows its owner across restarts
+    (``ReattachingDataPlane``). On exit only what this call started is stopped; an
+    attached data plane keeps running.
     """
     options = {"staging_partition": config.staging_partition, "samples_partition": config.samples_partition}
     if config.mode == "embedded":
@@ -32,11 +39,26 @@ async def open_data_plane(config: DataPlaneConfig) -> AsyncIterator[TransferQueu
             yield plane
         return
     if config.mode == "attach":
-        if config.addresses_file is not None:  # named explicitly: it wins
-            addresses = DataPlaneAddresses.read(config.addresses_file)
+        path = config.addresses_file  # named explicitly: it wins
+        exported = None if path is not None else DataPlaneAddresses.from_env()
+        if exported is not None:
+            plane = await TransferQueueDataPlane.attach(exported, timeout_s=config.timeout_s, **options)
         else:
-            addresses = DataPlaneAddresses.from_env() or DataPlaneAddresses.read(config.addresses_path)
-        plane = await TransferQueueDataPlane.attach(addresses, timeout_s=config.timeout_s, **options)
+            path = path or config.addresses_path
+            attach_options: dict[str, Any] = {"timeout_s": config.timeout_s, **options}
+            first = await TransferQueueDataPlane.attach(DataPlaneAddresses.read(path), **attach_options)
+            following = ReattachingDataPlane(
+                first, path, options=attach_options, restage_grace_s=config.restage_grace_s
+            )
+            watcher = asyncio.create_task(following.watch(), name="dataplane-follower")
+            try:
+                yield following
+            finally:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+                await following.close()
+            return
     else:
         plane = await TransferQueueDataPlane.attach_ray(
             config.ray_address, namespace=config.ray_namespace, timeout_s=config.timeout_s, **options

@@ -13,11 +13,14 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.lag import LagReader
 
 
 @contextlib.asynccontextmanager
 async def assigned_reader(
-    config: KafkaConfig, start: Mapping[TopicPartition, int | None], **settings: Any
+    config: KafkaConfig,
+    start: Mapping[TopicPartition, int] | Mapping[TopicPartition, int | None],
+    **settings: Any,
 ) -> AsyncIterator[AIOKafkaConsumer]:
     """A group-less consumer assigned ``start``'s partitions, each at its offset (``None``:
     the beginning of the log); ``settings`` go to aiokafka (``fetch_max_wait_ms``, ...)."""
@@ -33,3 +36,11 @@ async def assigned_reader(
         yield consumer
     finally:
         await consumer.stop()
+
+
+async def topic_ends(config: KafkaConfig, topic: str) -> dict[TopicPartition, int]:
+    """The high watermark of every partition of ``topic`` (exact on tansu too): where to
+    start reading to see only what is written from now on."""
+    async with LagReader(config) as reader:
+        partitions = await reader.partitions([topic])
+        return {tp: marks.highwater for tp, marks in (await reader.watermarks(partitions)).items()}

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from aiokafka import TopicPartition
 
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.lag import LagReader
 from pipeline.kafka.reader import assigned_reader
 from topics.codec import DecodeError, decode
 from topics.records import FinalizedEvent
@@ -26,13 +25,6 @@ from topics.records import FinalizedEvent
 log = logging.getLogger(__name__)
 
 POLL_MS = 200
-
-
-async def finalized_ends(config: KafkaConfig) -> dict[TopicPartition, int]:
-    """High watermark of every partition of the finalized topic (exact on tansu too)."""
-    async with LagReader(config) as reader:
-        partitions = await reader.partitions([config.names.finalized])
-        return {tp: marks.highwater for tp, marks in (await reader.watermarks(partitions)).items()}
 
 
 class FinalizedWatcher:

@@ -41,11 +41,12 @@ from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import BrokerError
 from pipeline.kafka.config import ConfigError, KafkaConfig
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.kafka.reader import topic_ends
 from pipeline.run.archiver import SampleArchiver
 from pipeline.run.chat_http import HttpChatEndpoint
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs
 from pipeline.run.driver import SealTrackingClient, play_jobs
-from pipeline.run.finalized_watch import FinalizedWatcher, finalized_ends
+from pipeline.run.finalized_watch import FinalizedWatcher
 from pipeline.run.journal import RunJournal, close_dead_runs
 from pipeline.run.report import RunProgress, RunStatus, RunSummary, outcome_totals
 from pipeline.run.services import (
@@ -225,7 +226,7 @@ class Run:
         self.archiver = archiver = SampleArchiver(
             plane, archive, self.run_id, on_written=lambda n: setattr(progress, "samples_written", n)
         )
-        start = await finalized_ends(kafka)
+        start = await topic_ends(kafka, kafka.names.finalized)
         self._task(stack, watcher.follow(start), "finalized-follower")
         self._archiving = self._task(stack, archiver.run(watcher.stream), "sample-archiver")
         self._task(stack, self._poll_lag(probe), "lag-poller")

@@ -28,13 +28,16 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from pipeline.kafka.config import KafkaConfig
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
+from pipeline.worker.retention import retaining
 from pipeline.worker.server import create_app
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer
 from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.engine import TokenEngine
 from stages.capture.resolve import PrefixResolver
+from stages.capture.retain import DEFAULT_BUDGET_BYTES, RetainedRows
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
 from stages.capture.vllm.worker import SpanPolicy, VllmWorker
 from stages.capture.writer import StagingWriter
@@ -62,6 +65,8 @@ class WorkerConfig:
     prefix_wait_s: float = 5.0
     cache_bytes: int = 256 * 2**20
     writer_max_queue: int = 4096
+    retain_bytes: int = DEFAULT_BUDGET_BYTES
+    """Staged rows kept until finalized, to stage again into a restarted data plane."""
     graceful_timeout_s: float = 60.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine: EngineSettings | None = None
@@ -81,10 +86,13 @@ def build_worker(
     sink: EventSink,
     *,
     renderer: ChatRenderer | None = None,
+    retained: RetainedRows | None = None,
 ) -> VllmWorker:
     """The capture core on the given ports, around an already started engine."""
     cache = ChainCache(config.cache_bytes)
-    writer = StagingWriter(data_plane, sink, worker_id=config.worker_id, max_queue=config.writer_max_queue)
+    writer = StagingWriter(
+        data_plane, sink, worker_id=config.worker_id, max_queue=config.writer_max_queue, retained=retained
+    )
     core = CaptureCore(
         PrefixResolver(data_plane, cache, wait_s=config.prefix_wait_s),
         writer,
@@ -205,27 +213,36 @@ async def run_worker(
     sink: EventSink,
     engine: TokenEngine | None = None,
     on_ready: Callable[[WorkerServer], None] | None = None,
+    kafka: KafkaConfig | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or the server stops); then drain and shut the engine down.
 
     Without ``engine`` a vLLM engine is started from ``config`` (tens of seconds) and
-    shut down on return; a given engine belongs to the caller.
+    shut down on return; a given engine belongs to the caller. With ``kafka`` the worker
+    keeps its staged rows until finalized (``pipeline.worker.retention``).
     """
     owned = engine is None
     active = VllmEngine.start(config.engine_settings()) if engine is None else engine
     try:
-        worker = build_worker(config, active, data_plane, sink)
+        retained = RetainedRows(config.retain_bytes) if kafka is not None else None
+        worker = build_worker(config, active, data_plane, sink, retained=retained)
         server = WorkerServer(
             build_app(worker, config),
             host=config.host,
             port=config.port,
             graceful_timeout_s=config.graceful_timeout_s,
         )
-        with _stop_on_signals(server.request_stop):
-            await server.start()
-            if on_ready is not None:
-                on_ready(server)
-            await server.wait()
+        keeping = (
+            retaining(worker.core.writer, data_plane, kafka)
+            if kafka is not None
+            else contextlib.nullcontext()
+        )
+        async with keeping:
+            with _stop_on_signals(server.request_stop):
+                await server.start()
+                if on_ready is not None:
+                    on_ready(server)
+                await server.wait()
     finally:
         if owned:
             active.shutdown()

@@ -15,6 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from stages.capture.retain import RetainedRows
 from stages.ports import DataPlane, DataPlaneError, DataPlaneTimeout, EventSink
 from topics.failures import WorkerFailure
 from topics.records import CommitCoords, StagedCall, StagedEvent
@@ -58,8 +59,10 @@ class StagingWriter:
         batch_delay_s: float = 0.005,
         publish_retry_s: float = 0.5,
         on_failed: Callable[[str], None] | None = None,
+        retained: RetainedRows | None = None,
     ) -> None:
         self.data_plane = data_plane
+        self.retained = retained
         self.sink = sink
         self.worker_id = worker_id
         self.max_queue = max_queue
@@ -130,6 +133,8 @@ class StagingWriter:
             code, reason = WorkerFailure.STAGING_TIMEOUT, str(exc)
         except (DataPlaneError, OSError) as exc:
             code, reason = WorkerFailure.STAGING_WRITE_FAILED, str(exc)
+        if code is None and self.retained is not None:
+            await self._delete_late(self.retained.add(rows))
         if code is not None:
             log.warning("staging write of %d row(s) failed: %s", len(rows), reason)
             for pending in batch:
@@ -138,6 +143,31 @@ class StagingWriter:
                     self.on_failed(pending.coords.staging_key)
         self.stats.batches += 1
         await self._publish(batch)
+
+    async def _delete_late(self, keys: list[str]) -> None:
+        """Rows whose rollout was finalized before they were written: nobody else deletes them."""
+        if not keys:
+            return
+        try:
+            await self.data_plane.delete_calls(keys)
+        except DataPlaneError as exc:
+            log.warning(
+                "could not delete %d row(s) written after their rollout was finalized: %s", len(keys), exc
+            )
+
+    async def restage(self, plane: DataPlane) -> int:
+        """Stage every held row again into ``plane`` (a data plane that restarted empty);
+        returns how many. Their staged events were published already: rows only."""
+        if self.retained is None:
+            return 0
+        rows = self.retained.held()
+        for start in range(0, len(rows), self.batch_rows):
+            part = rows[start : start + self.batch_rows]
+            await plane.put_calls(part)
+            self.retained.stats.restaged += len(part)
+        if rows:
+            log.warning("staged %d held row(s) again into a restarted data plane", len(rows))
+        return len(rows)
 
     async def _publish(self, batch: list[PendingCall]) -> None:
         """Publish until acknowledged: a staged event must never be lost."""

@@ -28,7 +28,7 @@ import random
 import signal
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +36,14 @@ import numpy as np
 import orjson
 
 from pipeline.dataplane import DataPlaneConfig, open_data_plane
+from pipeline.dataplane.reattach import ReattachingDataPlane
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.worker.retention import retaining
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.resolve import PrefixResolver
+from stages.capture.retain import RetainedRows
 from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient
 from stages.ports import DataPlane
@@ -154,14 +157,22 @@ class Load:
         for _ in range(100):
             try:
                 row = (await self.plane.get_calls([coords.staging_key]))[coords.staging_key]
+                ids = list(row.token_ids_delta)
+                ids[-1] = ids[-1] + 1
+                corrupted = row.model_copy(update={"token_ids_delta": ids})
+                await self.plane.put_calls([corrupted])
             except Exception:  # not written yet (or the data plane is down): try again
                 await asyncio.sleep(0.02)
                 continue
-            ids = list(row.token_ids_delta)
-            ids[-1] = ids[-1] + 1
-            await self.plane.put_calls([row.model_copy(update={"token_ids_delta": ids})])
+            self._hold_corrupted(corrupted)
             self._write({"rollout": rollout_id, "corrupted": coords.staging_key})
             return
+
+    def _hold_corrupted(self, corrupted: StagedCall) -> None:
+        """What the data plane holds now is the corrupted row: the worker's held copy must
+        be too (as after any write), so that staging again does not repair it."""
+        if self.core.writer.retained is not None:
+            self.core.writer.retained.add([corrupted])
 
     async def run(self) -> None:
         stop = self.args.stop_file
@@ -171,6 +182,18 @@ class Load:
                 await self.play(self._take_number())
 
         await asyncio.gather(*(lane() for _ in range(self.args.concurrency)))
+
+
+def _announce_restaged(path: Path) -> Callable[[DataPlane], Awaitable[None]]:
+    """After the held rows went into a new owner (listeners run in order), write its pid
+    where the harness looks before it injects the next fault."""
+
+    async def announce(plane: DataPlane) -> None:
+        assert isinstance(plane, ReattachingDataPlane)
+        owner = plane.addresses
+        await asyncio.to_thread(path.write_text, str(owner.pid if owner is not None else ""))
+
+    return announce
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -185,11 +208,16 @@ async def main(args: argparse.Namespace) -> None:
     async with KafkaEventSink(kafka) as sink, open_data_plane(plane_config) as attached:
         plane = DyingDataPlane(attached)
         cache = ChainCache()
-        writer = StagingWriter(plane, sink, worker_id=f"loadgen-{os.getpid()}", batch_delay_s=0.02)
+        writer = StagingWriter(
+            plane, sink, worker_id=f"loadgen-{os.getpid()}", batch_delay_s=0.02, retained=RetainedRows()
+        )
         core = CaptureCore(PrefixResolver(plane, cache), writer, cache, ack_policy=AckPolicy.ENQUEUED)
         writer.start()
         try:
-            await Load(args, core, RolloutClient(sink), plane).run()
+            async with retaining(writer, attached, kafka):  # rows survive a data-plane restart
+                if isinstance(attached, ReattachingDataPlane):
+                    attached.on_reattach(_announce_restaged(args.state.with_name("restaged")))
+                await Load(args, core, RolloutClient(sink), plane).run()
         finally:
             await writer.stop()
 

@@ -27,6 +27,7 @@ from pipeline.dataplane import encoding as codec
 from pipeline.dataplane.addresses import DataPlaneAddresses
 from pipeline.dataplane.config import ADDRESSES_FILE_NAME, DataPlaneConfig
 from pipeline.dataplane.embedded import TESTED_TRANSFERQUEUE_VERSION, EmbeddedDataPlane, actor_class
+from pipeline.dataplane.reattach import ReattachingDataPlane
 from pipeline.dataplane.runtime import open_data_plane
 from pipeline.dataplane.transferqueue import CorruptRows, TransferQueueDataPlane
 from stages.ports import DataPlaneError, DataPlaneTimeout, MissingRows
@@ -694,3 +695,45 @@ def spawn_ray_owner() -> subprocess.Popen[str]:
         stderr=subprocess.DEVNULL,
         text=True,
     )
+
+
+@pytest.mark.anyio
+async def test_an_attached_client_follows_a_restarted_owner_and_rows_held_come_back(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """Kill the owner, start a new one on the same data dir: the attached client re-attaches
+    by itself, its listener stages held rows again, and a reader attaching to the young
+    owner waits for them instead of reporting them missing."""
+    calls = build_rollout(rng, unique("follow"), [300, 400])
+    keys = [c.staging_key for c in calls]
+    first = start_cli(tmp_path)
+    second: subprocess.Popen[str] | None = None
+    try:
+        cli_addresses(first)
+        config = DataPlaneConfig(mode="attach", data_dir=tmp_path, timeout_s=2.0)
+        async with open_data_plane(config) as attached:
+            assert isinstance(attached, ReattachingDataPlane)
+            restaged: list[int] = []
+
+            async def stage_again(plane: Any) -> None:
+                await plane.put_calls(calls)
+                restaged.append(len(calls))
+
+            attached.on_reattach(stage_again)
+            await attached.put_calls(calls)
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=30)
+            second = start_cli(tmp_path)
+            cli_addresses(second)
+            finalizing = DataPlaneConfig(
+                mode="attach", data_dir=tmp_path, timeout_s=2.0, restage_grace_s=10.0
+            )
+            async with open_data_plane(finalizing) as reader:  # attaches to the new, still empty owner
+                got = await reader.get_calls(keys)  # waits while the owner is young
+            assert list(got) == keys and restaged == [len(calls)] and attached.reattaches == 1
+            assert_same_call(got[keys[0]], calls[0])
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()

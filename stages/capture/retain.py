@@ -1,0 +1,105 @@
+"""Rows a worker keeps after staging them, so that a data plane that restarts empty loses none.
+
+The data plane keeps rows in its owner's memory: when the owner dies, every row not yet
+finalized is gone. A worker therefore keeps each row it staged until its rollout's
+``FinalizedEvent`` says the row is no longer needed, and stages the rows it still holds
+again when it attaches to a restarted data plane. Memory is bounded: over the budget the
+oldest rows are let go (and counted), so a restart can lose only rows beyond the budget.
+
+A row written after its rollout was finalized (its write was slow, the ledger closed
+the rollout without it, or it was staged again after the finalizer's delete) would
+stay in the data plane for good: ``add`` and ``release`` return the keys the caller
+must delete (deleting a row the finalizer already deleted costs a look-up).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stages.recent import RecentIds
+from topics.records import StagedCall
+
+DEFAULT_BUDGET_BYTES = 256 * 2**20
+ROW_OVERHEAD_BYTES = 1024
+"""Identity, hashes and object headers of a row, beyond its token vectors."""
+
+
+def row_bytes(row: StagedCall) -> int:
+    """What a row costs to keep: 8 bytes an id, 4 a mask entry, 4 a logprob, plus overhead."""
+    return ROW_OVERHEAD_BYTES + 16 * row.delta_len
+
+
+@dataclass(slots=True)
+class RetainedStats:
+    held: int = 0
+    held_bytes: int = 0
+    released: int = 0
+    late: int = 0
+    """Rows written after their rollout was finalized (deleted, not held)."""
+    over_budget: int = 0
+    """Rows let go before their rollout was finalized: a data-plane restart loses these."""
+    restaged: int = 0
+
+
+class RetainedRows:
+    """Staged rows by key, oldest first, within ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes: must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.stats = RetainedStats()
+        self._rows: OrderedDict[str, StagedCall] = OrderedDict()
+        self._by_rollout: dict[str, set[str]] = {}
+        self._finalized = RecentIds()
+
+    def add(self, rows: Sequence[StagedCall]) -> list[str]:
+        """Hold rows just written; returns the keys of those whose rollout is finalized
+        already (late: the caller deletes them, nobody else will)."""
+        late: list[str] = []
+        for row in rows:
+            key = row.staging_key
+            if row.rollout_id in self._finalized:
+                late.append(key)
+                self.stats.late += 1
+                continue
+            if key in self._rows:  # written again: the latest version is the one to keep
+                self.stats.held_bytes -= row_bytes(self._rows[key])
+            self._rows[key] = row
+            self._by_rollout.setdefault(row.rollout_id, set()).add(key)
+            self.stats.held_bytes += row_bytes(row)
+        while self._rows and self.stats.held_bytes > self.budget_bytes:
+            self._drop(next(iter(self._rows)))
+            self.stats.over_budget += 1
+        self.stats.held = len(self._rows)
+        return late
+
+    def release(self, rollout_id: str) -> list[str]:
+        """Let go of a finalized rollout's rows; returns their keys, to delete: a copy
+        written after the finalizer's own delete would otherwise stay."""
+        self._finalized.add(rollout_id)
+        keys = sorted(self._by_rollout.pop(rollout_id, set()))
+        for key in keys:
+            self._drop(key, rollout_known=False)
+            self.stats.released += 1
+        self.stats.held = len(self._rows)
+        return keys
+
+    def held(self) -> list[StagedCall]:
+        """Every row still held, oldest first."""
+        return list(self._rows.values())
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _drop(self, key: str, *, rollout_known: bool = True) -> None:
+        row = self._rows.pop(key)
+        self.stats.held_bytes -= row_bytes(row)
+        if rollout_known:
+            keys = self._by_rollout.get(row.rollout_id)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_rollout[row.rollout_id]

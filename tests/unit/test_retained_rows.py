@@ -1,0 +1,69 @@
+"""A worker's held rows: bounded, released when finalized, late rows handed back to delete."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from stages.capture.core import CapturedRow, PreparedCall, capture_row
+from stages.capture.retain import RetainedRows, row_bytes
+from stages.capture.writer import PendingCall, StagingWriter
+from stages.memory import MemoryDataPlane, RecordingSink
+from topics.records import CaptureAdmission, StagedCall
+
+
+def captured(rollout: str, call: str, tokens: int = 4) -> CapturedRow:
+    admission = CaptureAdmission(rollout_id=rollout, call_id=call, mode="text", prev_len=0, admitted_at=1.0)
+    prepared = PreparedCall(admission, np.zeros(0, dtype=np.int64), None)
+    return capture_row(prepared, [1, 2], list(range(3, 3 + tokens)), [-0.5] * tokens, weight_version=0)
+
+
+def row(rollout: str, call: str, tokens: int = 4) -> StagedCall:
+    return captured(rollout, call, tokens).row
+
+
+def test_rows_are_held_until_their_rollout_is_finalized_then_handed_back() -> None:
+    held = RetainedRows()
+    assert held.add([row("r", "c0"), row("r", "c1"), row("q", "c0")]) == []
+    assert len(held) == 3
+    assert held.release("r") == ["r/c0", "r/c1"]  # to delete: a later copy may outlive the finalizer's
+    assert [r.staging_key for r in held.held()] == ["q/c0"]
+    assert held.add([row("r", "c2")]) == ["r/c2"]  # written after its rollout's outcome: late
+    assert held.stats.late == 1 and len(held) == 1
+
+
+def test_over_the_budget_the_oldest_rows_go_and_are_counted() -> None:
+    first = row("r", "c0")
+    held = RetainedRows(budget_bytes=2 * row_bytes(first))
+    held.add([first, row("r", "c1"), row("q", "c0")])
+    assert [r.staging_key for r in held.held()] == ["r/c1", "q/c0"]
+    assert held.stats.over_budget == 1 and held.stats.held_bytes <= held.budget_bytes
+
+
+def test_a_row_written_again_is_held_in_its_latest_version() -> None:
+    held = RetainedRows()
+    original = row("r", "c0")
+    held.add([original])
+    rewritten = row("r", "c0", tokens=6)
+    held.add([rewritten])
+    assert held.held() == [rewritten] and held.stats.held_bytes == row_bytes(rewritten)
+
+
+def test_the_writer_holds_what_it_staged_deletes_late_rows_and_stages_again() -> None:
+    async def go() -> tuple[MemoryDataPlane, MemoryDataPlane, StagingWriter]:
+        plane, restarted = MemoryDataPlane(), MemoryDataPlane()
+        writer = StagingWriter(plane, RecordingSink(), worker_id="w", retained=RetainedRows())
+        assert writer.retained is not None
+        writer.retained.release("done")  # finalized before its last row is written
+        writer.start()
+        for late_or_not in (captured("r", "c0"), captured("done", "c9")):
+            assert writer.submit(PendingCall(late_or_not.coords, late_or_not.row))
+        await writer.stop()
+        assert await writer.restage(restarted) == 1
+        return plane, restarted, writer
+
+    plane, restarted, writer = asyncio.run(go())
+    assert set(plane.calls) == {"r/c0"}  # the late row was deleted again at once
+    assert set(restarted.calls) == {"r/c0"} and writer.retained is not None
+    assert writer.retained.stats.restaged == 1 and writer.retained.stats.late == 1
