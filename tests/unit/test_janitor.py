@@ -5,33 +5,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from rowkit import text_row
 
 from stages.finalize.janitor import JanitorConfig, StagingJanitor
 from stages.finalize.stage import FinalizerStage
 from stages.memory import MemoryDataPlane, RecordingSink
 from stages.ports import STAGING_PARTITION
 from stages.recent import RecentIds
-from topics import digest
-from topics.records import StagedCall
-from topics.staging import staging_row
-
-
-def row(rollout_id: str, call_id: str) -> StagedCall:
-    delta = digest.build_delta([1, 2], [3], [-0.5], 0)
-    return staging_row(
-        rollout_id=rollout_id,
-        call_id=call_id,
-        parent_call_id=None,
-        parent_chain_hash=None,
-        prefix_ids=[],
-        delta=delta,
-        weight_version=0,
-    )
 
 
 def planted(*keys: str) -> MemoryDataPlane:
     plane = MemoryDataPlane()
-    asyncio.run(plane.put_calls([row(*key.split("/")) for key in keys]))
+    asyncio.run(plane.put_calls([text_row(*key.split("/")) for key in keys]))
     return plane
 
 

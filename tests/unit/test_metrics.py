@@ -9,6 +9,7 @@ from typing import cast
 
 import httpx
 import pytest
+from rowkit import text_row
 
 from bench.events import rollout_events
 from pipeline.dataplane.timed import timed
@@ -25,10 +26,8 @@ from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerStage
 from stages.memory import MemoryDataPlane, RecordingSink
 from stages.ports import Consumed
-from topics import digest
 from topics.events import envelope
-from topics.records import DeadLetter, Record, RolloutReceipt, RolloutSeal, StagedCall
-from topics.staging import staging_row
+from topics.records import DeadLetter, Record, RolloutReceipt, RolloutSeal
 
 
 def consumed(records: Sequence[Record], topic: str = "t") -> list[Consumed]:
@@ -206,23 +205,10 @@ def test_the_finalizer_exports_what_its_janitor_swept() -> None:
         metrics = StageMetrics("finalizer", process=False)
         finalizer = FinalizerStage(plane, metrics.sink(RecordingSink()), janitor=JanitorConfig())
         await metrics.handler(finalizer).handle(consumed(receipts))
-        await plane.put_calls([staged_row("gone", "late")])  # written after the rollout was finalized
+        await plane.put_calls([text_row("gone", "late")])  # written after the rollout was finalized
         await metrics.handler(finalizer).tick(1.0)
         return metrics
 
     metrics = asyncio.run(go())
     assert sample(metrics, "tokentrail_staging_rows_swept_total", stage="finalizer", why="finished") == 1
     assert sample(metrics, "tokentrail_staging_rows_swept_total", stage="finalizer", why="expired") == 0
-
-
-def staged_row(rollout_id: str, call_id: str) -> StagedCall:
-    delta = digest.build_delta([1, 2], [3], [-0.5], 0)
-    return staging_row(
-        rollout_id=rollout_id,
-        call_id=call_id,
-        parent_call_id=None,
-        parent_chain_hash=None,
-        prefix_ids=[],
-        delta=delta,
-        weight_version=0,
-    )
