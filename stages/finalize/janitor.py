@@ -13,6 +13,8 @@ than a rollout may stay open (DESIGN §7.3).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from stages.ports import STAGING_PARTITION, DataPlane, DataPlaneError
@@ -49,25 +51,37 @@ class JanitorStats:
 
 
 class StagingJanitor:
-    """Sweeps the staging partition on ``maybe_sweep`` (the finalizer's timer)."""
+    """Sweeps the staging partition on ``maybe_sweep`` (the finalizer's timer).
 
-    def __init__(self, plane: DataPlane, finalized: RecentIds, config: JanitorConfig | None = None) -> None:
+    Its clock is its own (monotonic wall time): the stage's log time stands still or
+    jumps while the stage catches up, and a row's age is wall time."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        finalized: RecentIds,
+        config: JanitorConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.plane = plane
         self.finalized = finalized
         self.config = config or JanitorConfig()
+        self._clock = clock
         self.stats = JanitorStats()
         self._first_seen: dict[str, float] = {}
         self._after = ""  # the last key looked at: the next sweep starts past it
-        self._next_sweep = -1.0
+        self._next_sweep = -float("inf")
 
-    async def maybe_sweep(self, now: float) -> None:
-        """Sweep if ``sweep_every_s`` has passed since the last one (``now`` in seconds)."""
-        if now < self._next_sweep:
+    async def maybe_sweep(self) -> None:
+        """Sweep if ``sweep_every_s`` has passed since the last one."""
+        if self._clock() < self._next_sweep:
             return
-        self._next_sweep = now + self.config.sweep_every_s
-        await self.sweep(now)
+        self._next_sweep = self._clock() + self.config.sweep_every_s
+        await self.sweep()
 
-    async def sweep(self, now: float) -> None:
+    async def sweep(self) -> None:
+        now = self._clock()
         try:
             keys = await self.plane.list_keys(STAGING_PARTITION)
         except DataPlaneError as exc:

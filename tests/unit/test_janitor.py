@@ -28,15 +28,22 @@ def test_rows_of_finalized_rollouts_go_at_once_others_after_the_ttl() -> None:
     plane = planted("done/c1", "done/c2", "open/c1", "orphan/c9")
     finalized = RecentIds()
     finalized.add("done")
-    janitor = StagingJanitor(plane, finalized, JanitorConfig(ttl_s=100.0, sweep_every_s=10.0))
-    asyncio.run(janitor.maybe_sweep(1_000.0))
+    now = [1_000.0]
+    config = JanitorConfig(ttl_s=100.0, sweep_every_s=10.0)
+    janitor = StagingJanitor(plane, finalized, config, clock=lambda: now[0])
+
+    def sweep_at(t: float) -> None:
+        now[0] = t
+        asyncio.run(janitor.maybe_sweep())
+
+    sweep_at(1_000.0)
     assert keys(plane) == ["open/c1", "orphan/c9"]
-    asyncio.run(janitor.maybe_sweep(1_005.0))  # not due yet: nothing looked at
+    sweep_at(1_005.0)  # not due yet: nothing looked at
     assert janitor.stats.sweeps == 1
     asyncio.run(plane.delete_calls(["open/c1"]))  # the finalizer finished it meanwhile
-    asyncio.run(janitor.maybe_sweep(1_099.0))
+    sweep_at(1_099.0)
     assert keys(plane) == ["orphan/c9"]  # seen 99 s ago: kept
-    asyncio.run(janitor.maybe_sweep(1_110.0))
+    sweep_at(1_110.0)
     assert keys(plane) == []
     assert (janitor.stats.finished, janitor.stats.expired) == (2, 1)
 
@@ -46,11 +53,11 @@ def test_a_sweep_looks_at_a_bounded_window_and_goes_on_where_it_stopped() -> Non
     finalized = RecentIds()
     finalized.update(f"r{i}" for i in range(5))
     janitor = StagingJanitor(plane, finalized, JanitorConfig(max_keys=2))
-    asyncio.run(janitor.sweep(0.0))
+    asyncio.run(janitor.sweep())
     assert keys(plane) == ["r2/c", "r3/c", "r4/c"]
-    asyncio.run(janitor.sweep(1.0))
+    asyncio.run(janitor.sweep())
     assert keys(plane) == ["r4/c"]
-    asyncio.run(janitor.sweep(2.0))
+    asyncio.run(janitor.sweep())
     assert keys(plane) == []
 
 
@@ -60,7 +67,7 @@ def test_a_dead_data_plane_skips_the_sweep() -> None:
     finalized = RecentIds()
     finalized.add("done")
     janitor = StagingJanitor(plane, finalized)
-    asyncio.run(janitor.sweep(0.0))
+    asyncio.run(janitor.sweep())
     assert janitor.stats.errors == 1
     plane.broken = False
     assert keys(plane) == ["done/c1"]
@@ -70,7 +77,7 @@ def test_the_finalizer_sweeps_on_its_timer_and_exports_what_it_swept() -> None:
     plane = planted("done/c1")
     stage = FinalizerStage(plane, RecordingSink(), janitor=JanitorConfig())
     stage.answered.add("done")
-    asyncio.run(stage.tick(5.0))
+    asyncio.run(stage.tick(0.0))  # log time says nothing: the janitor keeps its own clock
     assert keys(plane) == []
     assert stage.gauges().swept == {"finished": 1, "expired": 0}
 
@@ -79,3 +86,18 @@ def test_the_finalizer_sweeps_on_its_timer_and_exports_what_it_swept() -> None:
 def test_bad_settings_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         JanitorConfig(**{field: value})
+
+
+def test_a_row_ages_in_wall_time_whatever_log_time_the_stage_ticks_with() -> None:
+    """A stage catching up ticks with old (even zero) log time, then the wall clock."""
+    plane = planted("open/c1")
+    stage = FinalizerStage(plane, RecordingSink(), janitor=JanitorConfig(ttl_s=60.0, sweep_every_s=0.001))
+
+    async def go() -> None:
+        await stage.tick(0.0)
+        await asyncio.sleep(0.01)
+        await stage.tick(1_800_000_000.0)
+
+    asyncio.run(go())
+    assert keys(plane) == ["open/c1"]
+    assert stage.janitor is not None and stage.janitor.stats.sweeps == 2
