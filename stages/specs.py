@@ -33,6 +33,13 @@ class StageSettings:
     """The finalizer's sweep of staging rows nobody else will delete."""
 
 
+def staging_ttl(ledger: LedgerConfig) -> float:
+    """How long the janitor leaves a row nobody finished: twice the longest a rollout can
+    stay open (unsealed for ``max_open_s``, then sealed for ``seal_grace_s``), so no
+    rollout that can still close loses a row (DESIGN §7.3)."""
+    return 2 * (ledger.max_open_s + ledger.seal_grace_s)
+
+
 class MissingDataPlane(ValueError):
     """A stage that reads rows was built without a data plane."""
 

@@ -27,7 +27,7 @@ from pipeline.stagehost.server import MetricsServer
 from stages.finalize.janitor import JanitorConfig
 from stages.finalize.verify import MixedVersionPolicy
 from stages.ledger.stage import LedgerConfig
-from stages.specs import STAGES, StageSettings
+from stages.specs import STAGES, StageSettings, staging_ttl
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,14 @@ def add_parser(subparsers: Any) -> None:
         type=float,
         help=(
             "finalizer: seconds after which a staging row nobody finished is deleted "
-            "(default: twice --max-open, so no rollout that can still close loses a row)"
+            "(default: twice --max-open plus --seal-grace, so no rollout that can still close loses a row)"
         ),
+    )
+    parser.add_argument(
+        "--staging-sweep",
+        type=float,
+        default=JanitorConfig().sweep_every_s,
+        help="finalizer: seconds between sweeps of the staging partition (default %(default)s)",
     )
     parser.add_argument(
         "--remember",
@@ -236,11 +242,14 @@ async def _serve_stage(
     tuning = replace(
         DEFAULT_TUNING, session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_ms
     )
+    ledger = LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open)
     settings = StageSettings(
-        ledger=LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open),
+        ledger=ledger,
         mixed_versions=MixedVersionPolicy(args.mixed_versions),
         remember=args.remember,
-        janitor=JanitorConfig(ttl_s=args.staging_ttl or 2 * args.max_open),
+        janitor=JanitorConfig(
+            ttl_s=args.staging_ttl or staging_ttl(ledger), sweep_every_s=args.staging_sweep
+        ),
     )
     async with contextlib.AsyncExitStack() as stack:
         sink = metrics.sink(await stack.enter_async_context(KafkaEventSink(config)))

@@ -59,6 +59,8 @@ class LoopStats:
     rebalances: int = 0
     held: int = 0
     """Records fetched but waiting for the log-time merge (ordered loops)."""
+    enforced: int = 0
+    """Releases that went on without a partition that kept the others waiting too long."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,10 @@ class ConsumerTuning:
     """Log-time order (``ordered`` loops): a caught-up partition counts as read up to
     its last fetch response minus this much, the longest a record may take from its
     producer's clock to the log without breaking the order (DESIGN §7.2)."""
+    max_idle_ms: int = 5_000
+    """Log-time order: a partition behind its end that returns nothing for this long (a
+    broker recovering) stops holding the others back, as Kafka Streams'
+    ``max.task.idle.ms``; the order may then differ from a replay's (counted: ``enforced``)."""
 
 
 DEFAULT_TUNING = ConsumerTuning()
@@ -155,9 +161,14 @@ class ConsumerLoop:
         self._assigned = asyncio.Event()
         self._positions: dict[TopicPartition, int] = {}
         self._read_up_to: dict[TopicPartition, float] = {}  # log time of the last record handled
-        self._fetched_to: dict[TopicPartition, int] = {}  # offset after the last record fetched
+        self._fetched_to: dict[TopicPartition, int] = {}  # the consumer's position, read per release
         self._held: LogTimeMerge[_Fetched] = LogTimeMerge(log_time_order or ())
         self._frontier = -math.inf  # log time the ordered merge has provably reached
+        self._max_idle_s = tuning.max_idle_ms / 1000
+        self._behind: dict[
+            TopicPartition, float
+        ] = {}  # since when a partition has nothing held, yet records to fetch
+        self._enforced: set[TopicPartition] = set()  # partitions the last release stopped waiting for
         self._committed: dict[TopicPartition, int] = {}
         self._epoch = 0  # bumped by every revocation and assignment
         self.stats = LoopStats()
@@ -237,15 +248,22 @@ class ConsumerLoop:
     def _caught_up_to(self, consumer: AIOKafkaConsumer) -> Callable[[PortPartition], float]:
         """The log-time bound of a partition with nothing held: read to its end at the last
         fetch response, less the margin for records still on their way; ``-inf`` while it
-        has records not fetched yet (or its end is unknown)."""
+        has records not fetched yet (or its end is unknown), unless it has kept the others
+        waiting for ``max_idle_ms``: then ``+inf`` (see ``_behind``)."""
+        now = time.monotonic()
 
         def bound(key: PortPartition) -> float:
             tp = TopicPartition(*key)
             end = consumer.highwater(tp)
             polled: int | None = consumer.last_poll_timestamp(tp)
-            if end is None or polled is None or self._fetched_to.get(tp, -1) < end:
+            if end is not None and polled is not None and self._fetched_to.get(tp, -1) >= end:
+                self._behind.pop(tp, None)
+                return polled / 1000 - self._idle_margin_s
+            since = self._behind.setdefault(tp, now)
+            if now - since < self._max_idle_s:
                 return -math.inf
-            return polled / 1000 - self._idle_margin_s
+            self._enforced.add(tp)
+            return math.inf
 
         return bound
 
@@ -275,7 +293,6 @@ class ConsumerLoop:
                     entries.append((stamp, _Fetched(tp, record.offset, stamp, item)))
             if records:
                 self._held.add(tp, entries)
-                self._fetched_to[tp] = records[-1].offset + 1
         if dead:
             for letter in dead:
                 log.warning(
@@ -292,9 +309,29 @@ class ConsumerLoop:
     async def _release(self, consumer: AIOKafkaConsumer) -> None:
         """Hand the handler what may be handled now, then tell it how far log time got."""
         if self.ordered:
+            # The consumer's own position, not the last record seen: the broker may skip
+            # offsets (compaction, a restart's lost tail), and a partition past its last
+            # record is caught up all the same.
+            self._fetched_to = {tp: await consumer.position(tp) for tp in consumer.assignment()}
+            for tp in consumer.assignment():
+                if not self._held.empty((tp.topic, tp.partition)):
+                    self._behind.pop(tp, None)  # it delivered: its wait starts afresh
+            waited_for = set(self._enforced)
+            self._enforced.clear()
             released = self._held.release(consumer.assignment(), self._caught_up_to(consumer))
             entries = released.items
-            self._frontier = max(self._frontier, released.frontier)
+            # A partition no longer waited for still bounds log time: at the last record
+            # handled from it, so no grace expires on time that partition has not shown.
+            stalled = [self._read_up_to.get(tp, -math.inf) for tp in self._enforced]
+            self._frontier = max(self._frontier, min([released.frontier, *stalled]))
+            if self._enforced and entries:
+                self.stats.enforced += 1
+                if self._enforced != waited_for:
+                    log.warning(
+                        "log-time order not kept: %s returned nothing for %.0f s though behind its end",
+                        ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(self._enforced)),
+                        self._max_idle_s,
+                    )
         else:
             entries = self._held.release_all()
         consumed = [entry.item for entry in entries if entry.item is not None]
@@ -347,7 +384,6 @@ class ConsumerLoop:
             for tp in revoked:
                 self._positions.pop(tp, None)
                 self._read_up_to.pop(tp, None)
-                self._fetched_to.pop(tp, None)
                 self._committed.pop(tp, None)
         self.stats.rebalances += 1
 
@@ -366,12 +402,10 @@ class ConsumerLoop:
                     offset = committed[tp]
                     if offset is None:
                         consumer.seek(tp, starts[tp])
-                        self._fetched_to[tp] = starts[tp]
                         self._positions.pop(tp, None)
                         self._committed.pop(tp, None)
                     else:
                         consumer.seek(tp, offset)
-                        self._fetched_to[tp] = offset
                         self._positions[tp] = offset
                         self._committed[tp] = offset
                 if self._on_assigned_hook is not None:

@@ -24,7 +24,7 @@ from stages.capture.vllm.engine import EngineSettings, VllmEngine
 from stages.finalize.janitor import JanitorConfig
 from stages.ledger.stage import LedgerConfig
 from stages.ports import DataPlane
-from stages.specs import STAGES, StageSettings
+from stages.specs import STAGES, StageSettings, staging_ttl
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,7 @@ async def running_stages(
     """Every stage as a consumer-group member; on exit they finish their batch, commit
     and leave their groups. A stage that stops on its own calls ``on_failure``."""
     stop = asyncio.Event()
-    # A staging row nobody finished outlives any rollout that can still close, then goes.
-    settings = StageSettings(ledger=ledger_config, janitor=JanitorConfig(ttl_s=2 * ledger_config.max_open_s))
+    settings = StageSettings(ledger=ledger_config, janitor=JanitorConfig(ttl_s=staging_ttl(ledger_config)))
     tasks: dict[str, asyncio.Task[object]] = {
         name: asyncio.create_task(
             serve_stage(spec.build(sink, data_plane, settings), spec, kafka, sink, stop=stop, tuning=tuning),
