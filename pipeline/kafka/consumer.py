@@ -165,9 +165,8 @@ class ConsumerLoop:
         self._held: LogTimeMerge[_Fetched] = LogTimeMerge(log_time_order or ())
         self._frontier = -math.inf  # log time the ordered merge has provably reached
         self._max_idle_s = tuning.max_idle_ms / 1000
-        self._behind: dict[
-            TopicPartition, float
-        ] = {}  # since when a partition has nothing held, yet records to fetch
+        # Since when each partition has had nothing held, yet records still to fetch.
+        self._behind: dict[TopicPartition, float] = {}
         self._enforced: set[TopicPartition] = set()  # partitions the last release stopped waiting for
         self._committed: dict[TopicPartition, int] = {}
         self._epoch = 0  # bumped by every revocation and assignment
@@ -381,7 +380,9 @@ class ConsumerLoop:
                 await self._commit(consumer, only=revoked)
             self.handler.on_revoked([(tp.topic, tp.partition) for tp in revoked])
             self._held.drop(revoked)
+            self._frontier = -math.inf  # recomputed from the partitions owned from now on
             for tp in revoked:
+                self._behind.pop(tp, None)
                 self._positions.pop(tp, None)
                 self._read_up_to.pop(tp, None)
                 self._committed.pop(tp, None)
@@ -398,6 +399,9 @@ class ConsumerLoop:
                 # old epoch and are dropped; those after it come from these positions.
                 self._epoch += 1
                 self._held.drop(assigned)
+                # A partition taken over replays from its commit point, behind the others:
+                # log time is what all owned partitions have shown, never what was reached before.
+                self._frontier = -math.inf
                 for tp in assigned:
                     offset = committed[tp]
                     if offset is None:
