@@ -161,7 +161,7 @@ class ConsumerLoop:
         self._assigned = asyncio.Event()
         self._positions: dict[TopicPartition, int] = {}
         self._read_up_to: dict[TopicPartition, float] = {}  # log time of the last record handled
-        self._fetched_to: dict[TopicPartition, int] = {}  # the consumer's position, read per release
+        self._position: dict[TopicPartition, int] = {}  # the consumer's, of partitions with nothing held
         self._held: LogTimeMerge[_Fetched] = LogTimeMerge(log_time_order or ())
         self._frontier = -math.inf  # log time the ordered merge has provably reached
         self._max_idle_s = tuning.max_idle_ms / 1000
@@ -255,7 +255,7 @@ class ConsumerLoop:
             tp = TopicPartition(*key)
             end = consumer.highwater(tp)
             polled: int | None = consumer.last_poll_timestamp(tp)
-            if end is not None and polled is not None and self._fetched_to.get(tp, -1) >= end:
+            if end is not None and polled is not None and self._position.get(tp, -1) >= end:
                 self._behind.pop(tp, None)
                 return polled / 1000 - self._idle_margin_s
             since = self._behind.setdefault(tp, now)
@@ -311,9 +311,12 @@ class ConsumerLoop:
             # The consumer's own position, not the last record seen: the broker may skip
             # offsets (compaction, a restart's lost tail), and a partition past its last
             # record is caught up all the same.
-            self._fetched_to = {tp: await consumer.position(tp) for tp in consumer.assignment()}
+            # Only a partition with nothing held needs a bound, so only its position is read.
+            self._position = {}
             for tp in consumer.assignment():
-                if not self._held.empty((tp.topic, tp.partition)):
+                if self._held.empty((tp.topic, tp.partition)):
+                    self._position[tp] = await consumer.position(tp)
+                else:
                     self._behind.pop(tp, None)  # it delivered: its wait starts afresh
             waited_for = set(self._enforced)
             self._enforced.clear()
