@@ -18,6 +18,9 @@ class WorkerFailure(StrEnum):
     # An admitted call the engine never finished (error, cancelled), reported at once so
     # the ledger need not wait out its grace period.
     NOT_SERVED = "not_served"
+    # A streaming client went away before its call finished: the engine stopped
+    # generating, so there is no complete row to stage.
+    CLIENT_DISCONNECTED = "client_disconnected"
 
 
 class LedgerFailure(StrEnum):

@@ -1,21 +1,17 @@
-"""Chat rendering for token-in generation: the model's template, the splice, tool calls.
+"""The history render behind the splice: the model's template, through the last assistant turn.
 
-The engine receives token ids, never text, so the worker renders the conversation with
-the model's own chat template. For a call that continues a captured conversation the
+vLLM renders the prompt it serves. For a call that continues a captured conversation the
 earlier turns must be the exact ids the model saw and produced, not their re-rendering
 (templates strip reasoning, tokenizers merge differently): the render of the history
-through the last assistant turn tells the splice how many turn-closing EOS tokens to
-skip in the full render (DESIGN §5).
+through the last assistant turn, with the same template, tells the splice how many
+turn-closing EOS tokens of vLLM's render to replace by the exact prefix (DESIGN §5).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import re
-import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +24,32 @@ Tool = Mapping[str, Any]
 class ChatRenderer:
     """Renders conversations to ids with a Hugging Face tokenizer's chat template."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: Collection[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, eos_token_ids: Collection[int], *, chat_template: str | None = None
+    ) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids: at least one end-of-turn id is required")
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ChatRenderer:
-        """The tokenizer vLLM serves, and every id that ends a generation for this model."""
+    def from_pretrained(cls, model_dir: str | Path, *, chat_template: str | None = None) -> ChatRenderer:
+        """The tokenizer vLLM serves, and every id that ends a generation for this model.
+
+        ``chat_template`` overrides the tokenizer's, as it does for the server's render.
+        """
         transformers = importlib.import_module("transformers")
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-        return cls(tokenizer, eos_token_ids_of(Path(model_dir), tokenizer))
+        return cls(tokenizer, eos_token_ids_of(Path(model_dir), tokenizer), chat_template=chat_template)
 
     def render(self, messages: Sequence[Message], tools: Sequence[Tool] | None = None) -> list[int]:
         """The full prompt: every message, then the assistant generation prompt."""
         return self._ids(messages, tools, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids, without special tokens (the tail of a completion prompt)."""
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def render_history(
         self, messages: Sequence[Message], tools: Sequence[Tool] | None = None
@@ -78,6 +84,7 @@ class ChatRenderer:
             [dict(m) for m in messages],
             tools=[dict(t) for t in tools] if tools else None,
             add_generation_prompt=add_generation_prompt,
+            chat_template=self.chat_template,
             tokenize=True,
             return_dict=False,
         )
@@ -113,63 +120,4 @@ def eos_token_ids_of(model_dir: Path, tokenizer: Any) -> list[int]:
     return found
 
 
-# ------------------------------------------------------------------------ tool calls
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-@dataclass(frozen=True, slots=True)
-class AssistantReply:
-    """Generated text split into OpenAI's ``content`` and ``tool_calls``."""
-
-    content: str | None
-    tool_calls: list[dict[str, Any]]
-
-
-def parse_reply(text: str, *, new_id: Callable[[], str] | None = None) -> AssistantReply:
-    """Lift every well-formed ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` out of ``text``.
-
-    Tolerant by design: a block that is not such a JSON object stays in the content
-    untouched, so nothing the model wrote is lost. ``new_id`` mints call ids (tests).
-    """
-    mint = new_id if new_id is not None else _call_id
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    position = 0
-    for match in _TOOL_CALL.finditer(text):
-        call = _tool_call(match.group(1))
-        if call is None:
-            continue
-        name, arguments = call
-        kept.append(text[position : match.start()])
-        position = match.end()
-        calls.append({"id": mint(), "type": "function", "function": {"name": name, "arguments": arguments}})
-    kept.append(text[position:])
-    content = "".join(kept)
-    if calls:
-        content = content.strip()
-    return AssistantReply(content=(content or None) if calls else content, tool_calls=calls)
-
-
-def _tool_call(body: str) -> tuple[str, str] | None:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-__all__ = [
-    "AssistantReply",
-    "ChatRenderer",
-    "eos_token_ids_of",
-    "last_assistant_index",
-    "parse_reply",
-]
+__all__ = ["ChatRenderer", "eos_token_ids_of", "last_assistant_index"]

@@ -1,0 +1,89 @@
+"""vLLM's own serving layers, built around the capturing engine client and renderer.
+
+The worker serves Chat Completions, Completions, Responses and Anthropic Messages with
+vLLM's implementations (templates, tool and reasoning parsers, streaming, ``n``,
+logprobs, structured outputs); capture attaches through the two objects they share:
+the renderer (``CapturingRenderer``: the exact-prefix splice) and the engine client
+(``CapturingEngineClient``: each finished choice becomes a row). Tool calls are parsed
+with the ``hermes`` parser (``<tool_call>{json}</tool_call>``, what the tiny model's
+template writes and most open chat models use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+from stages.capture.vllm.client import CapturingEngineClient
+from stages.capture.vllm.renderer import CapturingRenderer
+
+DEFAULT_TOOL_PARSER = "hermes"
+
+
+@dataclass(frozen=True, slots=True)
+class ServingOptions:
+    """How vLLM renders and parses; ``chat_template`` overrides the tokenizer's."""
+
+    model_name: str
+    model_path: str
+    chat_template: str | None = None
+    tool_parser: str | None = DEFAULT_TOOL_PARSER
+    reasoning_parser: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """One handler per protocol, all on one capturing client and renderer."""
+
+    models: Any
+    renderer: CapturingRenderer
+    chat: Any
+    completion: Any
+    responses: Any
+    messages: Any
+
+
+def build_serving(client: CapturingEngineClient, options: ServingOptions) -> Serving:
+    models = OpenAIServingModels(
+        engine_client=client,
+        base_model_paths=[BaseModelPath(name=options.model_name, model_path=options.model_path)],
+    )
+    auto_tools = options.tool_parser is not None
+    renderer = CapturingRenderer(
+        model_config=client.model_config,
+        renderer=client.renderer,
+        request_logger=None,
+        chat_template=options.chat_template,
+        chat_template_content_format="auto",
+        enable_auto_tools=auto_tools,
+        tool_parser=options.tool_parser,
+        reasoning_parser=options.reasoning_parser,
+    )
+    renderer.warmup()
+    chat_like: dict[str, Any] = {
+        "online_renderer": renderer,
+        "request_logger": None,
+        "chat_template": options.chat_template,
+        "chat_template_content_format": "auto",
+        "enable_auto_tools": auto_tools,
+        "tool_parser": options.tool_parser,
+        "reasoning_parser": options.reasoning_parser or "",
+    }
+    return Serving(
+        models=models,
+        renderer=renderer,
+        chat=OpenAIServingChat(client, models, "assistant", **chat_like),
+        completion=OpenAIServingCompletion(client, models, online_renderer=renderer, request_logger=None),
+        responses=OpenAIServingResponses(client, models, **chat_like),
+        messages=AnthropicServingMessages(client, models, "assistant", **chat_like),
+    )
+
+
+__all__ = ["DEFAULT_TOOL_PARSER", "Serving", "ServingOptions", "build_serving"]

@@ -1,0 +1,67 @@
+"""vLLM's renderer with the exact-prefix splice: the prompt is fixed before the engine sees it.
+
+Every vLLM serving layer that speaks chat (Chat Completions, Responses, Anthropic
+Messages) renders through ``preprocess_chat``; completions go through
+``preprocess_completion``. This subclass lets vLLM render as usual, then, for a request
+with a capture scope (``CURRENT_SCOPE``, set by the route), replaces the rendered ids by
+the scope's spliced prompt and tags the engine input with the scope so the capturing
+engine client knows whose call it is. Requests without a scope are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.renderers.online_renderer import OnlineRenderer
+
+from stages.capture.vllm.client import tag_engine_input
+from stages.capture.vllm.scope import CURRENT_SCOPE
+
+PROMPT_IDS = "prompt_token_ids"
+
+
+class CaptureRefused(ValueError):
+    """A captured request vLLM would render into something that is not one token prompt."""
+
+
+class CapturingRenderer(OnlineRenderer):  # type: ignore[misc]
+    """``OnlineRenderer`` that splices and tags the prompt of a captured request."""
+
+    async def preprocess_chat(self, request: Any, messages: list[Any], *args: Any, **kwargs: Any) -> Any:
+        conversation, engine_inputs = await super().preprocess_chat(request, messages, *args, **kwargs)
+        scope = CURRENT_SCOPE.get()
+        if scope is not None:
+            tools = kwargs.get("tool_dicts", args[3] if len(args) > 3 else None)
+            engine_input = _one_token_prompt(engine_inputs)
+            engine_input[PROMPT_IDS] = scope.splice_chat(conversation, tools, list(engine_input[PROMPT_IDS]))
+            tag_engine_input(engine_input, scope)
+        return conversation, engine_inputs
+
+    async def preprocess_completion(
+        self, request: Any, prompt_input: Any, prompt_embeds: Any, **kwargs: Any
+    ) -> Any:
+        engine_inputs = await super().preprocess_completion(request, prompt_input, prompt_embeds, **kwargs)
+        scope = CURRENT_SCOPE.get()
+        if scope is not None:
+            engine_input = _one_token_prompt(engine_inputs)
+            text = prompt_input if isinstance(prompt_input, str) else None
+            engine_input[PROMPT_IDS] = scope.splice_tokens(
+                list(engine_input[PROMPT_IDS]), self._decode, text
+            )
+            tag_engine_input(engine_input, scope)
+        return engine_inputs
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.renderer.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def _one_token_prompt(engine_inputs: list[Any]) -> dict[str, Any]:
+    if len(engine_inputs) != 1:
+        raise CaptureRefused(f"a captured request must render to one prompt, not {len(engine_inputs)}")
+    engine_input = engine_inputs[0]
+    if not isinstance(engine_input, dict) or PROMPT_IDS not in engine_input:
+        raise CaptureRefused("a captured request must render to token ids")
+    return engine_input
+
+
+__all__ = ["CaptureRefused", "CapturingRenderer"]
