@@ -102,7 +102,6 @@ class RolloutDriver:
 
     def _body(self, episode: Episode, job: Job) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": "tokentrail",
             "messages": episode.messages,
             "tools": [CALCULATOR_TOOL],
             "temperature": self.temperature,

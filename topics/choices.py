@@ -25,9 +25,7 @@ def choice_admissions(admission: CaptureAdmission, n: int) -> list[CaptureAdmiss
         raise ValueError(f"n: must be >= 1, got {n}")
     if n == 1:
         return [admission]
-    return [
-        admission.model_copy(update={"call_id": choice_call_id(admission.call_id, i)}) for i in range(n)
-    ]
+    return [admission.model_copy(update={"call_id": choice_call_id(admission.call_id, i)}) for i in range(n)]
 
 
 def check_shared_prefix(admissions: Sequence[CaptureAdmission]) -> None:

@@ -94,6 +94,17 @@ def add_parser(subparsers: Any) -> None:
             "that restarted (default: %(default)s, 256 MiB); rows beyond it are lost with the data plane"
         ),
     )
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="chat template overriding the tokenizer's, for serving and the exact-prefix splice",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="vLLM tool parser for tool calls in replies; 'none' turns tool parsing off (default: %(default)s)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="float32")
     engine.add_argument("--max-model-len", type=int, default=4096)
@@ -139,8 +150,8 @@ async def attach_data_plane(addresses_file: Path | None) -> AsyncIterator[DataPl
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     from pipeline.worker.main import WorkerConfig, default_worker_id
     from stages.capture.core import AckPolicy
+    from stages.capture.vllm.client import SpanPolicy
     from stages.capture.vllm.engine import EngineSettings
-    from stages.capture.vllm.worker import SpanPolicy
 
     return WorkerConfig(
         model_dir=args.model,
@@ -154,6 +165,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         prefix_wait_s=args.prefix_wait_s,
         max_body_bytes=args.max_body_bytes,
         retain_bytes=args.retain_bytes,
+        chat_template=None if args.chat_template is None else args.chat_template.read_text(),
+        tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         engine=EngineSettings(
             model=str(args.model),
             dtype=args.dtype,

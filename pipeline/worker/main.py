@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -32,14 +33,15 @@ from pipeline.kafka.config import KafkaConfig
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.retention import retaining
 from pipeline.worker.server import create_app
+from pipeline.worker.serving import DEFAULT_TOOL_PARSER, ServingOptions, build_serving
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer
 from stages.capture.core import AckPolicy, CaptureCore
-from stages.capture.engine import TokenEngine
 from stages.capture.resolve import PrefixResolver
 from stages.capture.retain import DEFAULT_BUDGET_BYTES, RetainedRows
+from stages.capture.vllm.client import CapturingEngineClient, SpanPolicy
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
-from stages.capture.vllm.worker import SpanPolicy, VllmWorker
+from stages.capture.vllm.worker import VllmWorker
 from stages.capture.writer import StagingWriter
 from stages.ports import DataPlane, EventSink
 
@@ -69,6 +71,9 @@ class WorkerConfig:
     """Staged rows kept until finalized, to stage again into a restarted data plane."""
     graceful_timeout_s: float = 60.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    chat_template: str | None = None
+    """Template text overriding the tokenizer's, for serving and for the splice alike."""
+    tool_parser: str | None = DEFAULT_TOOL_PARSER
     engine: EngineSettings | None = None
 
     @property
@@ -81,14 +86,17 @@ class WorkerConfig:
 
 def build_worker(
     config: WorkerConfig,
-    engine: TokenEngine,
+    engine: VllmEngine,
     data_plane: DataPlane,
     sink: EventSink,
     *,
-    renderer: ChatRenderer | None = None,
+    llm: Any = None,
     retained: RetainedRows | None = None,
 ) -> VllmWorker:
-    """The capture core on the given ports, around an already started engine."""
+    """The capture core on the given ports, around an already started engine.
+
+    ``llm`` is the engine client to capture on (default: the engine's own ``AsyncLLM``).
+    """
     cache = ChainCache(config.cache_bytes)
     writer = StagingWriter(
         data_plane, sink, worker_id=config.worker_id, max_queue=config.writer_max_queue, retained=retained
@@ -99,20 +107,28 @@ def build_worker(
         cache,
         ack_policy=config.ack_policy,
     )
-    return VllmWorker(
-        engine,
-        renderer if renderer is not None else ChatRenderer.from_pretrained(config.model_dir),
-        core,
+    client = CapturingEngineClient(
+        engine.llm if llm is None else llm,
         weight_version=config.weight_version,
         span_policy=config.span_policy,
     )
+    renderer = ChatRenderer.from_pretrained(config.model_dir, chat_template=config.chat_template)
+    return VllmWorker(client, engine, renderer, core)
 
 
-def build_app(worker: VllmWorker, config: WorkerConfig) -> FastAPI:
+def build_app(worker: VllmWorker, config: WorkerConfig, *, manage_worker: bool = True) -> FastAPI:
+    """vLLM's serving layers on the worker's capturing client, behind the worker's routes."""
+    options = ServingOptions(
+        model_name=config.model_name,
+        model_path=str(config.model_dir),
+        chat_template=config.chat_template,
+        tool_parser=config.tool_parser,
+    )
     return create_app(
         worker,
-        model_name=config.model_name,
+        build_serving(worker.client, options),
         worker_id=config.worker_id,
+        manage_worker=manage_worker,
         max_body_bytes=config.max_body_bytes,
     )
 
@@ -211,7 +227,7 @@ async def run_worker(
     *,
     data_plane: DataPlane,
     sink: EventSink,
-    engine: TokenEngine | None = None,
+    engine: VllmEngine | None = None,
     on_ready: Callable[[WorkerServer], None] | None = None,
     kafka: KafkaConfig | None = None,
 ) -> None:

@@ -34,7 +34,8 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         writer = self.worker.core.writer
-        counters = self.worker.counters
+        requests = self.worker.requests
+        capture = self.worker.capture_counters
         labels = ["worker"]
         who = [self.worker_id]
 
@@ -48,14 +49,23 @@ class WorkerCollector(Collector):
             family.add_metric(who, value)
             return family
 
-        yield counter("tokentrail_worker_requests", "chat requests received", counters.requests)
         yield counter(
-            "tokentrail_worker_rejected_requests",
-            "chat requests refused as invalid",
-            counters.rejected_requests,
+            "tokentrail_worker_requests", "generation requests received (every route)", requests.requests
         )
         yield counter(
-            "tokentrail_worker_engine_errors", "calls the engine failed to finish", counters.engine_errors
+            "tokentrail_worker_rejected_requests",
+            "generation requests refused as invalid",
+            requests.rejected_requests,
+        )
+        yield counter(
+            "tokentrail_worker_engine_errors",
+            "captured requests the engine failed while generating",
+            self.worker.client.engine_errors,
+        )
+        yield counter(
+            "tokentrail_worker_abandoned_calls",
+            "admitted calls the engine never finished (error, disconnect, refusal), reported failed",
+            capture.abandoned_calls,
         )
         yield counter(
             "tokentrail_worker_captured_calls", "calls staged with their row written", writer.stats.staged
@@ -71,7 +81,7 @@ class WorkerCollector(Collector):
         yield counter(
             "tokentrail_worker_refit_straddles",
             "captured calls whose tokens span weight versions",
-            counters.refit_straddles,
+            capture.refit_straddles,
         )
         yield counter(
             "tokentrail_worker_writer_queue_full", "rows the staging writer refused", writer.stats.queue_full

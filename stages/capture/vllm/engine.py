@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
 log = logging.getLogger(__name__)
 
 LOGPROBS_MODE = "processed_logprobs"

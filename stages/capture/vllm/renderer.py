@@ -45,9 +45,7 @@ class CapturingRenderer(OnlineRenderer):  # type: ignore[misc]
         if scope is not None:
             engine_input = _one_token_prompt(engine_inputs)
             text = prompt_input if isinstance(prompt_input, str) else None
-            engine_input[PROMPT_IDS] = scope.splice_tokens(
-                list(engine_input[PROMPT_IDS]), self._decode, text
-            )
+            engine_input[PROMPT_IDS] = scope.splice_tokens(list(engine_input[PROMPT_IDS]), self._decode, text)
             tag_engine_input(engine_input, scope)
         return engine_inputs
 

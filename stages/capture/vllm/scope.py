@@ -100,7 +100,10 @@ class CaptureScope:
     # ------------------------------------------------------------------ the prompt
 
     def splice_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, full: list[int]
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        full: list[int],
     ) -> list[int]:
         """The prompt for a chat render: the exact prefix over the re-rendered history."""
         if self.failure is not None:
@@ -113,7 +116,9 @@ class CaptureScope:
         except SpliceError as exc:
             return self._splice_failed(exc, full)
 
-    def splice_tokens(self, prompt: list[int], decode: Callable[[list[int]], str], text: str | None) -> list[int]:
+    def splice_tokens(
+        self, prompt: list[int], decode: Callable[[list[int]], str], text: str | None
+    ) -> list[int]:
         """The prompt for a completion: it must start with the exact prefix, in ids or in text.
 
         A token-id prompt is sent as given (capture fails if it does not start with the

@@ -1,0 +1,209 @@
+"""The generation routes: vLLM's handlers, with capture opened before and coords attached after.
+
+Per request: parse the JSON body, take ``ng_capture`` out of it, refuse unknown or
+unhonoured options and non-text content (``pipeline.worker.options``), validate the
+body with vLLM's own request model, open the capture scope (prefix resolved before the
+engine sees anything), run vLLM's handler with the scope current, then attach each
+choice's commit coords to the reply or to the stream's final events
+(``pipeline.worker.replies``). Errors come back in the route's API shape: OpenAI's for
+Chat, Completions and Responses, Anthropic's for Messages.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+from pipeline.worker.options import COMMON, RESPONSES, Refusal, check_content, check_options, field_names
+from pipeline.worker.protocol import (
+    InvalidRequest,
+    anthropic_error_body,
+    capture_admissions,
+    error_body,
+    invalid_request,
+)
+from pipeline.worker.replies import Dialect, attach_coords, stream_with_coords
+from pipeline.worker.serving import Serving
+from stages.capture.vllm.renderer import CaptureRefused
+from stages.capture.vllm.scope import CURRENT_SCOPE, CaptureScope
+from stages.capture.vllm.worker import VllmWorker
+from topics.failures import WorkerFailure
+from topics.wire import CAPTURE_FIELD
+
+Handler = Callable[[Any, Request], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRoute:
+    """One protocol: where it is served, vLLM's request model and handler, what it refuses."""
+
+    path: str
+    dialect: Dialect
+    request_model: type[BaseModel]
+    handler: Handler
+    refusals: Mapping[str, Refusal]
+
+    @property
+    def known_fields(self) -> frozenset[str]:
+        return field_names(self.request_model)
+
+
+def generation_routes(serving: Serving) -> list[GenerationRoute]:
+    return [
+        GenerationRoute(
+            "/v1/chat/completions", "chat", ChatCompletionRequest, serving.chat.create_chat_completion, COMMON
+        ),
+        GenerationRoute(
+            "/v1/completions", "completions", CompletionRequest, serving.completion.create_completion, COMMON
+        ),
+        GenerationRoute(
+            "/v1/responses",
+            "responses",
+            ResponsesRequest,
+            serving.responses.create_responses,
+            {**COMMON, **RESPONSES},
+        ),
+        GenerationRoute(
+            "/v1/messages", "messages", AnthropicMessagesRequest, serving.messages.create_messages, COMMON
+        ),
+    ]
+
+
+def add_generation_routes(app: FastAPI, worker: VllmWorker, serving: Serving) -> None:
+    for route in generation_routes(serving):
+        app.post(route.path)(_endpoint(route, worker))
+
+
+def _endpoint(route: GenerationRoute, worker: VllmWorker) -> Callable[[Request], Awaitable[Response]]:
+    known = route.known_fields
+
+    async def serve(request: Request) -> Response:
+        worker.requests.requests += 1
+        try:
+            body = _json_object(await request.body())
+            raw_capture = body.pop(CAPTURE_FIELD, None)
+            check_options(body, known, route.refusals, captured=raw_capture is not None)
+            check_content(body, "chat" if route.dialect == "completions" else route.dialect)
+            parsed = _validated(route.request_model, body)
+            admissions = capture_admissions(raw_capture, int(getattr(parsed, "n", None) or 1))
+        except InvalidRequest as exc:
+            worker.requests.rejected_requests += 1
+            return _refused(route.dialect, 400, exc.message, exc.param)
+        if not admissions:
+            return await _reply(route, await _handled(route, parsed, request), None, worker)
+        scope = await worker.open_scope(admissions, response_id=f"req-{uuid.uuid4().hex}")
+        token = CURRENT_SCOPE.set(scope)
+        try:
+            result = await _handled(route, parsed, request)
+        except CaptureRefused as exc:
+            scope.abandon(WorkerFailure.NOT_SERVED, worker.weight_version)
+            worker.requests.rejected_requests += 1
+            return _refused(route.dialect, 400, f"{CAPTURE_FIELD}: {exc}", CAPTURE_FIELD)
+        except BaseException:
+            scope.abandon(WorkerFailure.NOT_SERVED, worker.weight_version)
+            raise
+        finally:
+            CURRENT_SCOPE.reset(token)
+        return await _reply(route, result, scope, worker)
+
+    return serve
+
+
+async def _handled(route: GenerationRoute, parsed: BaseModel, request: Request) -> Any:
+    """vLLM's handler; an exception it raises becomes its error reply (vLLM's own mapping)."""
+    try:
+        return await route.handler(parsed, request)
+    except CaptureRefused:
+        raise
+    except Exception as exc:
+        return create_error_response(exc)
+
+
+async def _reply(
+    route: GenerationRoute, result: Any, scope: CaptureScope | None, worker: VllmWorker
+) -> Response:
+    if isinstance(result, ErrorResponse):
+        if scope is not None:
+            scope.abandon(WorkerFailure.NOT_SERVED, worker.weight_version)
+        if result.error.code == 400:
+            worker.requests.rejected_requests += 1
+        return _refused(
+            route.dialect, result.error.code, result.error.message, result.error.param, result.error.type
+        )
+    if isinstance(result, BaseModel):
+        body = _dump(result, route.dialect)
+        if scope is not None:
+            body = await attach_coords(body, route.dialect, scope)
+        return JSONResponse(body)
+    events = _sse(result, route.dialect)
+    if scope is not None:
+        events = stream_with_coords(events, route.dialect, scope, worker.weight_version)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+def _dump(result: BaseModel, dialect: Dialect) -> dict[str, Any]:
+    """The reply as vLLM's own routers serialize it."""
+    if dialect == "messages":
+        return result.model_dump(exclude_none=True)
+    if dialect == "responses":
+        return result.model_dump(mode="json", by_alias=True)
+    return result.model_dump(mode="json")
+
+
+async def _sse(stream: AsyncIterator[Any], dialect: Dialect) -> AsyncIterator[str]:
+    """vLLM's stream as SSE text (its Responses handler yields event objects, the rest text)."""
+    async for event in stream:
+        if isinstance(event, str):
+            yield event
+        else:
+            kind = getattr(event, "type", "unknown")
+            yield f"event: {kind}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(None, f"body: not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(None, "body: must be a JSON object")
+    return body
+
+
+def _validated(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+    except ValueError as exc:  # vLLM's own validators raise plain errors
+        raise InvalidRequest(getattr(exc, "parameter", None), f"body: {exc}") from None
+
+
+def _refused(
+    dialect: Dialect, status: int, message: str, param: str | None, kind: str = "invalid_request_error"
+) -> JSONResponse:
+    if dialect == "messages":
+        return JSONResponse(anthropic_error_body(message, kind=_anthropic_kind(status)), status_code=status)
+    return JSONResponse(error_body(message, param=param, kind=kind, code=None), status_code=status)
+
+
+def _anthropic_kind(status: int) -> str:
+    return {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large"}.get(
+        status, "api_error"
+    )
+
+
+__all__ = ["GenerationRoute", "add_generation_routes", "generation_routes"]
