@@ -1,9 +1,11 @@
-"""The vLLM worker process: OpenAI-compatible chat completions with token capture.
+"""The vLLM worker process: vLLM's OpenAI and Anthropic serving layers with token capture.
 
-``pipeline.worker.server.create_app`` builds the FastAPI app around a
-``stages.capture.vllm.worker.VllmWorker``; ``pipeline.worker.main`` wires engine, ports
-and an in-loop uvicorn server (``run_worker``, ``WorkerServer``). Nothing is imported
-here, so the CLI stays fast to load.
+``pipeline.worker.serving`` builds vLLM's handlers on the capturing engine client and
+renderer; ``pipeline.worker.routes`` serves them with capture opened before and commit
+coordinates attached after; ``pipeline.worker.server.create_app`` adds refit admin,
+health and metrics around a ``stages.capture.vllm.worker.VllmWorker``;
+``pipeline.worker.main`` wires engine, ports and an in-loop uvicorn server
+(``run_worker``, ``WorkerServer``). Nothing is imported here, so the CLI stays fast to load.
 """
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20

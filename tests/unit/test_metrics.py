@@ -19,7 +19,8 @@ from pipeline.worker.metrics import render, worker_registry
 from stages.capture.cache import ChainCache
 from stages.capture.core import CaptureCore
 from stages.capture.resolve import PrefixResolver
-from stages.capture.vllm.worker import VllmWorker, WorkerCounters
+from stages.capture.vllm.scope import CaptureCounters
+from stages.capture.vllm.worker import RequestCounters, VllmWorker
 from stages.capture.writer import StagingWriter
 from stages.finalize.janitor import JanitorConfig
 from stages.finalize.stage import FinalizerStage
@@ -180,7 +181,15 @@ def test_worker_registry_times_the_writer_and_resolver_data_plane() -> None:
     writer = StagingWriter(plane, RecordingSink(), worker_id="w")
     core = CaptureCore(PrefixResolver(plane, cache), writer, cache)
     worker = cast(
-        VllmWorker, SimpleNamespace(core=core, counters=WorkerCounters(), weight_version=0, paused=False)
+        VllmWorker,
+        SimpleNamespace(
+            core=core,
+            requests=RequestCounters(),
+            capture_counters=CaptureCounters(),
+            client=SimpleNamespace(engine_errors=0),
+            weight_version=0,
+            paused=False,
+        ),
     )
     first = worker_registry(worker, "w")
     registry = worker_registry(worker, "w")  # a second app: it times the calls, never both
