@@ -26,6 +26,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.exceptions import VLLMClientError
 
 from pipeline.worker.options import COMMON, RESPONSES, Refusal, check_content, check_options, field_names
 from pipeline.worker.protocol import (
@@ -188,8 +189,9 @@ def _validated(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
         return model.model_validate(body)
     except ValidationError as exc:
         raise invalid_request(exc) from None
-    except ValueError as exc:  # vLLM's own validators raise plain errors
-        raise InvalidRequest(getattr(exc, "parameter", None), f"body: {exc}") from None
+    except (ValueError, VLLMClientError) as exc:  # vLLM's own validators raise these
+        param = getattr(exc, "parameter", None)
+        raise InvalidRequest(param, f"{param or 'body'}: {exc}") from None
 
 
 def _refused(

@@ -1,107 +1,59 @@
-"""The capture worker's HTTP limits: bad requests and oversized bodies.
+"""The capture worker's HTTP limits and bad input, route by route, on the real engine.
 
-The worker runs on a real uvicorn server (its own ``WorkerServer``) around a scripted
-engine: bodies over the limit get 413 before they are read, malformed requests get 400
-naming the field, and neither captures anything. The Kafka-event cases are in
-``test_bad_events``.
+The worker runs on a real uvicorn server (its own ``WorkerServer``) around the real vLLM
+CPU engine (``enginekit``): bodies over the limit get 413 before they are read, and every
+malformed body, unknown or unhonoured option, non-text content and bad ``ng_capture``
+gets a 400 in the route's own API shape naming the field, and captures nothing. The
+Kafka-event cases are in ``test_bad_events``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 from badinput import SECTION
+from enginekit import EngineHost, Rig, start_rig
 
 from pipeline.models.tiny import make_tiny_model
-from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
-from stages.capture.chat import ChatRenderer
-from stages.capture.engine import Generation, Sampling, VersionSpan
-from stages.client import RolloutClient
-from stages.memory import MemoryDataPlane, RecordingSink
+from stages.capture.vllm.engine import EngineSettings
 from topics.records import MAX_CHAIN_DEPTH
-from topics.wire import COORDS_FIELD
+from topics.wire import CAPTURE_FIELD, COORDS_FIELD
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 # The worker's body limit in these tests (the default is 8 MiB): a chain of 16,384 short keys fits.
 LIMIT = 512 * 1024
 USER = [{"role": "user", "content": "Add 2 and 3."}]
 
 
-class ScriptedEngine:
-    """Generates ``max_tokens`` ids counting up from 300; remembers every prompt."""
-
-    max_model_len = 256
-
-    def __init__(self) -> None:
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, request_id: str) -> Generation:
-        self.prompts.append(list(prompt_ids))
-        ids = [300 + i for i in range(sampling.max_tokens)]
-        return Generation(
-            ids, [-0.5] * len(ids), "The answer is 5.", "length", (VersionSpan("0", 0, len(ids)),)
-        )
-
-    async def pause(self) -> None:
-        pass
-
-    async def resume(self) -> None:
-        pass
-
-    async def reload_weights(self, path: str) -> None:
-        pass
-
-    async def set_weight_version(self, version: str) -> None:
-        pass
-
-    def unfinished_requests(self) -> int:
-        return 0
-
-    def shutdown(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ChatRenderer]:
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
-    return model_dir, ChatRenderer.from_pretrained(model_dir)
-
-
-@dataclass
-class Worker:
-    engine: ScriptedEngine
-    data_plane: MemoryDataPlane
-    sink: RecordingSink
-    server: WorkerServer
-    client: RolloutClient
-
-    def captured(self) -> tuple[int, int]:
-        """Staged events published and rows written so far."""
-        return len(self.sink.events), len(self.data_plane.calls)
-
-
-@contextlib.asynccontextmanager
-async def worker_serving(tiny: tuple[Path, ChatRenderer]) -> AsyncIterator[Worker]:
-    """A real uvicorn server (the worker's own) around the scripted engine."""
-    model_dir, renderer = tiny
-    engine, plane, sink = ScriptedEngine(), MemoryDataPlane(), RecordingSink()
-    config = WorkerConfig(
-        model_dir=model_dir, worker_id="w-bad", port=0, max_body_bytes=LIMIT, prefix_wait_s=0.05
-    )
-    worker = build_worker(config, engine, plane, sink, renderer=renderer)
-    server = WorkerServer(build_app(worker, config), host="127.0.0.1", port=0, graceful_timeout_s=5)
-    await server.start()
+    engine_host = EngineHost(EngineSettings(model=str(model_dir), max_model_len=512))
+    engine_host.model_dir = model_dir  # type: ignore[attr-defined]
     try:
-        yield Worker(engine, plane, sink, server, RolloutClient(RecordingSink()))
+        yield engine_host
     finally:
-        await server.stop()
+        engine_host.close()
+
+
+@pytest.fixture
+def rig(host: EngineHost) -> Iterator[Rig]:
+    served = start_rig(host, host.model_dir, max_body_bytes=LIMIT, prefix_wait_s=0.05)  # type: ignore[attr-defined]
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+def captured(rig: Rig) -> tuple[int, int]:
+    """Staged events published and rows written so far."""
+    return len(rig.worker_sink.events), len(rig.data_plane.calls)
 
 
 async def raw_post(port: int, head: bytes, chunks: Sequence[bytes]) -> tuple[int, dict[str, Any]]:
@@ -140,52 +92,50 @@ def chunked(body: bytes, size: int) -> list[bytes]:
 
 
 def padded(body: dict[str, Any], size: int) -> bytes:
-    """``body`` as JSON of exactly ``size`` bytes (an ignored field takes the rest)."""
-    bare = orjson.dumps({**body, "padding": ""})
-    out = orjson.dumps({**body, "padding": "x" * (size - len(bare))})
-    assert len(out) == size
-    return out
+    """``body`` as JSON of exactly ``size`` bytes (trailing whitespace takes the rest)."""
+    out = orjson.dumps(body)
+    return out + b" " * (size - len(out))
 
 
-def test_oversized_http_bodies_get_413_before_they_are_read(
-    tiny: tuple[Path, ChatRenderer], fault_report: Any
-) -> None:
+def test_oversized_http_bodies_get_413_before_they_are_read(rig: Rig, fault_report: Any) -> None:
     async def go() -> None:
-        async with worker_serving(tiny) as w:
-            request = w.client.request_body({"messages": USER, "max_tokens": 2}, w.client.admit("r-http"))
-            oversized = padded(request, 4 * LIMIT)
-            # A declared length over the limit: answered on the head alone, no body sent.
-            status, error = await raw_post(w.server.port, chat_head(f"content-length: {len(oversized)}"), [])
-            assert status == 413, error
-            message = error["error"]["message"]
-            assert error["error"]["code"] == "request_too_large", error
-            assert f"the limit is {LIMIT} bytes" in message and "--max-body-bytes" in message
-            # Chunked, so no length to judge by: refused once the count passes the limit.
-            head = chat_head("transfer-encoding: chunked")
-            status, error = await raw_post(w.server.port, head, chunked(oversized, 8 * 1024))
-            assert status == 413 and error["error"]["code"] == "request_too_large", error
-            assert w.engine.prompts == [] and w.captured() == (0, 0)
+        client = rig.client
+        request = client.request_body({"messages": USER, "max_tokens": 2}, client.admit("r-http"))
+        oversized = padded(request, 4 * LIMIT)
+        # A declared length over the limit: answered on the head alone, no body sent.
+        status, error = await raw_post(rig.server.port, chat_head(f"content-length: {len(oversized)}"), [])
+        assert status == 413, error
+        message = error["error"]["message"]
+        assert error["error"]["code"] == "request_too_large", error
+        assert f"the limit is {LIMIT} bytes" in message and "--max-body-bytes" in message
+        # Chunked, so no length to judge by: refused once the count passes the limit.
+        head = chat_head("transfer-encoding: chunked")
+        status, error = await raw_post(rig.server.port, head, chunked(oversized, 8 * 1024))
+        assert status == 413 and error["error"]["code"] == "request_too_large", error
+        assert rig.recorder.calls == [] and captured(rig) == (0, 0)
 
-            # The worker keeps serving, and bodies of exactly the limit pass whole, in
-            # one piece or streamed in chunks.
-            json_type = {"content-type": "application/json"}
-            async with httpx.AsyncClient(base_url=w.server.url, timeout=30) as http:
-                whole = padded(request, LIMIT)
-                reply = await http.post("/v1/chat/completions", content=whole, headers=json_type)
-                assert reply.status_code == 200, reply.text
-                assert reply.json()[COORDS_FIELD]["disposition"] == "staged"
-                again = padded(w.client.request_body({"messages": USER}, w.client.admit("r-http2")), LIMIT)
+        # The worker keeps serving, and bodies of exactly the limit pass whole, in one
+        # piece or streamed in chunks.
+        json_type = {"content-type": "application/json"}
+        async with httpx.AsyncClient(base_url=rig.url, timeout=60) as http:
+            whole = padded(request, LIMIT)
+            reply = await http.post("/v1/chat/completions", content=whole, headers=json_type)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()[COORDS_FIELD]["disposition"] == "staged"
+            again = padded(
+                client.request_body({"messages": USER, "max_tokens": 2}, client.admit("r-http2")), LIMIT
+            )
 
-                async def stream() -> AsyncIterator[bytes]:
-                    for i in range(0, len(again), 4096):
-                        yield again[i : i + 4096]
+            async def stream() -> AsyncIterator[bytes]:
+                for i in range(0, len(again), 4096):
+                    yield again[i : i + 4096]
 
-                streamed = await http.post("/v1/chat/completions", content=stream(), headers=json_type)
-                assert streamed.status_code == 200, streamed.text
-                assert streamed.json()[COORDS_FIELD]["disposition"] == "staged"
-            assert len(w.engine.prompts) == 2 and w.captured() == (2, 2)
+            streamed = await http.post("/v1/chat/completions", content=stream(), headers=json_type)
+            assert streamed.status_code == 200, streamed.text
+            assert streamed.json()[COORDS_FIELD]["disposition"] == "staged"
+        assert len(rig.recorder.calls) == 2 and captured(rig) == (2, 2)
 
-    asyncio.run(go())
+    rig.host.run(go())
     fault_report.record(
         SECTION,
         "oversized HTTP body",
@@ -195,71 +145,244 @@ def test_oversized_http_bodies_get_413_before_they_are_read(
     )
 
 
-def test_malformed_requests_get_400_naming_the_field_and_capture_nothing(
-    tiny: tuple[Path, ChatRenderer], fault_report: Any
+def test_malformed_capture_gets_400_naming_the_field_and_captures_nothing(
+    rig: Rig, fault_report: Any
 ) -> None:
     async def go() -> int:
-        async with worker_serving(tiny) as w, httpx.AsyncClient(base_url=w.server.url, timeout=30) as http:
+        client = rig.client
+        async with httpx.AsyncClient(base_url=rig.url, timeout=60) as http:
             first = await http.post(
                 "/v1/chat/completions",
-                json=w.client.request_body({"messages": USER, "max_tokens": 2}, w.client.admit("r-cap")),
+                json=client.request_body({"messages": USER, "max_tokens": 2}, client.admit("r-cap")),
             )
             assert first.status_code == 200, first.text
-            parent = w.client.coords_from_reply(first.json())
+            parent = client.coords_from_reply(first.json())
             assert parent is not None and parent.disposition == "staged"
-            before = w.captured()
+            before = captured(rig)
             follow_up = [
                 *USER,
                 {"role": "assistant", "content": "5"},
                 {"role": "user", "content": "And 4 * 5?"},
             ]
-            good = w.client.admit("r-cap", parent).model_dump(mode="json")
+            good = client.admit("r-cap", parent).model_dump(mode="json")
             too_long = [f"r-cap/k{i}" for i in range(MAX_CHAIN_DEPTH)] + [parent.staging_key]
-            broken: list[tuple[Any, str, str]] = [
-                ({**good, "staging_chain": []}, "ng_capture.staging_chain", "empty list"),
-                ({**good, "prev_len": -1}, "ng_capture.prev_len", "greater than or equal to 0"),
-                ({**good, "rollout_id": "r/bad"}, "ng_capture.rollout_id", "pattern"),
-                ({**good, "surprise": 1}, "ng_capture.surprise", "Extra inputs"),
-                ({**good, "parent_chain_hash": None}, "ng_capture.parent_chain_hash", "token_in call needs"),
-                ({**good, "staging_chain": ["other/c1"]}, "ng_capture.staging_chain", "is not of rollout"),
+            other = {
+                **good,
+                "call_id": "c-other",
+                "prev_len": 0,
+                "mode": "text",
+                "staging_chain": None,
+                "parent_chain_hash": None,
+                "parent_call_id": None,
+            }
+            broken: list[tuple[Any, int, str, str]] = [
+                ({**good, "staging_chain": []}, 1, "ng_capture.staging_chain", "empty list"),
+                ({**good, "prev_len": -1}, 1, "ng_capture.prev_len", "greater than or equal to 0"),
+                ({**good, "rollout_id": "r/bad"}, 1, "ng_capture.rollout_id", "pattern"),
+                ({**good, "surprise": 1}, 1, "ng_capture.surprise", "Extra inputs"),
+                (
+                    {**good, "parent_chain_hash": None},
+                    1,
+                    "ng_capture.parent_chain_hash",
+                    "token_in call needs",
+                ),
+                ({**good, "staging_chain": ["other/c1"]}, 1, "ng_capture.staging_chain", "is not of rollout"),
                 (
                     {**good, "staging_chain": too_long},
+                    1,
                     "ng_capture.staging_chain",
                     f"at most {MAX_CHAIN_DEPTH - 1}",
                 ),
-                ("not an admission", "ng_capture", "valid dictionary"),
+                ("not an admission", 1, "ng_capture", "valid dictionary"),
+                ([good], 2, "ng_capture", "1 admissions for n=2"),
+                ([good, other], 2, "ng_capture", "must continue the prefix of [0]"),
+                ([good, {**good, "prev_len": "x"}], 2, "ng_capture[1].prev_len", "valid integer"),
             ]
-            for capture, param, words in broken:
+            for capture, n, param, words in broken:
                 response = await http.post(
                     "/v1/chat/completions",
-                    json={"messages": follow_up, "max_tokens": 2, "ng_capture": capture},
+                    json={"messages": follow_up, "max_tokens": 2, "n": n, CAPTURE_FIELD: capture},
                 )
                 assert response.status_code == 400, response.text
                 error = response.json()["error"]
                 assert error["param"] == param and words in error["message"], (param, error)
-            for raw_body in [b'{"messages": [', b"\xff\xfe\x00"]:
-                response = await http.post(
-                    "/v1/chat/completions", content=raw_body, headers={"content-type": "application/json"}
-                )
-                assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
-            assert w.captured() == before, "a refused request captured something"
+            assert captured(rig) == before, "a refused request captured something"
 
             ok = await http.post(
-                "/v1/chat/completions", json={"messages": follow_up, "max_tokens": 2, "ng_capture": good}
+                "/v1/chat/completions", json={"messages": follow_up, "max_tokens": 2, CAPTURE_FIELD: good}
             )
             assert ok.status_code == 200, ok.text
-            child = w.client.coords_from_reply(ok.json())
+            child = client.coords_from_reply(ok.json())
             assert child is not None and child.disposition == "staged" and child.prev_len == parent.cum_len
             return len(broken)
 
-    count = asyncio.run(go())
+    count = rig.host.run(go())
     fault_report.record(
         SECTION,
         "malformed ng_capture",
         injected=count,
         survived=count,
-        outcome="400 naming ng_capture.<field>; nothing captured; the next call is captured",
+        outcome="400 naming ng_capture.<field> (or [i] per choice); nothing captured; the next call is captured",
     )
-    fault_report.record(
-        SECTION, "malformed HTTP body", injected=2, survived=2, outcome="400 'body: not valid JSON'"
-    )
+
+
+# Per route: a good body, then bad variants (body, expected param or None, words in the message).
+IMAGE = {"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}
+ROUTES: dict[str, tuple[dict[str, Any], list[tuple[Any, str | None, str]]]] = {
+    "/v1/chat/completions": (
+        {"messages": USER, "max_tokens": 2},
+        [
+            ({"max_tokens": 2}, "messages", "Field required"),
+            ({"messages": USER, "max_tokens": "many"}, "max_tokens", "valid integer"),
+            ({"messages": USER, "frobnicate": 1}, "frobnicate", "unknown parameter"),
+            ({"messages": USER, "store": True}, "store", "unknown parameter"),
+            ({"messages": USER, "kv_transfer_params": {}}, "kv_transfer_params", "not supported"),
+            ({"messages": USER, "watermarking": True}, "watermarking", "not supported"),
+            (
+                {"messages": [{"role": "user", "content": [IMAGE]}]},
+                "messages[0].content[0].type",
+                "text-only",
+            ),
+            (
+                {"messages": USER, "truncate_prompt_tokens": 4, CAPTURE_FIELD: True},
+                "truncate_prompt_tokens",
+                "with ng_capture",
+            ),
+            ({"messages": USER, CAPTURE_FIELD: {"rollout_id": "r"}}, "ng_capture.call_id", "Field required"),
+        ],
+    ),
+    "/v1/completions": (
+        {"prompt": "2 + 3 =", "max_tokens": 2},
+        [
+            ({"max_tokens": 2, "prompt": None, "prompt_embeds": None}, None, "prompt"),
+            ({"prompt": "x", "best_of": 2}, "best_of", "unknown parameter"),
+            ({"prompt": "x", "use_beam_search": True, CAPTURE_FIELD: True}, "use_beam_search", "beam search"),
+            ({"prompt": "x", "mm_payload": {}}, "mm_payload", "text-only"),
+            (
+                {"prompt": "x", CAPTURE_FIELD: {"rollout_id": "r", "call_id": "c"}},
+                "ng_capture.prev_len",
+                "Field required",
+            ),
+        ],
+    ),
+    "/v1/responses": (
+        {"input": "2 + 3 =", "max_output_tokens": 2, "store": False},
+        [
+            ({"input": "x", "store": True}, "store", "does not store"),
+            (
+                {"input": "x", "store": False, "previous_response_id": "resp_1"},
+                "previous_response_id",
+                "does not store",
+            ),
+            ({"input": "x", "store": False, "service_tier": "flex"}, "service_tier", "not supported"),
+            ({"input": "x", "store": False, "truncation": "auto"}, "truncation", "never drops"),
+            ({"input": "x", "store": False, "modalities": ["text"]}, "modalities", "unknown parameter"),
+            (
+                {
+                    "input": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "input_text", "text": "a"},
+                                {"type": "input_image", "image_url": "http://example.invalid/a.png"},
+                            ],
+                        }
+                    ],
+                    "store": False,
+                },
+                "input[0].content[1].type",
+                "text-only",
+            ),
+            ({"input": "x", "store": False, CAPTURE_FIELD: "nope"}, "ng_capture", "valid dictionary"),
+        ],
+    ),
+    "/v1/messages": (
+        {"model": "tiny", "max_tokens": 2, "messages": USER},
+        [
+            ({"model": "tiny", "messages": USER}, "max_tokens", "Field required"),
+            (
+                {"model": "tiny", "max_tokens": 2, "messages": USER, "container": "c"},
+                "container",
+                "unknown parameter",
+            ),
+            (
+                {
+                    "model": "tiny",
+                    "max_tokens": 2,
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {
+                                    "type": "image",
+                                    "source": {"type": "url", "url": "http://example.invalid/a.png"},
+                                }
+                            ],
+                        }
+                    ],
+                },
+                "messages[0].content[0].type",
+                "text-only",
+            ),
+            (
+                {"model": "tiny", "max_tokens": 2, "messages": USER, CAPTURE_FIELD: {"rollout_id": "r"}},
+                "ng_capture.call_id",
+                "Field required",
+            ),
+        ],
+    ),
+}
+
+
+def _error_of(path: str, response: httpx.Response) -> tuple[str | None, str]:
+    """The refused parameter and message, in the route's API shape."""
+    body = response.json()
+    if path == "/v1/messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        return None, str(body["error"]["message"])
+    return body["error"]["param"], str(body["error"]["message"])
+
+
+def test_every_route_refuses_bad_input_in_its_own_error_shape(rig: Rig, fault_report: Any) -> None:
+    async def go() -> dict[str, int]:
+        counts: dict[str, int] = {}
+        async with httpx.AsyncClient(base_url=rig.url, timeout=60) as http:
+            for path, (_, bad) in ROUTES.items():
+                refused = 0
+                for raw in [b"{not json", b"[1, 2]"]:
+                    response = await http.post(
+                        path, content=raw, headers={"content-type": "application/json"}
+                    )
+                    assert response.status_code == 400, (path, response.text)
+                    refused += 1
+                for body, param, words in bad:
+                    if body.get(CAPTURE_FIELD) is True:  # any admission: refused before it is read
+                        body = {**body, CAPTURE_FIELD: rig.client.admit("r-route").model_dump(mode="json")}
+                    response = await http.post(path, json=body)
+                    assert response.status_code == 400, (path, body, response.text)
+                    got_param, message = _error_of(path, response)
+                    if path != "/v1/messages" and param is not None:
+                        assert got_param == param, (path, param, got_param, message)
+                    assert words in message and (param is None or param in message), (path, param, message)
+                    refused += 1
+                assert captured(rig) == (0, 0) and rig.recorder.calls == [], path
+                counts[path] = refused
+            # Each route still serves, and captures, a good request.
+            for index, (path, (good_body, _)) in enumerate(ROUTES.items()):
+                admission = rig.admit(f"r-good-{index}")
+                response = await http.post(
+                    path, json={**good_body, CAPTURE_FIELD: admission.model_dump(mode="json")}
+                )
+                assert response.status_code == 200, (path, response.text)
+                assert response.json()[COORDS_FIELD]["disposition"] == "staged", path
+        return counts
+
+    counts = rig.host.run(go())
+    for path, count in counts.items():
+        fault_report.record(
+            SECTION,
+            f"bad request on {path}",
+            injected=count,
+            survived=count,
+            outcome="400 in the API's error shape naming the field; nothing captured; the route still captures",
+        )

@@ -33,6 +33,11 @@ SCOPE_KEY = "tokentrail_capture_scope"
 """The engine-input key under which the renderer hands a request's scope to ``generate``."""
 
 
+UNFINISHED = frozenset({"abort", "error"})
+"""Finish reasons of a choice the engine gave up on: failed at once, never staged (and never
+left for the end of the stream, which a reply waiting on the choice's coords would not reach)."""
+
+
 class SpanPolicy(StrEnum):
     """What a call that straddles a refit gets: its spans recorded, or its capture failed."""
 
@@ -153,10 +158,13 @@ class CapturingEngineClient:
                 if output.prompt_token_ids is not None:
                     prompt_ids = [int(t) for t in output.prompt_token_ids]
                 for completion in output.outputs:
-                    choice = choices.setdefault(int(completion.index), _Choice())
+                    index = int(completion.index)
+                    choice = choices.setdefault(index, _Choice())
                     choice.add(completion, delta=delta)
-                    if completion.finish_reason is not None and completion.finish_reason != "abort":
-                        self._finish(scope, int(completion.index), prompt_ids, choice, completion, version)
+                    if completion.finish_reason in UNFINISHED:
+                        scope.abandon(WorkerFailure.NOT_SERVED, version, index)
+                    elif completion.finish_reason is not None:
+                        self._finish(scope, index, prompt_ids, choice, completion, version)
                 yield output
             outcome = WorkerFailure.NOT_SERVED  # the stream ended: a choice not finished was aborted
         except (asyncio.CancelledError, GeneratorExit):

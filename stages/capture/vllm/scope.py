@@ -172,16 +172,20 @@ class CaptureScope:
             )
         self._completions[index].set_result(completion)
 
-    def abandon(self, code: WorkerFailure, weight_version: int) -> int:
-        """Fail every choice not captured yet (the engine never finished it); returns how many."""
+    def abandon(self, code: WorkerFailure, weight_version: int, index: int | None = None) -> int:
+        """Fail every choice not captured yet (or only ``index``): the engine never finished it.
+
+        Returns how many were failed.
+        """
         abandoned = 0
-        for index, future in enumerate(self._completions):
+        for i in range(self.n) if index is None else [index]:
+            future = self._completions[i]
             if future.done():
                 continue
             try:
-                completion = self.core.fail(self.prepared[index], code, weight_version, self.response_id)
+                completion = self.core.fail(self.prepared[i], code, weight_version, self.response_id)
             except RuntimeError:  # no running loop (shutdown): the ledger's grace period covers it
-                log.warning("could not report call %s", self.prepared[index].admission.staging_key)
+                log.warning("could not report call %s", self.prepared[i].admission.staging_key)
                 continue
             future.set_result(completion)
             abandoned += 1
