@@ -37,20 +37,20 @@ def _is_false(value: Any) -> bool:
     return value is False
 
 
-_NOT_HERE = "is not available on this worker"
+_NOT_HERE = "not available on this worker"
 _TEXT_ONLY = "the model is text-only"
 _INEXACT = "a captured call must be generated from the exact, whole prompt"
 
 COMMON: dict[str, Refusal] = {
-    "kv_transfer_params": Refusal(f"disaggregated prefill {_NOT_HERE}"),
-    "ec_transfer_params": Refusal(f"disaggregated encoding {_NOT_HERE}"),
+    "kv_transfer_params": Refusal(f"disaggregated prefill is {_NOT_HERE}"),
+    "ec_transfer_params": Refusal(f"disaggregated encoding is {_NOT_HERE}"),
     "mm_payload": Refusal(_TEXT_ONLY),
     "media_io_kwargs": Refusal(_TEXT_ONLY),
     "mm_processor_kwargs": Refusal(_TEXT_ONLY),
     "return_mm_kwargs": Refusal(_TEXT_ONLY, _truthy),
-    "watermarking": Refusal(f"watermarking {_NOT_HERE} (GPU engines only)", _truthy),
-    "vllm_xargs": Refusal(f"no logits-processor plugin that reads it {_NOT_HERE}"),
-    "routed_experts_prompt_start": Refusal(f"routed-expert capture {_NOT_HERE}"),
+    "watermarking": Refusal(f"watermarking is {_NOT_HERE} (GPU engines only)", _truthy),
+    "vllm_xargs": Refusal(f"no logits-processor plugin that reads it is {_NOT_HERE}"),
+    "routed_experts_prompt_start": Refusal(f"routed-expert capture is {_NOT_HERE}"),
     "use_beam_search": Refusal("beam search does not sample: there are no sampled logprobs", _truthy, True),
     "truncate_prompt_tokens": Refusal(_INEXACT, captured_only=True),
     "prompt_embeds": Refusal("embeddings have no token ids to capture", captured_only=True),

@@ -369,7 +369,8 @@ def test_every_route_refuses_bad_input_in_its_own_error_shape(rig: Rig, fault_re
                 counts[path] = refused
             # Each route still serves, and captures, a good request.
             for index, (path, (good_body, _)) in enumerate(ROUTES.items()):
-                admission = rig.admit(f"r-good-{index}")
+                admission = rig.client.admit(f"r-good-{index}")
+                await rig.client.publish_admission(admission)
                 response = await http.post(
                     path, json={**good_body, CAPTURE_FIELD: admission.model_dump(mode="json")}
                 )
