@@ -43,6 +43,7 @@ from stages.ports import (
     DataPlaneError,
     DataPlaneTimeout,
     MissingRows,
+    RowsChanged,
 )
 from topics.records import StagedCall, TrainingSample
 
@@ -403,7 +404,7 @@ class TransferQueueDataPlane:
     @staticmethod
     def _raise(partition: str, keys: list[str], problems: Mapping[str, _Problem]) -> NoReturn:
         if not problems:
-            raise DataPlaneError(f"{partition}: rows changed while being read; retry")
+            raise RowsChanged(f"{partition}: rows changed while being read; retry")
         missing = [key for key in keys if key in problems]
         corrupt = {key: p.detail for key, p in problems.items() if p.kind == "corrupt"}
         if corrupt:

@@ -160,6 +160,8 @@ def test_chat_n4_gives_sibling_calls_and_a_grpo_group_from_one_request(rig: Rig)
         **GREEDY,  # type: ignore[arg-type]
     )
     parent = coords_of(reply.model_extra)
+    staged = [e.payload for e in rig.worker_sink.events if isinstance(e.payload, StagedEvent)]
+    assert [event.response_id for event in staged] == [reply.id]  # the reply's own id
     # n=4 from one admission: choices are the siblings {call_id}.{i} of the same parent.
     admission = rig.client.admit("r-n", parent)
     rig.publish(choice_admissions(admission, 4))

@@ -1,1 +1,1 @@
-"""The vLLM adapter: ``AsyncLLM`` as a token engine, and the chat worker around it."""
+"""The vLLM adapter: capture attached to vLLM's serving layers (renderer, engine client, scope)."""

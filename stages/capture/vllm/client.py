@@ -148,6 +148,7 @@ class CapturingEngineClient:
         kwargs: Mapping[str, Any],
     ) -> AsyncIterator[Any]:
         version = self._version  # the version in effect when the call enters the engine
+        scope.response_id = request_id  # vLLM's: the reply's id for chat and completions
         params = _with_sampled_logprob(sampling_params)
         delta = _is_delta(params)
         prompt_ids = [int(t) for t in prompt.get("prompt_token_ids") or ()]
