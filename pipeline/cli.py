@@ -16,6 +16,7 @@ VERBS: tuple[str, ...] = (
     "broker",
     "dataplane",
     "worker",
+    "gateway",
     "stage",
     "lag",
     "replay",

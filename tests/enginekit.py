@@ -152,15 +152,18 @@ class Rig:
         for admission in admissions:
             self.host.run(self.client.publish_admission(admission))
 
-    def finalize(self, rollout_id: str, **seal: Any) -> tuple[FinalizedEvent, TrainingSample | None]:
-        return self.host.run(self._finalize(rollout_id, seal))
+    def finalize(
+        self, rollout_id: str, *, sealed: bool = False, **seal: Any
+    ) -> tuple[FinalizedEvent, TrainingSample | None]:
+        """Seal (unless someone else did: ``sealed``), then run the ledger and the finalizer."""
+        return self.host.run(self._finalize(rollout_id, None if sealed else seal))
 
     async def _finalize(
-        self, rollout_id: str, seal: dict[str, Any]
+        self, rollout_id: str, seal: dict[str, Any] | None
     ) -> tuple[FinalizedEvent, TrainingSample | None]:
-        """Seal, then run the ledger and the finalizer over everything published."""
         await settled(self.worker.core.writer)
-        await self.client.seal(rollout_id, **seal)
+        if seal is not None:
+            await self.client.seal(rollout_id, **seal)
         driver = [e.payload for e in self.driver_sink.events]
         staged = [e.payload for e in self.worker_sink.events]
         ordered: list[Record] = [

@@ -44,11 +44,12 @@ examples:
 def add_parser(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "worker",
-        help="serve a model with token capture (OpenAI-compatible /v1/chat/completions)",
+        help="serve a model with token capture (OpenAI and Anthropic APIs, through vLLM)",
         description=(
-            "Start an inference engine and serve /v1/chat/completions with capture: requests "
-            "carrying ng_capture are recorded token-exact, staged to the data plane and "
-            "announced on Kafka. Refit through /admin/*; metrics on /metrics."
+            "Start an inference engine and serve vLLM's /v1/chat/completions, /v1/completions, "
+            "/v1/responses and /v1/messages with capture: requests carrying ng_capture are "
+            "recorded token-exact, staged to the data plane and announced on Kafka. Refit "
+            "through /admin/* or vLLM's RL endpoints; metrics on /metrics."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

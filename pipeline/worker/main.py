@@ -206,7 +206,7 @@ class WorkerServer:
 
 
 @contextlib.contextmanager
-def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
     """SIGTERM/SIGINT call ``stop`` while the block runs (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -254,7 +254,7 @@ async def run_worker(
             else contextlib.nullcontext()
         )
         async with keeping:
-            with _stop_on_signals(server.request_stop):
+            with stop_on_signals(server.request_stop):
                 await server.start()
                 if on_ready is not None:
                     on_ready(server)

@@ -93,6 +93,8 @@ def _endpoint(route: GenerationRoute, worker: VllmWorker) -> Callable[[Request],
 
     async def serve(request: Request) -> Response:
         worker.requests.requests += 1
+        body: dict[str, Any] = {}
+        raw_capture: Any = None
         try:
             body = _json_object(await request.body())
             raw_capture = body.pop(CAPTURE_FIELD, None)
@@ -102,6 +104,7 @@ def _endpoint(route: GenerationRoute, worker: VllmWorker) -> Callable[[Request],
             admissions = capture_admissions(raw_capture, int(getattr(parsed, "n", None) or 1))
         except InvalidRequest as exc:
             worker.requests.rejected_requests += 1
+            _report_refused(worker, raw_capture, body)
             return _refused(route.dialect, 400, exc.message, exc.param)
         if not admissions:
             return await _reply(route, await _handled(route, parsed, request), None, worker)
@@ -121,6 +124,18 @@ def _endpoint(route: GenerationRoute, worker: VllmWorker) -> Callable[[Request],
         return await _reply(route, result, scope, worker)
 
     return serve
+
+
+def _report_refused(worker: VllmWorker, raw_capture: Any, body: dict[str, Any]) -> None:
+    """A refused request's valid admissions fail ``not_served`` now: the driver published
+    them, and the ledger should not wait out its grace period for calls never served."""
+    n = body.get("n")
+    try:
+        admissions = capture_admissions(raw_capture, n if type(n) is int and n >= 1 else 1)
+    except InvalidRequest:
+        return  # nothing validly admitted: nothing to report
+    for admission in admissions:
+        worker.core.refuse(admission, worker.weight_version)
 
 
 async def _handled(route: GenerationRoute, parsed: BaseModel, request: Request) -> Any:

@@ -137,6 +137,10 @@ class CaptureCore:
         self.writer.submit_failure(PendingCall(coords, None, response_id, done))
         return Completion(coords, done)
 
+    def refuse(self, admission: CaptureAdmission, weight_version: int) -> Completion:
+        """An admitted call whose request was refused before the engine: ``not_served`` at once."""
+        return self.fail(PreparedCall(admission, _EMPTY, None), WorkerFailure.NOT_SERVED, weight_version)
+
     def _future(self) -> asyncio.Future[CommitCoords] | None:
         if self.ack_policy is AckPolicy.ENQUEUED:
             return None

@@ -17,11 +17,11 @@ import httpx
 import orjson
 import pytest
 from badinput import SECTION
-from enginekit import EngineHost, Rig, start_rig
+from enginekit import EngineHost, Rig, settled, start_rig
 
 from pipeline.models.tiny import make_tiny_model
 from stages.capture.vllm.engine import EngineSettings
-from topics.records import MAX_CHAIN_DEPTH
+from topics.records import MAX_CHAIN_DEPTH, StagedEvent
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -52,8 +52,22 @@ def rig(host: EngineHost) -> Iterator[Rig]:
 
 
 def captured(rig: Rig) -> tuple[int, int]:
-    """Staged events published and rows written so far."""
-    return len(rig.worker_sink.events), len(rig.data_plane.calls)
+    """Calls staged (events with disposition ``staged``) and rows written so far."""
+    staged = [
+        e
+        for e in rig.worker_sink.events
+        if isinstance(e.payload, StagedEvent) and e.payload.coords.disposition == "staged"
+    ]
+    return len(staged), len(rig.data_plane.calls)
+
+
+def refused_reports(rig: Rig) -> list[str]:
+    """Calls reported ``not_served`` because their request was refused."""
+    return [
+        e.payload.coords.call_id
+        for e in rig.worker_sink.events
+        if isinstance(e.payload, StagedEvent) and e.payload.coords.failure_reason == "not_served"
+    ]
 
 
 async def raw_post(port: int, head: bytes, chunks: Sequence[bytes]) -> tuple[int, dict[str, Any]]:
@@ -356,14 +370,19 @@ def test_every_route_refuses_bad_input_in_its_own_error_shape(rig: Rig, fault_re
                     assert response.status_code == 400, (path, response.text)
                     refused += 1
                 for body, param, words in bad:
-                    if body.get(CAPTURE_FIELD) is True:  # any admission: refused before it is read
-                        body = {**body, CAPTURE_FIELD: rig.client.admit("r-route").model_dump(mode="json")}
+                    admitted = None
+                    if body.get(CAPTURE_FIELD) is True:  # a valid admission, on a request refused
+                        admitted = rig.client.admit("r-route")
+                        body = {**body, CAPTURE_FIELD: admitted.model_dump(mode="json")}
                     response = await http.post(path, json=body)
                     assert response.status_code == 400, (path, body, response.text)
                     got_param, message = _error_of(path, response)
                     if path != "/v1/messages" and param is not None:
                         assert got_param == param, (path, param, got_param, message)
                     assert words in message and (param is None or param in message), (path, param, message)
+                    if admitted is not None:  # reported at once, so the ledger need not wait for it
+                        await settled(rig.worker.core.writer)
+                        assert admitted.call_id in refused_reports(rig), (path, param)
                     refused += 1
                 assert captured(rig) == (0, 0) and rig.recorder.calls == [], path
                 counts[path] = refused

@@ -279,7 +279,8 @@ def test_captured_call_is_staged_with_the_sampled_logprobs(
         assert row.token_mask_delta == [0.0] * len(prompt) + [1.0] * len(GEN)
         assert row.weight_version == 3 and row.extras is None
         [event] = rig.events()
-        assert event.coords.disposition == "staged" and event.response_id == "resp-1"
+        # The staged event names vLLM's request id (the reply's id), not the scope's provisional one.
+        assert event.coords.disposition == "staged" and event.response_id == "req"
         assert event.coords.staging_key == admission.staging_key
         sent_prompt, sent_params, request_id = rig.engine.calls[0]
         assert SCOPE_KEY not in sent_prompt and request_id == "req"

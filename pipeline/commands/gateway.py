@@ -1,0 +1,96 @@
+"""``tokentrail gateway``: capture black-box agents that only know a base URL."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+from aiokafka.errors import KafkaError
+
+from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.worker import DEFAULT_MAX_BODY_BYTES
+
+EXAMPLES = """example:
+  tokentrail gateway --workers http://127.0.0.1:8000 --bootstrap 127.0.0.1:9092 --port 8100
+  # agent (OpenAI SDK):    base_url = http://127.0.0.1:8100/rollouts/ROLLOUT/v1
+  # agent (Anthropic SDK): base_url = http://127.0.0.1:8100/rollouts/ROLLOUT
+  curl -X POST http://127.0.0.1:8100/rollouts/ROLLOUT/seal -d '{"reward": 1.0}'
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "gateway",
+        help="capture unmodified agents: a rollout session per base URL, in front of workers",
+        description=(
+            "Serve rollout sessions in front of one or more capture workers. An agent pointed at "
+            "a session's base URL is captured without changes: the gateway finds each call's "
+            "parent from the history it sends, publishes admissions and seals, and strips "
+            "tokentrail's fields from every reply."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--workers", required=True, metavar="URL[,URL...]", help="capture workers to forward calls to"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=int, default=8100, help="listen port; 0 picks a free one (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--session-ttl",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="a session idle this long is sealed failed 'abandoned' (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help="largest request body accepted; bigger ones get 413 (default: %(default)s)",
+    )
+    add_kafka_arguments(parser, bootstrap_required=True)
+    parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
+    parser.set_defaults(run=run)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from pipeline.gateway.main import GatewayConfig, run_gateway
+    from pipeline.kafka import KafkaEventSink
+
+    config = GatewayConfig(
+        workers=tuple(url.strip() for url in args.workers.split(",") if url.strip()),
+        host=args.host,
+        port=args.port,
+        session_ttl_s=args.session_ttl,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+    def ready(url: str) -> None:
+        if args.json:
+            print(json.dumps({"url": url, "workers": list(config.workers)}, sort_keys=True), flush=True)
+        else:
+            print(f"gateway serving on {url} in front of {', '.join(config.workers)}", flush=True)
+
+    async with KafkaEventSink(config_from_args(args)) as sink:
+        await run_gateway(config, sink, on_ready=ready)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pipeline").setLevel(logging.INFO)
+    try:
+        asyncio.run(_serve(args))
+    except (ConfigError, KafkaError, ValueError, OSError) as exc:
+        print(f"tokentrail gateway: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

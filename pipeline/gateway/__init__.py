@@ -1,0 +1,1 @@
+"""The gateway: black-box agents captured through a base URL."""

@@ -1,0 +1,186 @@
+"""The gateway's HTTP surface: rollout sessions in front of the workers.
+
+- ``POST /rollouts`` (optional ``rollout_id``, ``group_id``) → ``{rollout_id, group_id,
+  base_url}``; a first call to an unknown rollout id opens it too.
+- ``{gateway}/rollouts/{id}/v1`` is an OpenAI base URL (chat completions, completions,
+  Responses) and ``{gateway}/rollouts/{id}`` an Anthropic one (``/v1/messages``).
+- ``POST /rollouts/{id}/seal`` with ``{"reward": float}`` or ``{"status": "failed",
+  "reason": str}``; ``GET /rollouts/{id}`` shows the calls and their parent links.
+- ``/health``, ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline.gateway.calls import Forwarder, agent_error
+from pipeline.gateway.metrics import gateway_registry
+from pipeline.gateway.normalize import Dialect, MalformedHistory, history_of
+from pipeline.gateway.sessions import SessionError, Sessions
+from pipeline.worker import DEFAULT_MAX_BODY_BYTES
+from pipeline.worker.limits import BodyLimit
+from pipeline.worker.metrics import CONTENT_TYPE, render
+from pipeline.worker.protocol import InvalidRequest, error_body, parse_body
+from topics.records import IDENT_PATTERN
+from topics.wire import CAPTURE_FIELD
+
+log = logging.getLogger(__name__)
+
+ROUTES: dict[str, Dialect] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+}
+
+
+class OpenRollout(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str | None = Field(None, pattern=IDENT_PATTERN, max_length=200)
+    group_id: str | None = Field(None, min_length=1, max_length=200)
+
+
+class SealBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float | None = Field(None, allow_inf_nan=False)
+    status: Literal["completed", "failed"] = "completed"
+    reason: str | None = Field(None, min_length=1, max_length=200)
+
+    @model_validator(mode="after")
+    def _rules(self) -> SealBody:
+        if self.status == "failed" and self.reason is None:
+            raise ValueError("reason: a failed seal needs a reason")
+        if self.status == "completed" and self.reason is not None:
+            raise ValueError("reason: only a failed seal has a reason")
+        return self
+
+
+def create_gateway_app(
+    sessions: Sessions,
+    forwarder: Forwarder,
+    *,
+    sweep_every_s: float = 5.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The app; its lifespan runs the idle-session sweeper."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(sessions.sweep_forever(sweep_every_s), name="session-sweeper")
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+
+    app = FastAPI(title="tokentrail gateway", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    registry = gateway_registry(sessions, forwarder)
+
+    @app.exception_handler(SessionError)
+    async def session_error(_: Request, exc: SessionError) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.message, kind="conflict" if exc.status == 409 else "not_found_error"),
+            status_code=exc.status,
+        )
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, param=exc.param), status_code=400)
+
+    @app.post("/rollouts")
+    async def open_rollout(request: Request) -> JSONResponse:
+        body = parse_body(OpenRollout, await _body(request, allow_empty=True))
+        session = sessions.open(body.rollout_id, body.group_id)
+        base = str(request.base_url).rstrip("/")
+        return JSONResponse(
+            {
+                "rollout_id": session.rollout_id,
+                "group_id": session.group_id,
+                "base_url": f"{base}/rollouts/{session.rollout_id}/v1",
+                "anthropic_base_url": f"{base}/rollouts/{session.rollout_id}",
+            }
+        )
+
+    @app.get("/rollouts/{rollout_id}")
+    async def show(rollout_id: str) -> JSONResponse:
+        return JSONResponse(sessions.describe(rollout_id))
+
+    @app.post("/rollouts/{rollout_id}/seal")
+    async def seal(rollout_id: str, request: Request) -> JSONResponse:
+        body = parse_body(SealBody, await _body(request))
+        failed = body.reason if body.status == "failed" else None
+        sealed = await sessions.seal(rollout_id, reward=body.reward, failed=failed)
+        return JSONResponse(sealed.model_dump(mode="json"))
+
+    for path, dialect in ROUTES.items():
+        app.post(f"/rollouts/{{rollout_id}}{path}")(_agent_route(sessions, forwarder, path, dialect))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        workers = [
+            {"url": u, "in_flight": f, "failures": e, "healthy": h}
+            for u, f, e, h in forwarder.workers.stats()
+        ]
+        return JSONResponse({"status": "ok", "open_sessions": sessions.open_count, "workers": workers})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(registry), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _agent_route(sessions: Sessions, forwarder: Forwarder, path: str, dialect: Dialect) -> Any:
+    async def serve(rollout_id: str, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            if not isinstance(body, dict):
+                raise InvalidRequest(None, "body: must be a JSON object")
+            if CAPTURE_FIELD in body:
+                raise InvalidRequest(CAPTURE_FIELD, f"{CAPTURE_FIELD}: the gateway admits calls itself")
+            history = history_of(dialect, body)
+        except InvalidRequest as exc:
+            return _refused(dialect, exc.param, exc.message)
+        except MalformedHistory as exc:
+            return _refused(dialect, exc.param, exc.message)
+        try:
+            session = sessions.open(rollout_id)
+        except SessionError as exc:
+            return agent_error(
+                dialect, exc.status, exc.message, "conflict" if exc.status == 409 else "invalid_request_error"
+            )
+        return await forwarder.call(session, dialect, path, body, history)
+
+    return serve
+
+
+def _refused(dialect: Dialect, param: str | None, message: str) -> JSONResponse:
+    if dialect == "messages":
+        return agent_error(dialect, 400, message)
+    return JSONResponse(error_body(message, param=param), status_code=400)
+
+
+async def _body(request: Request, *, allow_empty: bool = False) -> Any:
+    raw = await request.body()
+    if not raw and allow_empty:
+        return {}
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(None, f"body: not valid JSON ({exc})") from None
+
+
+__all__ = ["ROUTES", "create_gateway_app"]

@@ -1,0 +1,248 @@
+"""One agent call through the gateway: lineage, admission, forwarding, the clean reply.
+
+Per call: place it in its session's tree (``lineage.resolve``), mint the admission(s)
+from the parent's commit coordinates (one per choice when ``n`` > 1) and publish them,
+forward the request to a worker with ``ng_capture``, and hand the agent the worker's
+reply without tokentrail's fields (``replies``), streaming included. The reply the agent
+got is normalized too, so the next call that continues it finds its parent. A worker
+that fails before replying is benched and the call is retried on another as a new
+attempt (same logical id: the ledger collapses the attempts).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pipeline.gateway.lineage import GatewayCall, logical_call_id, resolve
+from pipeline.gateway.normalize import (
+    Dialect,
+    History,
+    MalformedHistory,
+    StreamedReply,
+    Turn,
+    extended,
+    reply_turns,
+)
+from pipeline.gateway.replies import hidden_fields, strip_event, stripped, take_coords
+from pipeline.gateway.sessions import Session
+from pipeline.gateway.upstream import NoWorker, Workers
+from pipeline.worker.protocol import anthropic_error_body, error_body
+from stages.client import RolloutClient
+from topics.choices import choice_admissions
+from topics.records import CaptureAdmission, CommitCoords
+from topics.wire import CAPTURE_FIELD
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+@dataclass(slots=True)
+class CallCounters:
+    calls: int = 0
+    roots: int = 0
+    children: int = 0
+    retries: int = 0
+    worker_failures: int = 0
+
+
+class Forwarder:
+    """Serves agent calls for every session on the given workers."""
+
+    def __init__(self, client: RolloutClient, workers: Workers, http: httpx.AsyncClient) -> None:
+        self.client = client
+        self.workers = workers
+        self.http = http
+        self.counters = CallCounters()
+
+    async def call(
+        self, session: Session, dialect: Dialect, path: str, body: dict[str, Any], history: History
+    ) -> Response:
+        n = int(body.get("n") or 1) if dialect in ("chat", "completions") else 1
+        resolution = resolve(session.calls, history, session.by_id)
+        logical = resolution.retry_of.logical_call_id if resolution.retry_of else logical_call_id(history)
+        self._count(resolution.parent, resolution.retry_of is not None)
+        hidden = hidden_fields(bool(body.get("logprobs") or body.get("top_logprobs")))
+        tried: list[str] = []
+        session.in_flight += 1
+        try:
+            while True:
+                try:
+                    url = self.workers.choose(session.worker if resolution.parent else None, avoid=tried)
+                except NoWorker as exc:
+                    return agent_error(dialect, 503, str(exc), "server_error")
+                calls = await self._admit(session, resolution.parent, logical, history, n)
+                admission = calls[0][1]
+                request = {**body, CAPTURE_FIELD: admission.model_dump(mode="json")}
+                try:
+                    if body.get("stream"):
+                        return await self._stream(
+                            session, dialect, url, path, request, calls, hidden, history
+                        )
+                    return await self._whole(session, dialect, url, path, request, calls, hidden, history)
+                except (*RETRYABLE, _WorkerFailed) as exc:
+                    log.warning("worker %s failed a call of %s: %s; retrying", url, session.rollout_id, exc)
+                    self.workers.failed(url)
+                    self.counters.worker_failures += 1
+                    tried.append(url)
+        finally:
+            session.in_flight -= 1
+
+    def _count(self, parent: GatewayCall | None, retry: bool) -> None:
+        self.counters.calls += 1
+        if retry:
+            self.counters.retries += 1
+        elif parent is None:
+            self.counters.roots += 1
+        else:
+            self.counters.children += 1
+
+    async def _admit(
+        self, session: Session, parent: GatewayCall | None, logical: str, history: History, n: int
+    ) -> list[tuple[GatewayCall, CaptureAdmission]]:
+        """Admit (and publish) one call per choice; they join the session at once."""
+        base = self.client.admit(
+            session.rollout_id,
+            parent.coords if parent is not None else None,
+            group_id=session.group_id,
+            logical_call_id=logical,
+        )
+        admissions = choice_admissions(base, n)
+        if n > 1:  # choices are siblings, not attempts: each its own logical call
+            admissions = [
+                a.model_copy(update={"logical_call_id": f"{logical}.{i}"}) for i, a in enumerate(admissions)
+            ]
+        await self.client.sink.publish(admissions)
+        calls = []
+        for admission in admissions:
+            call = GatewayCall(
+                call_id=admission.call_id,
+                logical_call_id=admission.logical_call_id or logical,
+                parent_call_id=admission.parent_call_id,
+                kind=history.kind,
+                request_length=history.length,
+                request_digest=history.digest,
+            )
+            session.add(call)
+            calls.append((call, admission))
+        return calls
+
+    async def _whole(
+        self,
+        session: Session,
+        dialect: Dialect,
+        url: str,
+        path: str,
+        request: dict[str, Any],
+        calls: list[tuple[GatewayCall, CaptureAdmission]],
+        hidden: frozenset[str],
+        history: History,
+    ) -> Response:
+        with self.workers.serving(url):
+            response = await self.http.post(f"{url}{path}", content=orjson.dumps(request), headers=_JSON)
+        if response.status_code >= 500:
+            raise _WorkerFailed(f"HTTP {response.status_code}")
+        reply = orjson.loads(response.content)
+        if response.status_code != 200:
+            return JSONResponse(stripped(reply, hidden), status_code=response.status_code)
+        try:
+            turns = reply_turns(dialect, reply)
+        except MalformedHistory:  # a reply it cannot normalize: delivered, but nothing continues it
+            turns = {}
+        self._answered(session, url, calls, take_coords(reply), turns, history)
+        return JSONResponse(stripped(reply, hidden))
+
+    async def _stream(
+        self,
+        session: Session,
+        dialect: Dialect,
+        url: str,
+        path: str,
+        request: dict[str, Any],
+        calls: list[tuple[GatewayCall, CaptureAdmission]],
+        hidden: frozenset[str],
+        history: History,
+    ) -> Response:
+        upstream = await self.http.send(
+            self.http.build_request("POST", f"{url}{path}", content=orjson.dumps(request), headers=_JSON),
+            stream=True,
+        )
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            if upstream.status_code >= 500:
+                raise _WorkerFailed(f"HTTP {upstream.status_code}")
+            return JSONResponse(stripped(orjson.loads(content), hidden), status_code=upstream.status_code)
+
+        async def events() -> AsyncIterator[str]:
+            reply = StreamedReply(dialect)
+            coords: dict[int, CommitCoords] = {}
+            session.in_flight += 1
+            try:
+                with self.workers.serving(url):
+                    async for event in _sse_events(upstream):
+                        reply.feed(event)
+                        clean, found = strip_event(event, hidden)
+                        coords.update(found)
+                        yield clean
+                self._answered(session, url, calls, coords, reply.turns(), history)
+            finally:
+                session.in_flight -= 1
+                await upstream.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _answered(
+        self,
+        session: Session,
+        url: str,
+        calls: list[tuple[GatewayCall, CaptureAdmission]],
+        coords: Mapping[int, CommitCoords],
+        turns: Mapping[int, Turn],
+        history: History,
+    ) -> None:
+        """Record each choice's reply and coords: the next call that continues it finds it."""
+        for index, (call, _) in enumerate(calls):
+            turn = turns.get(index)
+            if turn is None:
+                continue
+            length, digest = extended(history, turn)
+            call.answered(length, digest, coords.get(index), url)
+        session.worker = url
+
+
+class _WorkerFailed(RuntimeError):
+    """The worker answered with a server error before any of the reply reached the agent."""
+
+
+_JSON = {"content-type": "application/json"}
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[str]:
+    """The upstream stream, one SSE message (ending in a blank line) at a time."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        while "\n\n" in buffer:
+            event, buffer = buffer.split("\n\n", 1)
+            yield event + "\n\n"
+    if buffer.strip():
+        yield buffer
+
+
+def agent_error(
+    dialect: Dialect, status: int, message: str, kind: str = "invalid_request_error"
+) -> JSONResponse:
+    if dialect == "messages":
+        return JSONResponse(anthropic_error_body(message, kind=kind), status_code=status)
+    return JSONResponse(error_body(message, kind=kind), status_code=status)
+
+
+__all__ = ["CallCounters", "Forwarder", "agent_error"]

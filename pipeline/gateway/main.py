@@ -1,0 +1,72 @@
+"""Wiring of one gateway process: sessions, worker pool, HTTP client to the workers, server.
+
+The event sink arrives as a ``stages.ports.EventSink`` (in production the Kafka sink), so
+tests can pass an in-memory one. The server is the worker's in-loop uvicorn
+(``WorkerServer``); SIGTERM/SIGINT stop it after in-flight calls finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI
+
+from pipeline.gateway.app import create_gateway_app
+from pipeline.gateway.calls import Forwarder
+from pipeline.gateway.sessions import Sessions
+from pipeline.gateway.upstream import Workers
+from pipeline.worker import DEFAULT_MAX_BODY_BYTES
+from pipeline.worker.main import WorkerServer, stop_on_signals
+from stages.client import RolloutClient
+from stages.ports import EventSink
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    workers: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8100
+    session_ttl_s: float = 600.0
+    sweep_every_s: float = 5.0
+    call_timeout_s: float = 600.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    app: FastAPI
+    sessions: Sessions
+    forwarder: Forwarder
+
+
+@contextlib.asynccontextmanager
+async def gateway(config: GatewayConfig, sink: EventSink) -> AsyncIterator[Gateway]:
+    """The gateway's app and state; its HTTP client to the workers closes on exit."""
+    client = RolloutClient(sink)
+    sessions = Sessions(client, ttl_s=config.session_ttl_s)
+    timeout = httpx.Timeout(config.call_timeout_s, connect=5.0)
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+        forwarder = Forwarder(client, Workers(config.workers), http)
+        app = create_gateway_app(
+            sessions, forwarder, sweep_every_s=config.sweep_every_s, max_body_bytes=config.max_body_bytes
+        )
+        yield Gateway(app, sessions, forwarder)
+
+
+async def run_gateway(
+    config: GatewayConfig, sink: EventSink, *, on_ready: Callable[[str], None] | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT (or the server stops)."""
+    async with gateway(config, sink) as built:
+        server = WorkerServer(built.app, host=config.host, port=config.port)
+        with stop_on_signals(server.request_stop):
+            await server.start()
+            if on_ready is not None:
+                on_ready(server.url)
+            await server.wait()
+
+
+__all__ = ["Gateway", "GatewayConfig", "gateway", "run_gateway"]

@@ -1,0 +1,63 @@
+"""Prometheus metrics of the gateway, read from its counters at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pipeline.gateway.calls import Forwarder
+from pipeline.gateway.sessions import Sessions
+
+
+class GatewayCollector(Collector):
+    """Sessions open and abandoned, calls by lineage, worker failures and load."""
+
+    def __init__(self, sessions: Sessions, forwarder: Forwarder) -> None:
+        self.sessions = sessions
+        self.forwarder = forwarder
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self.forwarder.counters
+        yield GaugeMetricFamily(
+            "tokentrail_gateway_open_sessions", "rollout sessions not sealed yet", self.sessions.open_count
+        )
+        yield CounterMetricFamily(
+            "tokentrail_gateway_abandoned_sessions",
+            "sessions sealed failed after the session TTL",
+            self.sessions.abandoned,
+        )
+        calls = CounterMetricFamily(
+            "tokentrail_gateway_calls", "agent calls, by their place in the tree", labels=["lineage"]
+        )
+        for lineage, value in (
+            ("root", counters.roots),
+            ("child", counters.children),
+            ("retry", counters.retries),
+        ):
+            calls.add_metric([lineage], value)
+        yield calls
+        yield CounterMetricFamily(
+            "tokentrail_gateway_worker_failures",
+            "calls a worker failed before replying (retried)",
+            counters.worker_failures,
+        )
+        in_flight = GaugeMetricFamily(
+            "tokentrail_gateway_worker_in_flight", "calls in flight per worker", labels=["worker"]
+        )
+        healthy = GaugeMetricFamily(
+            "tokentrail_gateway_worker_healthy", "1 while a worker takes calls", labels=["worker"]
+        )
+        for url, flying, _, up in self.forwarder.workers.stats():
+            in_flight.add_metric([url], flying)
+            healthy.add_metric([url], int(up))
+        yield in_flight
+        yield healthy
+
+
+def gateway_registry(sessions: Sessions, forwarder: Forwarder) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GatewayCollector(sessions, forwarder))
+    return registry

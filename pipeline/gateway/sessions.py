@@ -1,0 +1,164 @@
+"""Rollout sessions: opened by the agent's first call (or ``POST /rollouts``), sealed once.
+
+A session is one rollout. It keeps its calls for lineage (``pipeline.gateway.lineage``),
+the worker that served its last call (routing prefers it), and its seal. The gateway
+publishes the seal, so every session ends with exactly one: the agent's (reward, or
+failed with a reason), or ``abandoned`` when it stays idle past the session TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline.gateway.lineage import GatewayCall
+from stages.client import RolloutClient
+from topics.records import RolloutSeal
+
+log = logging.getLogger(__name__)
+
+ABANDONED = "abandoned"
+
+
+class SessionError(Exception):
+    """A session operation the agent cannot do; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(slots=True)
+class Session:
+    rollout_id: str
+    group_id: str | None
+    last_seen: float
+    calls: list[GatewayCall] = field(default_factory=list)
+    by_id: dict[str, GatewayCall] = field(default_factory=dict)
+    seal: RolloutSeal | None = None
+    in_flight: int = 0
+    worker: str | None = None
+
+    def add(self, call: GatewayCall) -> None:
+        self.calls.append(call)
+        self.by_id[call.call_id] = call
+
+    def describe(self) -> dict[str, object]:
+        """What ``GET /rollouts/{id}`` shows: the calls and their parent links."""
+        return {
+            "rollout_id": self.rollout_id,
+            "group_id": self.group_id,
+            "sealed": None if self.seal is None else self.seal.model_dump(mode="json"),
+            "calls": [
+                {
+                    "call_id": c.call_id,
+                    "parent_call_id": c.parent_call_id,
+                    "logical_call_id": c.logical_call_id,
+                    "disposition": None if c.coords is None else c.coords.disposition,
+                    "worker": c.worker,
+                }
+                for c in self.calls
+            ],
+        }
+
+
+class Sessions:
+    """Every open session of this gateway, and the seals it publishes."""
+
+    def __init__(
+        self,
+        client: RolloutClient,
+        *,
+        ttl_s: float,
+        remember_sealed: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
+        self.client = client
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._open: dict[str, Session] = {}
+        self._sealed: OrderedDict[str, Session] = OrderedDict()  # the latest, for show and 409s
+        self.remember_sealed = remember_sealed
+        self.abandoned = 0
+
+    def open(self, rollout_id: str | None = None, group_id: str | None = None) -> Session:
+        """The session of ``rollout_id`` (created if new; a fresh id when None)."""
+        rollout_id = rollout_id or f"rollout-{uuid.uuid4().hex[:16]}"
+        if rollout_id in self._sealed:
+            raise SessionError(409, f"rollout {rollout_id} is already sealed")
+        session = self._open.get(rollout_id)
+        if session is None:
+            session = Session(rollout_id, group_id, self.clock())
+            self._open[rollout_id] = session
+        elif group_id is not None and session.group_id not in (None, group_id):
+            raise SessionError(409, f"rollout {rollout_id} is in group {session.group_id}, not {group_id}")
+        session.last_seen = self.clock()
+        return session
+
+    def get(self, rollout_id: str) -> Session:
+        session = self._open.get(rollout_id)
+        if session is not None:
+            return session
+        if rollout_id in self._sealed:
+            raise SessionError(409, f"rollout {rollout_id} is sealed; no more calls")
+        raise SessionError(404, f"rollout {rollout_id} is unknown")
+
+    def describe(self, rollout_id: str) -> dict[str, object]:
+        sealed = self._sealed.get(rollout_id)
+        return sealed.describe() if sealed is not None else self.get(rollout_id).describe()
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    async def seal(
+        self, rollout_id: str, *, reward: float | None = None, failed: str | None = None
+    ) -> RolloutSeal:
+        """Publish the session's one seal; a second seal is a 409 naming the first."""
+        done = self._sealed.get(rollout_id)
+        if done is not None and done.seal is not None:
+            first = done.seal
+            shown = (
+                f"reward {first.reward}" if first.status == "completed" else f"failed: {first.failure_reason}"
+            )
+            raise SessionError(409, f"rollout {rollout_id} was already sealed ({shown})")
+        session = self._open.get(rollout_id)
+        if session is None:
+            raise SessionError(404, f"rollout {rollout_id} is unknown")
+        seal = await self.client.seal(rollout_id, group_id=session.group_id, reward=reward, failed=failed)
+        session.seal = seal
+        self._sealed[rollout_id] = self._open.pop(rollout_id)
+        while len(self._sealed) > self.remember_sealed:
+            self._sealed.popitem(last=False)
+        return seal
+
+    async def sweep(self) -> list[str]:
+        """Seal every session idle past the TTL (none of its calls in flight) as ``abandoned``."""
+        now = self.clock()
+        idle = [
+            s.rollout_id for s in self._open.values() if s.in_flight == 0 and now - s.last_seen > self.ttl_s
+        ]
+        for rollout_id in idle:
+            await self.seal(rollout_id, failed=ABANDONED)
+            self.abandoned += 1
+            log.warning("rollout %s idle past %.0fs: sealed failed %s", rollout_id, self.ttl_s, ABANDONED)
+        return idle
+
+    async def sweep_forever(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.sweep()
+            except Exception:  # a failed publish is retried on the next sweep
+                log.exception("sealing idle sessions failed")
+
+
+__all__ = ["ABANDONED", "Session", "SessionError", "Sessions"]

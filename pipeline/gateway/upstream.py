@@ -1,0 +1,79 @@
+"""The workers behind the gateway: sticky to a session's last worker, else the least loaded.
+
+A session's next call goes to the worker that served its last call while that worker
+is healthy (its prefix cache and chain cache hold the conversation). Otherwise the
+healthy worker with the fewest calls in flight takes it. A worker that fails a call
+(connection refused, reset, 5xx before any byte of the reply) is taken out for
+``cooldown_s`` and the call is retried on another worker as a new attempt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+class NoWorker(RuntimeError):
+    """Every worker is out; the call cannot be served now (a 503)."""
+
+
+@dataclass(slots=True)
+class _Worker:
+    url: str
+    in_flight: int = 0
+    out_until: float = 0.0
+    served: int = 0
+    failures: int = 0
+
+
+class Workers:
+    """The worker pool; ``choose`` picks, ``serving`` counts a call in flight, ``failed`` benches."""
+
+    def __init__(
+        self, urls: Sequence[str], *, cooldown_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not urls:
+            raise ValueError("urls: at least one worker is required")
+        self._workers = {url.rstrip("/"): _Worker(url.rstrip("/")) for url in urls}
+        self.cooldown_s = cooldown_s
+        self.clock = clock
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._workers)
+
+    def healthy(self, url: str) -> bool:
+        worker = self._workers.get(url)
+        return worker is not None and worker.out_until <= self.clock()
+
+    def choose(self, preferred: str | None = None, *, avoid: Sequence[str] = ()) -> str:
+        if preferred is not None and preferred not in avoid and self.healthy(preferred):
+            return preferred
+        candidates = [w for w in self._workers.values() if w.url not in avoid and self.healthy(w.url)]
+        if not candidates:
+            raise NoWorker(f"no healthy worker (of {len(self._workers)}) can take the call")
+        return min(candidates, key=lambda w: (w.in_flight, w.served)).url
+
+    @contextmanager
+    def serving(self, url: str) -> Iterator[None]:
+        worker = self._workers[url]
+        worker.in_flight += 1
+        try:
+            yield
+        finally:
+            worker.in_flight -= 1
+            worker.served += 1
+
+    def failed(self, url: str) -> None:
+        worker = self._workers[url]
+        worker.failures += 1
+        worker.out_until = self.clock() + self.cooldown_s
+
+    def stats(self) -> list[tuple[str, int, int, bool]]:
+        """(url, in flight, failures, healthy) per worker, for metrics."""
+        return [(w.url, w.in_flight, w.failures, self.healthy(w.url)) for w in self._workers.values()]
+
+
+__all__ = ["NoWorker", "Workers"]

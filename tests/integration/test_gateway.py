@@ -1,0 +1,253 @@
+"""Unmodified agents captured through the gateway, on the real vLLM worker.
+
+The agents are the official SDKs pointed at a rollout session's base URL, with no
+tokentrail code at all: the gateway finds each call's parent from the history the agent
+sends, publishes admissions and the seal, and strips its fields from what the agent sees.
+The real ledger and finalizer turn each session into a sample, checked exactly against
+the engine's ids and logprobs and against a Hugging Face forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from enginekit import (
+    EngineHost,
+    HFOracle,
+    Rig,
+    assert_matches_hf,
+    assert_sample_is_what_the_engine_saw,
+    start_rig,
+    token_keys,
+)
+
+from pipeline.gateway.main import Gateway, GatewayConfig, gateway
+from pipeline.models.tiny import make_tiny_model
+from pipeline.worker.main import WorkerServer
+from stages.capture.vllm.engine import EngineSettings
+from topics.records import RolloutSeal
+from topics.wire import CAPTURE_FIELD, COORDS_FIELD
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "chatml", seed=0)
+
+
+@pytest.fixture(scope="module")
+def host(model_dir: Path) -> Iterator[EngineHost]:
+    engine_host = EngineHost(EngineSettings(model=str(model_dir)))
+    try:
+        yield engine_host
+    finally:
+        engine_host.close()
+
+
+@pytest.fixture(scope="module")
+def oracle() -> HFOracle:
+    return HFOracle()
+
+
+@dataclass
+class Served:
+    rig: Rig
+    built: Gateway
+    server: WorkerServer
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def session(self, **body: Any) -> dict[str, Any]:
+        response = httpx.post(f"{self.url}/rollouts", json=body, timeout=10)
+        assert response.status_code == 200, response.text
+        opened: dict[str, Any] = response.json()
+        return opened
+
+    def seal(self, rollout_id: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(f"{self.url}/rollouts/{rollout_id}/seal", json=body, timeout=10)
+
+    def calls(self, rollout_id: str) -> list[dict[str, Any]]:
+        shown = httpx.get(f"{self.url}/rollouts/{rollout_id}", timeout=10).json()
+        calls: list[dict[str, Any]] = shown["calls"]
+        return calls
+
+
+def serve_gateway(rig: Rig, **config: Any) -> Iterator[Served]:
+    async def start() -> tuple[Any, Gateway, WorkerServer]:
+        context = gateway(GatewayConfig(workers=(rig.url,), port=0, **config), rig.driver_sink)
+        built = await context.__aenter__()
+        server = WorkerServer(built.app, host="127.0.0.1", port=0, graceful_timeout_s=5)
+        await server.start()
+        return context, built, server
+
+    async def stop(context: Any, server: WorkerServer) -> None:
+        await server.stop()
+        await context.__aexit__(None, None, None)
+
+    context, built, server = rig.host.run(start())
+    try:
+        yield Served(rig, built, server)
+    finally:
+        rig.host.run(stop(context, server))
+
+
+@pytest.fixture
+def served(host: EngineHost, model_dir: Path) -> Iterator[Served]:
+    rig = start_rig(host, model_dir)
+    try:
+        yield from serve_gateway(rig)
+    finally:
+        rig.close()
+
+
+def clean(extra: dict[str, Any] | None) -> None:
+    assert not extra or COORDS_FIELD not in extra, extra
+
+
+def test_openai_agent_episode_streaming_and_not(served: Served, oracle: HFOracle, model_dir: Path) -> None:
+    opened = served.session(group_id="g1")
+    rollout_id = opened["rollout_id"]
+    agent = openai.OpenAI(base_url=opened["base_url"], api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages: list[Any] = [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
+    reply = agent.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, temperature=0, max_tokens=8
+    )
+    clean(reply.model_extra)
+    assert token_keys(reply.model_dump()) == set()
+    messages += [reply.choices[0].message, {"role": "user", "content": "And times 4?"}]  # as SDK users do
+    text = ""
+    for chunk in agent.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, temperature=0, max_tokens=8, stream=True
+    ):
+        clean(chunk.model_extra)
+        for choice in chunk.choices:
+            clean(choice.model_extra)
+            text += choice.delta.content or ""
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks."}]
+    agent.chat.completions.create(model="tiny", messages=messages, tools=tools, temperature=0, max_tokens=8)
+    sealed = served.seal(rollout_id, {"reward": 1.0})
+    assert sealed.status_code == 200, sealed.text
+    calls = served.calls(rollout_id)
+    assert [c["parent_call_id"] for c in calls] == [None, calls[0]["call_id"], calls[1]["call_id"]]
+    event, sample = served.rig.finalize(rollout_id, sealed=True)
+    assert event.status == "accepted", event
+    assert sample is not None and sample.reward == 1.0 and event.call_count == 3
+    assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in served.rig.recorder.calls])
+    assert_matches_hf(oracle, model_dir, sample)
+
+
+def test_anthropic_agent_episode_streaming_and_not(served: Served, oracle: HFOracle, model_dir: Path) -> None:
+    opened = served.session()
+    rollout_id = opened["rollout_id"]
+    agent = anthropic.Anthropic(
+        base_url=opened["anthropic_base_url"], api_key="unused", max_retries=0, timeout=120
+    )
+    greedy = {"temperature": 0.0}
+    messages: list[Any] = [{"role": "user", "content": "What is 2 + 3?"}]
+    message = agent.messages.create(model="tiny", max_tokens=8, messages=messages, extra_body=greedy)
+    clean(message.model_extra)
+    messages += [
+        {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+        {"role": "user", "content": "And times 4?"},
+    ]
+    with agent.messages.stream(model="tiny", max_tokens=8, messages=messages, extra_body=greedy) as stream:
+        final = stream.get_final_message()
+    clean(final.model_extra)
+    messages += [
+        {"role": "assistant", "content": [block.model_dump() for block in final.content]},
+        {"role": "user", "content": "Thanks."},
+    ]
+    agent.messages.create(model="tiny", max_tokens=8, messages=messages, extra_body=greedy)
+    assert served.seal(rollout_id, {"reward": 0.5}).status_code == 200
+    calls = served.calls(rollout_id)
+    assert [c["parent_call_id"] for c in calls] == [None, calls[0]["call_id"], calls[1]["call_id"]]
+    event, sample = served.rig.finalize(rollout_id, sealed=True)
+    assert event.status == "accepted", event
+    assert sample is not None and event.call_count == 3
+    assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in served.rig.recorder.calls])
+    assert_matches_hf(oracle, model_dir, sample)
+
+
+def test_retries_collapse_and_rewritten_histories_start_roots(served: Served) -> None:
+    rollout_id = served.session()["rollout_id"]
+    base = f"{served.url}/rollouts/{rollout_id}/v1"
+    agent = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    first = [{"role": "user", "content": "What is 2 + 3?"}]
+    reply = agent.chat.completions.create(model="tiny", messages=first, temperature=0, max_tokens=6)  # type: ignore[arg-type]
+    second = [*first, reply.choices[0].message, {"role": "user", "content": "Sure?"}]
+    for _ in range(2):  # the same history twice: a retry
+        agent.chat.completions.create(model="tiny", messages=second, temperature=0, max_tokens=6)  # type: ignore[arg-type]
+    calls = served.calls(rollout_id)
+    assert len(calls) == 3
+    assert calls[1]["parent_call_id"] == calls[2]["parent_call_id"] == calls[0]["call_id"]
+    assert calls[1]["logical_call_id"] == calls[2]["logical_call_id"] != calls[0]["logical_call_id"]
+    assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
+    event, sample = served.rig.finalize(rollout_id, sealed=True)
+    assert event.status == "accepted" and sample is not None, event
+    assert event.call_count == 2  # the attempts collapsed
+
+    # A rewritten history (compacted to a summary) is a new root in the same session.
+    other = served.session()["rollout_id"]
+    agent = openai.OpenAI(base_url=f"{served.url}/rollouts/{other}/v1", api_key="unused", max_retries=0)
+    reply = agent.chat.completions.create(model="tiny", messages=first, temperature=0, max_tokens=6)  # type: ignore[arg-type]
+    compacted = [{"role": "user", "content": "Summary: we added 2 and 3. Continue."}]
+    agent.chat.completions.create(model="tiny", messages=compacted, temperature=0, max_tokens=6)  # type: ignore[arg-type]
+    assert [c["parent_call_id"] for c in served.calls(other)] == [None, None]
+
+
+def test_bad_input_is_refused_and_nothing_stays_open(served: Served) -> None:
+    rollout_id = served.session()["rollout_id"]
+    chat = f"{served.url}/rollouts/{rollout_id}/v1/chat/completions"
+    assert httpx.post(f"{served.url}/rollouts/nobody/seal", json={"reward": 1}).status_code == 404
+    bad = httpx.post(chat, json={"messages": "hello"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
+    own = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], CAPTURE_FIELD: {}})
+    assert own.status_code == 400 and own.json()["error"]["param"] == CAPTURE_FIELD
+    unsure = served.seal(rollout_id, {"status": "failed"})
+    assert unsure.status_code == 400 and unsure.json()["error"]["param"] == "reason", unsure.text
+    assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
+    again = served.seal(rollout_id, {"reward": 0.0})
+    assert again.status_code == 409 and "reward 1.0" in again.json()["error"]["message"]
+    late = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert late.status_code == 409, late.text
+    seals = [e.payload for e in served.rig.driver_sink.events if isinstance(e.payload, RolloutSeal)]
+    assert [s.rollout_id for s in seals] == [rollout_id]
+
+
+def test_an_idle_session_is_sealed_abandoned(host: EngineHost, model_dir: Path) -> None:
+    rig = start_rig(host, model_dir)
+    try:
+        for gw in serve_gateway(rig, session_ttl_s=0.5, sweep_every_s=0.1):
+            rollout_id = gw.session()["rollout_id"]
+            agent = openai.OpenAI(
+                base_url=f"{gw.url}/rollouts/{rollout_id}/v1", api_key="unused", max_retries=0
+            )
+            agent.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            )
+            deadline = time.monotonic() + 10
+            while (
+                time.monotonic() < deadline and "calls" in httpx.get(f"{gw.url}/rollouts/{rollout_id}").json()
+            ):
+                time.sleep(0.1)
+            shown = httpx.get(f"{gw.url}/rollouts/{rollout_id}").json()
+            assert shown["sealed"]["failure_reason"] == "abandoned", shown
+            event, _ = rig.finalize(rollout_id, sealed=True)
+            assert event.status == "rejected" and event.rejection_reason == "rollout_failed", event
+    finally:
+        rig.close()

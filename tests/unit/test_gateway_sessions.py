@@ -1,0 +1,105 @@
+"""The gateway's lineage rules and session lifecycle, without a worker."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pipeline.gateway.lineage import GatewayCall, logical_call_id, resolve
+from pipeline.gateway.normalize import Turn, extended, history_of
+from pipeline.gateway.sessions import ABANDONED, SessionError, Sessions
+from pipeline.gateway.upstream import NoWorker, Workers
+from stages.client import RolloutClient
+from stages.memory import RecordingSink
+from topics.records import RolloutSeal
+
+
+def chat(*texts: str) -> dict[str, Any]:
+    roles = ["user", "assistant"]
+    return {"messages": [{"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]}
+
+
+def answered(call_id: str, body: dict[str, Any], reply: str, parent: str | None = None) -> GatewayCall:
+    history = history_of("chat", body)
+    call = GatewayCall(
+        call_id, logical_call_id(history), parent, history.kind, history.length, history.digest
+    )
+    length, digest = extended(history, Turn(role="assistant", text=reply))
+    call.answered(length, digest, None, "http://w")
+    return call
+
+
+def test_child_retry_and_root() -> None:
+    first = answered("c1", chat("hi"), "hello")
+    second = answered("c2", chat("hi", "hello", "more"), "sure", parent="c1")
+    calls = [first, second]
+    by_id = {c.call_id: c for c in calls}
+    # The longest extended prefix wins: a continuation of c2 is its child, not c1's.
+    assert (
+        resolve(calls, history_of("chat", chat("hi", "hello", "more", "sure", "again")), by_id).parent
+        is second
+    )
+    assert resolve(calls, history_of("chat", chat("hi", "hello", "other")), by_id).parent is first
+    # The same history again: a retry, under the retried call's parent, same logical id.
+    retry = resolve(calls, history_of("chat", chat("hi", "hello", "more")), by_id)
+    assert retry.retry_of is second and retry.parent is first
+    # A reply the agent rewrote is not the reply the gateway returned: a new root.
+    assert resolve(calls, history_of("chat", chat("hi", "HELLO", "more")), by_id).parent is None
+    assert resolve(calls, history_of("chat", chat("summary")), by_id) == resolve(
+        [], history_of("chat", chat("x")), {}
+    )
+
+
+def test_unanswered_calls_are_never_parents() -> None:
+    history = history_of("chat", chat("hi"))
+    pending = GatewayCall("c1", logical_call_id(history), None, history.kind, history.length, history.digest)
+    assert resolve([pending], history_of("chat", chat("hi", "hello", "more")), {"c1": pending}).parent is None
+
+
+def test_sessions_seal_once_and_abandon_idle_ones() -> None:
+    now = [0.0]
+    sink = RecordingSink()
+    sessions = Sessions(RolloutClient(sink), ttl_s=10, clock=lambda: now[0])
+
+    async def go() -> None:
+        opened = sessions.open("r1", "g")
+        assert sessions.open("r1") is opened
+        with pytest.raises(SessionError) as caught:
+            sessions.open("r1", "other-group")
+        assert caught.value.status == 409
+        await sessions.seal("r1", reward=1.0)
+        for action in (sessions.seal("r1", reward=0.0), sessions.seal("nobody", reward=0.0)):
+            with pytest.raises(SessionError) as caught:
+                await action
+            assert caught.value.status in (404, 409)
+        with pytest.raises(SessionError) as caught:
+            sessions.get("r1")
+        assert caught.value.status == 409 and sessions.describe("r1")["sealed"] is not None
+        busy, idle = sessions.open("r2"), sessions.open("r3")
+        busy.in_flight = 1
+        now[0] = 11.0
+        assert await sessions.sweep() == ["r3"] and idle.seal is not None
+        assert sessions.abandoned == 1 and sessions.open_count == 1
+
+    asyncio.run(go())
+    seals = [e.payload for e in sink.events if isinstance(e.payload, RolloutSeal)]
+    assert [(s.rollout_id, s.status, s.failure_reason) for s in seals] == [
+        ("r1", "completed", None),
+        ("r3", "failed", ABANDONED),
+    ]
+
+
+def test_workers_prefer_the_sessions_worker_then_the_least_loaded() -> None:
+    now = [0.0]
+    workers = Workers(["http://a", "http://b/"], cooldown_s=5, clock=lambda: now[0])
+    assert workers.choose("http://b") == "http://b"
+    with workers.serving("http://a"):
+        assert workers.choose() == "http://b"
+    workers.failed("http://b")
+    assert workers.choose("http://b") == "http://a"
+    with pytest.raises(NoWorker):
+        workers.choose(avoid=["http://a"])
+    now[0] = 6.0
+    assert workers.healthy("http://b")
