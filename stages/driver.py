@@ -108,8 +108,13 @@ class RolloutDriver:
             "max_tokens": self.max_tokens,
         }
         if self.seed is not None:
-            body["seed"] = self.seed + zlib.crc32(job.rollout_id.encode()) % 10_000 + episode.turns
+            body["seed"] = episode_seed(self.seed, job.rollout_id, episode.turns)
         return body
 
 
-__all__ = ["ChatEndpoint", "DriverStats", "Job", "RolloutDriver"]
+def episode_seed(seed: int, rollout_id: str, turn: int) -> int:
+    """A sampling seed per rollout and turn: runs repeat, rollouts of one group differ."""
+    return seed + zlib.crc32(rollout_id.encode()) % 10_000 + turn
+
+
+__all__ = ["ChatEndpoint", "DriverStats", "Job", "RolloutDriver", "episode_seed"]

@@ -147,6 +147,15 @@ def add_parser(subparsers: Any) -> None:
     services.add_argument("--ray-address", help="Ray cluster address for --dataplane-mode ray (e.g. auto)")
     add_kafka_arguments(parser)
     parser.add_argument(
+        "--agent",
+        choices=("driver", "sdk"),
+        default=defaults.agent,
+        help=(
+            "who plays the rollouts: the built-in driver (it builds admissions itself), or an "
+            "agent using only the openai SDK through a gateway (default: %(default)s)"
+        ),
+    )
+    parser.add_argument(
         "--keep",
         action="store_true",
         help="after the run, keep broker, data plane, worker and stages serving until Ctrl-C",
@@ -177,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
             broker_storage=args.broker_storage,
             dataplane_mode=args.dataplane_mode,
             ray_address=args.ray_address,
+            agent=args.agent,
             rollouts=args.rollouts,
             group_size=args.group_size,
             turns=args.turns,

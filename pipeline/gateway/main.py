@@ -43,9 +43,14 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def gateway(config: GatewayConfig, sink: EventSink) -> AsyncIterator[Gateway]:
-    """The gateway's app and state; its HTTP client to the workers closes on exit."""
-    client = RolloutClient(sink)
+async def gateway(
+    config: GatewayConfig, sink: EventSink, *, client: RolloutClient | None = None
+) -> AsyncIterator[Gateway]:
+    """The gateway's app and state; its HTTP client to the workers closes on exit.
+
+    ``client`` publishes admissions and seals (default: a plain one on ``sink``).
+    """
+    client = client if client is not None else RolloutClient(sink)
     sessions = Sessions(client, ttl_s=config.session_ttl_s)
     timeout = httpx.Timeout(config.call_timeout_s, connect=5.0)
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:

@@ -24,6 +24,9 @@ DEFAULT_DATA_DIR = Path(".tokentrail")
 TINY_MODEL_DIR_NAME = "tiny-model"
 
 
+AgentKind = Literal["driver", "sdk"]
+
+
 @dataclass(frozen=True, slots=True)
 class RunConfig:
     """Every setting of a run; the defaults are the single-machine demo (``make run``)."""
@@ -48,6 +51,9 @@ class RunConfig:
     finalize_timeout_s: float = 600.0
     lag_timeout_s: float = 60.0
     keep: bool = False
+    agent: AgentKind = "driver"
+    """``driver``: the built-in driver builds admissions; ``sdk``: a plain OpenAI-SDK agent
+    plays through the gateway, which builds them."""
     run_id: str | None = None
 
     def __post_init__(self) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from typing import Protocol
 
 from pipeline.run.journal import INTERRUPTED, RunJournal
 from stages.client import RolloutClient
-from stages.driver import Job, RolloutDriver
+from stages.driver import DriverStats, Job
+from stages.envs.arithmetic import Episode
 from stages.ports import EventSink
 from topics.records import RolloutSeal
 
@@ -53,8 +55,16 @@ class SealTrackingClient(RolloutClient):
         return seal
 
 
+class Player(Protocol):
+    """Plays one job to its seal: the built-in driver, or an SDK agent through the gateway."""
+
+    stats: DriverStats
+
+    async def play(self, job: Job) -> Episode: ...
+
+
 async def play_jobs(
-    driver: RolloutDriver,
+    driver: Player,
     client: SealTrackingClient,
     jobs: Sequence[Job],
     concurrency: int,

@@ -15,7 +15,8 @@ Order of start (each part stops in reverse, through one ``AsyncExitStack``):
 6. the follower of ``tokentrail.finalized`` for this run's rollouts and the archiver
    that copies each accepted sample to ``DATA_DIR/samples.jsonl``;
 7. the capture worker on a free loopback port, and the rollout driver playing the
-   arithmetic tool-use environment against it over HTTP.
+   arithmetic tool-use environment against it over HTTP; with ``--agent sdk`` a gateway
+   in front of the worker, and an agent that only uses the openai SDK through it.
 
 A run is complete when every rollout of this run has its ``FinalizedEvent`` (accepted
 or rejected), every accepted sample is archived, and both stages' consumer lag is 0.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import time
@@ -45,16 +47,18 @@ from pipeline.kafka.reader import topic_ends
 from pipeline.run.archiver import SampleArchiver
 from pipeline.run.chat_http import HttpChatEndpoint
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs
-from pipeline.run.driver import SealTrackingClient, play_jobs
+from pipeline.run.driver import Player, SealTrackingClient, play_jobs
 from pipeline.run.finalized_watch import FinalizedWatcher
 from pipeline.run.journal import RunJournal, close_dead_runs
 from pipeline.run.report import RunProgress, RunStatus, RunSummary, outcome_totals
+from pipeline.run.sdk_agent import SdkAgent
 from pipeline.run.services import (
     RunSetupError,
     ensure_model,
     event_log,
     event_log_identity,
     running_stages,
+    serving_gateway,
     serving_worker,
     start_engine,
 )
@@ -65,6 +69,8 @@ from stages.driver import RolloutDriver
 from stages.ledger.stage import LedgerConfig
 from stages.ports import DataPlaneError
 
+SERVING_FILE = "serving.json"
+"""Written by ``--keep`` while it serves: the addresses of the broker, worker, gateway and data plane."""
 log = logging.getLogger(__name__)
 
 LAG_POLL_S = 1.0
@@ -136,7 +142,9 @@ class Run:
         self.dataplane_addresses: str | None = None
         self.watcher: FinalizedWatcher | None = None
         self.archiver: SampleArchiver | None = None
-        self.driver: RolloutDriver | None = None
+        self.gateway_url: str | None = None
+        self._seals: SealTrackingClient | None = None
+        self._agent: SdkAgent | None = None
         self.lag_by_stage: dict[str, int] = {}
         self._sink: KafkaEventSink | None = None
         self._endpoint: HttpChatEndpoint | None = None
@@ -237,6 +245,19 @@ class Run:
         server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))
         self.worker_url = server.url
         self._endpoint = await stack.enter_async_context(HttpChatEndpoint(server.url))
+        self._seals = SealTrackingClient(sink, journal)
+        if config.agent == "sdk":
+            progress.enter("starting the gateway")
+            self.gateway_url = await stack.enter_async_context(serving_gateway(server.url, sink, self._seals))
+            self._agent = agent = SdkAgent(
+                self.gateway_url,
+                self.model_dir.name,
+                temperature=config.temperature,
+                max_tokens=config.max_tokens,
+                max_turns=config.turns,
+                seed=config.seed,
+            )
+            stack.push_async_callback(agent.aclose)
         shutdown.check()
 
     def _task(
@@ -276,16 +297,21 @@ class Run:
         config, progress = self.config, self.progress
         assert self._sink is not None and self._endpoint is not None
         assert self._archiving is not None and self._probe is not None
-        client = SealTrackingClient(self._sink, self.journal)
-        self.driver = driver = RolloutDriver(
-            client,
-            self._endpoint,
-            temperature=config.temperature,
-            max_tokens=config.max_tokens,
-            max_turns=config.turns,
-            seed=config.seed,
+        assert self._seals is not None
+        client = self._seals
+        player: Player = (
+            self._agent
+            if self._agent is not None
+            else RolloutDriver(
+                client,
+                self._endpoint,
+                temperature=config.temperature,
+                max_tokens=config.max_tokens,
+                max_turns=config.turns,
+                seed=config.seed,
+            )
         )
-        progress.driver = driver.stats
+        progress.driver = player.stats
         progress.enter("driving rollouts")
         progress.driving_since = time.monotonic()
         log.info(
@@ -297,7 +323,7 @@ class Run:
             self.worker_url,
         )
         try:
-            await play_jobs(driver, client, self.jobs, config.concurrency)
+            await play_jobs(player, client, self.jobs, config.concurrency)
         finally:
             progress.driving_until = time.monotonic()
 
@@ -332,7 +358,21 @@ class Run:
             self.dataplane_addresses,
             self.worker_url,
         )
-        await self.shutdown.event.wait()
+        serving = self.config.data_dir / SERVING_FILE
+        serving.write_text(json.dumps(self._serving(), indent=2, sort_keys=True) + "\n")
+        try:
+            await self.shutdown.event.wait()
+        finally:
+            serving.unlink(missing_ok=True)
+
+    def _serving(self) -> dict[str, str | None]:
+        """What ``--keep`` serves, for other processes to attach to (``DATA_DIR/serving.json``)."""
+        return {
+            "bootstrap": self.kafka.bootstrap_servers if self.kafka else None,
+            "worker": self.worker_url,
+            "gateway": self.gateway_url,
+            "dataplane_addresses": self.dataplane_addresses,
+        }
 
     async def _poll_lag(self, probe: StageLagProbe) -> None:
         """Keep the progress view's lag current (errors only leave it stale)."""
@@ -402,6 +442,8 @@ class Run:
             dataplane_mode=config.dataplane_mode,
             dataplane_addresses=self.dataplane_addresses,
             worker_url=self.worker_url,
+            agent=config.agent,
+            gateway_url=self.gateway_url,
             lag=sum(lag.values()) if lag else None,
             lag_by_stage=dict(lag),
             elapsed_s=time.monotonic() - progress.started,

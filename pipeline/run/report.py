@@ -96,6 +96,8 @@ class RunSummary:
     dataplane_mode: str
     dataplane_addresses: str | None
     worker_url: str | None
+    agent: str
+    gateway_url: str | None
     lag: int | None
     lag_by_stage: dict[str, int]
     elapsed_s: float
@@ -148,6 +150,8 @@ class RunSummary:
             "dataplane_mode": self.dataplane_mode,
             "dataplane_addresses": self.dataplane_addresses,
             "worker_url": self.worker_url,
+            "agent": self.agent,
+            "gateway_url": self.gateway_url,
             "lag": self.lag,
             "lag_by_stage": self.lag_by_stage,
             "elapsed_s": round(self.elapsed_s, 3),

@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from pipeline.gateway.main import GatewayConfig, gateway
 from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import ConsumerTuning
@@ -21,6 +22,7 @@ from pipeline.run.config import RunConfig
 from pipeline.stagehost.runner import serve_stage
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
+from stages.client import RolloutClient
 from stages.finalize.janitor import JanitorConfig
 from stages.ledger.stage import LedgerConfig
 from stages.ports import DataPlane
@@ -136,6 +138,22 @@ async def running_stages(
             with contextlib.suppress(BaseException):
                 await task
         log.info("stages stopped and committed")
+
+
+@contextlib.asynccontextmanager
+async def serving_gateway(worker_url: str, sink: KafkaEventSink, client: RolloutClient) -> AsyncIterator[str]:
+    """A gateway in front of the run's worker on a free loopback port; yields its URL.
+
+    ``client`` publishes its admissions and seals (the run's, so seals are journaled).
+    """
+    config = GatewayConfig(workers=(worker_url,), host=LOOPBACK, port=0)
+    async with gateway(config, sink, client=client) as built:
+        server = WorkerServer(built.app, host=LOOPBACK, port=0, graceful_timeout_s=30.0)
+        await server.start()
+        try:
+            yield server.url
+        finally:
+            await server.stop()
 
 
 @contextlib.asynccontextmanager

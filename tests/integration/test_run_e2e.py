@@ -40,9 +40,11 @@ def tokentrail(*args: str, timeout: float, stderr: Any = subprocess.PIPE) -> sub
     )
 
 
-def run_small(data_dir: Path, log: Path) -> dict[str, Any]:
+def run_small(data_dir: Path, log: Path, *extra: str) -> dict[str, Any]:
     with log.open("w") as err:
-        done = tokentrail("run", "--json", *SMALL, "--data-dir", str(data_dir), timeout=300, stderr=err)
+        done = tokentrail(
+            "run", "--json", *SMALL, *extra, "--data-dir", str(data_dir), timeout=300, stderr=err
+        )
     assert done.returncode == 0, f"run exited {done.returncode}; log tail:\n{log.read_text()[-4000:]}"
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, f"--json must print exactly one document, got: {done.stdout!r}"
@@ -117,6 +119,20 @@ def test_two_runs_on_one_data_dir_finalize_each_rollout_once(tmp_path: Path) -> 
     assert {s["rollout_id"] for s in only_second} == {
         r["rollout_id"] for r in archived if r["run_id"] == second["run_id"]
     }
+
+
+@pytest.mark.timeout(400)
+def test_an_sdk_agent_through_the_gateway_gives_exact_samples(tmp_path: Path) -> None:
+    """The agent uses only the openai SDK; the gateway admits, seals and strips."""
+    data_dir = tmp_path / "tt"
+    summary = run_small(data_dir, tmp_path / "run.log", "--agent", "sdk", "--broker-storage", "memory")
+    check_summary(summary, data_dir)
+    assert summary["agent"] == "sdk" and summary["gateway_url"].startswith("http://127.0.0.1:")
+    assert summary["accepted"] == 4 and summary["rejected"] == {}, summary
+    samples = export(data_dir)
+    assert len(samples) == 4
+    for sample in samples:
+        check_sample(sample)
 
 
 @pytest.mark.timeout(400)

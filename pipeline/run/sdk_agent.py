@@ -1,0 +1,93 @@
+"""The built-in environment played by an agent that only knows the OpenAI SDK.
+
+``tokentrail run --agent sdk`` drives its rollouts through the gateway with this agent:
+plain ``openai`` calls on a session's base URL, the assistant message appended as the
+SDK returns it, no admission, no coordinates. It shows (and tests) that an unmodified
+agent is captured exactly; the gateway does the bookkeeping the built-in driver does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import openai
+
+from stages.driver import DriverStats, Job, episode_seed
+from stages.envs.arithmetic import CALCULATOR_TOOL, Episode
+
+log = logging.getLogger(__name__)
+
+
+class SdkAgent:
+    """Plays jobs through ``gateway_url``; ``stats`` counts what it did, like the driver's."""
+
+    def __init__(
+        self,
+        gateway_url: str,
+        model: str,
+        *,
+        temperature: float = 1.0,
+        max_tokens: int = 48,
+        max_turns: int = 3,
+        seed: int | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.gateway_url = gateway_url.rstrip("/")
+        self.model = model
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.max_turns = max_turns
+        self.seed = seed
+        self.timeout_s = timeout_s
+        self.stats = DriverStats()
+        self._http = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def play(self, job: Job) -> Episode:
+        episode = Episode(job.task, self.max_turns)
+        self.stats.admitted += 1
+        opened = await self._post("/rollouts", {"rollout_id": job.rollout_id, "group_id": job.group_id})
+        try:
+            async with openai.AsyncOpenAI(
+                base_url=opened["base_url"], api_key="unused", max_retries=0, timeout=self.timeout_s
+            ) as agent:
+                while not episode.done:
+                    reply = await agent.chat.completions.create(**self._request(episode, job))
+                    self.stats.calls += 1
+                    episode.step(reply.choices[0].message.model_dump(exclude_none=True))
+        except Exception as exc:  # the call broke: the rollout still gets its outcome
+            self.stats.broken += 1
+            log.warning("rollout %s broke: %s", job.rollout_id, exc)
+            await self._seal(job, {"status": "failed", "reason": f"agent: {exc}"[:200]})
+            return episode
+        await self._seal(job, {"reward": episode.reward()})
+        return episode
+
+    def _request(self, episode: Episode, job: Job) -> dict[str, Any]:
+        request: dict[str, Any] = {
+            "model": self.model,
+            "messages": episode.messages,
+            "tools": [CALCULATOR_TOOL],
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+        if self.seed is not None:
+            request["seed"] = episode_seed(self.seed, job.rollout_id, episode.turns)
+        return request
+
+    async def _seal(self, job: Job, body: dict[str, Any]) -> None:
+        await self._post(f"/rollouts/{job.rollout_id}/seal", body)
+        self.stats.sealed += 1
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self._http.post(f"{self.gateway_url}{path}", json=body)
+        response.raise_for_status()
+        document: dict[str, Any] = response.json()
+        return document
+
+
+__all__ = ["SdkAgent"]
