@@ -84,8 +84,10 @@ class Served:
 
 
 def serve_gateway(rig: Rig, **config: Any) -> Iterator[Served]:
+    settings: dict[str, Any] = {"workers": (rig.url,), **config}
+
     async def start() -> tuple[Any, Gateway, WorkerServer]:
-        context = gateway(GatewayConfig(workers=(rig.url,), port=0, **config), rig.driver_sink)
+        context = gateway(GatewayConfig(port=0, **settings), rig.driver_sink)
         built = await context.__aenter__()
         server = WorkerServer(built.app, host="127.0.0.1", port=0, graceful_timeout_s=5)
         await server.start()
@@ -249,5 +251,30 @@ def test_an_idle_session_is_sealed_abandoned(host: EngineHost, model_dir: Path) 
             assert shown["sealed"]["failure_reason"] == "abandoned", shown
             event, _ = rig.finalize(rollout_id, sealed=True)
             assert event.status == "rejected" and event.rejection_reason == "rollout_failed", event
+    finally:
+        rig.close()
+
+
+def test_a_failed_worker_is_benched_and_the_call_retried(host: EngineHost, model_dir: Path) -> None:
+    rig = start_rig(host, model_dir)
+    try:
+        dead = "http://127.0.0.1:9"  # nothing listens there: connection refused
+        for gw in serve_gateway(rig, workers=(dead, rig.url)):
+            rollout_id = gw.session()["rollout_id"]
+            agent = openai.OpenAI(
+                base_url=f"{gw.url}/rollouts/{rollout_id}/v1", api_key="unused", max_retries=0
+            )
+            reply = agent.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+            )
+            assert reply.choices[0].message is not None
+            health = httpx.get(f"{gw.url}/health").json()
+            assert {w["url"]: w["failures"] for w in health["workers"]} == {dead: 1, rig.url: 0}
+            calls = gw.calls(rollout_id)
+            assert len(calls) == 2 and calls[0]["logical_call_id"] == calls[1]["logical_call_id"]
+            assert [c["worker"] for c in calls] == [None, rig.url]
+            assert gw.seal(rollout_id, {"reward": 1.0}).status_code == 200
+            event, sample = rig.finalize(rollout_id, sealed=True)
+            assert event.status == "accepted" and sample is not None and event.call_count == 1, event
     finally:
         rig.close()
