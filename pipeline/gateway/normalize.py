@@ -89,12 +89,11 @@ class Turn:
     role: str
     text: str
     tool_calls: tuple[tuple[str, str], ...] = ()
-    tool_results: tuple[str, ...] = ()
 
     def canonical(self) -> bytes:
         """A fixed list layout, so a turn's bytes (and every digest over them) never drift."""
         calls = [[name, arguments] for name, arguments in self.tool_calls]
-        return orjson.dumps([self.role, self.text, calls, list(self.tool_results)])
+        return orjson.dumps([self.role, self.text, calls])
 
 
 # --- shapes ---------------------------------------------------------------------------
@@ -184,7 +183,6 @@ def _merged(turns: Iterable[Turn]) -> list[Turn]:
                 "assistant",
                 last.text + turn.text,
                 last.tool_calls + turn.tool_calls,
-                last.tool_results + turn.tool_results,
             )
         else:
             out.append(turn)
