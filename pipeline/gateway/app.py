@@ -92,7 +92,7 @@ def create_gateway_app(
     @app.exception_handler(SessionError)
     async def session_error(_: Request, exc: SessionError) -> JSONResponse:
         return JSONResponse(
-            error_body(exc.message, kind="conflict" if exc.status == 409 else "not_found_error"),
+            error_body(exc.message, kind=_kind(exc.status)),
             status_code=exc.status,
         )
 
@@ -159,9 +159,7 @@ def _agent_route(sessions: Sessions, forwarder: Forwarder, path: str, dialect: D
         try:
             session = sessions.open(rollout_id)
         except SessionError as exc:
-            return agent_error(
-                dialect, exc.status, exc.message, "conflict" if exc.status == 409 else "invalid_request_error"
-            )
+            return agent_error(dialect, exc.status, exc.message, _kind(exc.status))
         return await forwarder.call(session, dialect, path, body, history)
 
     return serve
@@ -171,6 +169,10 @@ def _refused(dialect: Dialect, param: str | None, message: str) -> JSONResponse:
     if dialect == "messages":
         return agent_error(dialect, 400, message)
     return JSONResponse(error_body(message, param=param), status_code=400)
+
+
+def _kind(status: int) -> str:
+    return {404: "not_found_error", 409: "conflict"}.get(status, "invalid_request_error")
 
 
 async def _body(request: Request, *, allow_empty: bool = False) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -18,11 +19,12 @@ from dataclasses import dataclass, field
 
 from pipeline.gateway.lineage import GatewayCall
 from stages.client import RolloutClient
-from topics.records import RolloutSeal
+from topics.records import IDENT_PATTERN, RolloutSeal
 
 log = logging.getLogger(__name__)
 
 ABANDONED = "abandoned"
+_ROLLOUT_ID = re.compile(IDENT_PATTERN)
 
 
 class SessionError(Exception):
@@ -92,6 +94,8 @@ class Sessions:
     def open(self, rollout_id: str | None = None, group_id: str | None = None) -> Session:
         """The session of ``rollout_id`` (created if new; a fresh id when None)."""
         rollout_id = rollout_id or f"rollout-{uuid.uuid4().hex[:16]}"
+        if len(rollout_id) > 200 or not _ROLLOUT_ID.match(rollout_id):
+            raise SessionError(400, f"rollout_id: {rollout_id[:80]!r} does not match {IDENT_PATTERN}")
         if rollout_id in self._sealed:
             raise SessionError(409, f"rollout {rollout_id} is already sealed")
         session = self._open.get(rollout_id)

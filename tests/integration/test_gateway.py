@@ -216,6 +216,8 @@ def test_bad_input_is_refused_and_nothing_stays_open(served: Served) -> None:
     rollout_id = served.session()["rollout_id"]
     chat = f"{served.url}/rollouts/{rollout_id}/v1/chat/completions"
     assert httpx.post(f"{served.url}/rollouts/nobody/seal", json={"reward": 1}).status_code == 404
+    named = httpx.post(f"{served.url}/rollouts/a%20b/v1/chat/completions", json={"messages": []})
+    assert named.status_code == 400 and "rollout_id" in named.json()["error"]["message"], named.text
     bad = httpx.post(chat, json={"messages": "hello"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
     own = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], CAPTURE_FIELD: {}})
