@@ -404,5 +404,5 @@ def test_every_route_refuses_bad_input_in_its_own_error_shape(rig: Rig, fault_re
             f"bad request on {path}",
             injected=count,
             survived=count,
-            outcome="400 in the API's error shape naming the field; nothing captured; the route still captures",
+            outcome="400 in the API's error shape naming the field; no row (a valid admission is reported not_served); the route still captures",
         )
