@@ -28,7 +28,7 @@ from stages.client import RolloutClient
 from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.memory import MemoryDataPlane, RecordingSink
-from stages.ports import Consumed
+from stages.ports import Consumed, EventSink
 from topics.events import envelope
 from topics.records import (
     CaptureAdmission,
@@ -164,31 +164,51 @@ class Rig:
         await settled(self.worker.core.writer)
         if seal is not None:
             await self.client.seal(rollout_id, **seal)
-        driver = [e.payload for e in self.driver_sink.events]
-        staged = [e.payload for e in self.worker_sink.events]
-        ordered: list[Record] = [
-            *(p for p in driver if isinstance(p, CaptureAdmission)),
-            *staged,
-            *(p for p in driver if isinstance(p, RolloutSeal)),
+        published = [e.payload for e in self.driver_sink.events] + [
+            e.payload for e in self.worker_sink.events
         ]
-        ledger_out = RecordingSink()
-        ledger = LedgerStage(ledger_out, LedgerConfig())
-        await ledger.handle([Consumed("in", 0, i, envelope(e)) for i, e in enumerate(ordered)])
-        await ledger.tick(math.inf)  # the log is over: close what is left
-        receipts = [
-            r
-            for r in ledger_out.payloads(RolloutReceipt)
-            if isinstance(r, RolloutReceipt) and r.rollout_id == rollout_id
-        ]
-        assert len(receipts) == 1, ledger_out.events
-        final_out = RecordingSink()
-        await FinalizerStage(self.data_plane, final_out).handle([Consumed("c", 0, 0, envelope(receipts[0]))])
-        (event,) = final_out.payloads(FinalizedEvent)
-        assert isinstance(event, FinalizedEvent)
-        return event, self.data_plane.samples.get(rollout_id)
+        return await finalize_events(published, self.data_plane, rollout_id)
 
     def close(self) -> None:
         self.host.run(self.server.stop())
+
+
+async def finalize_events(
+    published: Sequence[Record], data_plane: Any, rollout_id: str
+) -> tuple[FinalizedEvent, TrainingSample | None]:
+    """The real ledger and finalizer over ``published`` (admissions, staged events, seals)."""
+    ordered: list[Record] = [
+        *(p for p in published if isinstance(p, CaptureAdmission)),
+        *(p for p in published if not isinstance(p, CaptureAdmission | RolloutSeal)),
+        *(p for p in published if isinstance(p, RolloutSeal)),
+    ]
+    ledger_out = RecordingSink()
+    ledger = LedgerStage(ledger_out, LedgerConfig())
+    await ledger.handle([Consumed("in", 0, i, envelope(e)) for i, e in enumerate(ordered)])
+    await ledger.tick(math.inf)  # the log is over: close what is left
+    receipts = [
+        r
+        for r in ledger_out.payloads(RolloutReceipt)
+        if isinstance(r, RolloutReceipt) and r.rollout_id == rollout_id
+    ]
+    assert len(receipts) == 1, ledger_out.events
+    final_out = RecordingSink()
+    await FinalizerStage(data_plane, final_out).handle([Consumed("c", 0, 0, envelope(receipts[0]))])
+    (event,) = final_out.payloads(FinalizedEvent)
+    assert isinstance(event, FinalizedEvent)
+    return event, data_plane.samples.get(rollout_id)
+
+
+class TeeSink(RecordingSink):
+    """Records every event and publishes it to another sink too."""
+
+    def __init__(self, also: EventSink) -> None:
+        super().__init__()
+        self.also = also
+
+    async def publish(self, records: Sequence[Record]) -> None:
+        await self.also.publish(records)
+        await super().publish(records)
 
 
 async def settled(writer: Any) -> None:
@@ -206,13 +226,18 @@ def start_rig(
     *,
     ack: AckPolicy = AckPolicy.STAGED,
     chat_template: str | None = None,
+    publish_to: EventSink | None = None,
     **config: Any,
 ) -> Rig:
-    """A worker serving on a free loopback port, its app's lifespan starting and draining it."""
+    """A worker serving on a free loopback port, its app's lifespan starting and draining it.
+
+    Its events are recorded, and also published to ``publish_to`` (a Kafka sink) if given.
+    """
 
     async def start() -> Rig:
         recorder = RecordingLLM(host.engine.llm)
-        data_plane, worker_sink, driver_sink = MemoryDataPlane(), RecordingSink(), RecordingSink()
+        data_plane, driver_sink = MemoryDataPlane(), RecordingSink()
+        worker_sink = RecordingSink() if publish_to is None else TeeSink(publish_to)
         settings = WorkerConfig(
             model_dir=model_dir,
             worker_id="w-test",

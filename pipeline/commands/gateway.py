@@ -65,8 +65,10 @@ async def _serve(args: argparse.Namespace) -> None:
     from pipeline.gateway.main import GatewayConfig, run_gateway
     from pipeline.kafka import KafkaEventSink
 
+    kafka = config_from_args(args)
     config = GatewayConfig(
         workers=tuple(url.strip() for url in args.workers.split(",") if url.strip()),
+        kafka=kafka,
         host=args.host,
         port=args.port,
         session_ttl_s=args.session_ttl,
@@ -79,7 +81,7 @@ async def _serve(args: argparse.Namespace) -> None:
         else:
             print(f"gateway serving on {url} in front of {', '.join(config.workers)}", flush=True)
 
-    async with KafkaEventSink(config_from_args(args)) as sink:
+    async with KafkaEventSink(kafka) as sink:
         await run_gateway(config, sink, on_ready=ready)
 
 

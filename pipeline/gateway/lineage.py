@@ -2,7 +2,9 @@
 
 Each call of a session remembers the digest of its normalized request history and,
 once the gateway has returned its reply, of that history plus the reply
-(``pipeline.gateway.normalize``). A new request's parent is the call whose extended
+(``pipeline.gateway.normalize``). A call rebuilt from the log after a restart
+(``recovery``) knows only its request digest: it continues into a history that has it
+as a prefix followed by an assistant turn (the reply, as the agent sends it back). A new request's parent is the call whose extended
 history is the longest prefix of the new history (the most recent on a tie): a
 ``token_in`` child. A request whose whole history equals an earlier call's request is a
 retry of it: a sibling under the same parent with the same logical call id, so the
@@ -12,6 +14,7 @@ rewritten: compaction, truncation, a sub-agent).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +36,7 @@ class GatewayCall:
     extended_digest: bytes | None = None
     coords: CommitCoords | None = None
     worker: str | None = None
+    recovered: bool = False
 
     def answered(self, length: int, digest: bytes, coords: CommitCoords | None, worker: str) -> None:
         self.extended_length, self.extended_digest = length, digest
@@ -58,22 +62,52 @@ def resolve(calls: Sequence[GatewayCall], history: History, parents: dict[str, G
             parent = parents.get(call.parent_call_id) if call.parent_call_id else None
             return Resolution(parent, retry_of=call)
     best: GatewayCall | None = None
+    best_length = -1
     for call in reversed(calls):
-        if call.kind != history.kind or call.extended_length is None or call.extended_digest is None:
-            continue
-        if best is not None and call.extended_length <= (best.extended_length or 0):
-            continue
-        if (
-            call.extended_length <= history.length
-            and history.prefix_digest(call.extended_length) == call.extended_digest
-        ):
-            best = call
+        length = _continued_length(call, history)
+        if length is not None and length > best_length:
+            best, best_length = call, length
     return Resolution(best)
 
 
+def _continued_length(call: GatewayCall, history: History) -> int | None:
+    """How much of ``history`` is ``call``'s conversation with its reply, if it continues it."""
+    if call.kind != history.kind:
+        return None
+    if call.extended_length is not None and call.extended_digest is not None:
+        length = call.extended_length
+        if length <= history.length and history.prefix_digest(length) == call.extended_digest:
+            return length
+        return None
+    if (
+        call.recovered
+        and call.coords is not None
+        and history.role(call.request_length) == "assistant"
+        and history.prefix_digest(call.request_length) == call.request_digest
+    ):
+        return call.request_length + 1
+    return None
+
+
+_KIND_CODES = {"turns": "t", "text": "x"}
+_LOGICAL = re.compile(r"^h([tx])(\d+)-([0-9a-f]{32})(?:\.\d+)?$")
+
+
 def logical_call_id(history: History) -> str:
-    """The same history always gets the same logical id: its retries collapse in the ledger."""
-    return f"h{history.kind[0]}{history.length}-{history.digest.hex()[:24]}"
+    """The same history always gets the same logical id: its retries collapse in the ledger.
+
+    It also carries the request's digest, so a restarted gateway finds it in the log.
+    """
+    return f"h{_KIND_CODES[history.kind]}{history.length}-{history.digest.hex()}"
 
 
-__all__ = ["GatewayCall", "Resolution", "logical_call_id", "resolve"]
+def parse_logical_call_id(text: str) -> tuple[str, int, bytes] | None:
+    """(kind, request length, request digest) of a gateway-minted logical id (a choice's too)."""
+    match = _LOGICAL.match(text)
+    if match is None:
+        return None
+    kind = "turns" if match.group(1) == "t" else "text"
+    return kind, int(match.group(2)), bytes.fromhex(match.group(3))
+
+
+__all__ = ["GatewayCall", "Resolution", "logical_call_id", "parse_logical_call_id", "resolve"]

@@ -16,8 +16,10 @@ from fastapi import FastAPI
 
 from pipeline.gateway.app import create_gateway_app
 from pipeline.gateway.calls import Forwarder
+from pipeline.gateway.recovery import recover
 from pipeline.gateway.sessions import Sessions
 from pipeline.gateway.upstream import Workers
+from pipeline.kafka.config import KafkaConfig
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.main import WorkerServer, stop_on_signals
 from stages.client import RolloutClient
@@ -33,6 +35,8 @@ class GatewayConfig:
     sweep_every_s: float = 5.0
     call_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    kafka: KafkaConfig | None = None
+    """Where to rebuild sessions from at start (``recovery``); None starts empty."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,8 @@ async def gateway(
     sessions = Sessions(client, ttl_s=config.session_ttl_s)
     timeout = httpx.Timeout(config.call_timeout_s, connect=5.0)
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+        if config.kafka is not None:
+            await recover(config.kafka, sessions)
         forwarder = Forwarder(client, Workers(config.workers), http)
         app = create_gateway_app(
             sessions, forwarder, sweep_every_s=config.sweep_every_s, max_body_bytes=config.max_body_bytes

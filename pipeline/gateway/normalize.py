@@ -566,6 +566,8 @@ class History:
     length: int
     digests: tuple[bytes, ...] = ()
     text: str | None = None
+    roles: tuple[str, ...] = ()
+    """Each turn's role (turn histories): a recovered parent is found by a role, not a digest."""
 
     def __post_init__(self) -> None:
         if self.kind == "turns" and len(self.digests) != self.length + 1:
@@ -580,6 +582,10 @@ class History:
         if self.kind == "turns":
             return self.digests[length]
         return text_digest((self.text or "")[:length])
+
+    def role(self, index: int) -> str | None:
+        """The role of turn ``index``, if there is such a turn."""
+        return self.roles[index] if 0 <= index < len(self.roles) else None
 
     @property
     def digest(self) -> bytes:
@@ -597,7 +603,7 @@ def history_of(dialect: Dialect, body: Mapping[str, Any]) -> History:
             raise _malformed("prompt", "must be a string (token-id and batched prompts are not supported)")
         return History("text", len(prompt), (), prompt)
     turns = request_turns(dialect, body)
-    return History("turns", len(turns), tuple(turn_digests(turns)))
+    return History("turns", len(turns), tuple(turn_digests(turns)), roles=tuple(turn.role for turn in turns))
 
 
 def extended(history: History, reply: Turn) -> tuple[int, bytes]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.gateway.lineage import GatewayCall, logical_call_id, resolve
+from pipeline.gateway.lineage import GatewayCall, logical_call_id, parse_logical_call_id, resolve
 from pipeline.gateway.normalize import Turn, extended, history_of
 from pipeline.gateway.sessions import ABANDONED, SessionError, Sessions
 from pipeline.gateway.upstream import NoWorker, Workers
@@ -103,3 +103,27 @@ def test_workers_prefer_the_sessions_worker_then_the_least_loaded() -> None:
         workers.choose(avoid=["http://a"])
     now[0] = 6.0
     assert workers.healthy("http://b")
+
+
+def test_logical_ids_carry_the_request_and_recovered_calls_continue_by_role() -> None:
+    body = chat("hi")
+    history = history_of("chat", body)
+    logical = logical_call_id(history)
+    assert parse_logical_call_id(logical) == ("turns", 1, history.digest)
+    assert parse_logical_call_id(f"{logical}.3") == ("turns", 1, history.digest)  # a choice's
+    assert parse_logical_call_id("c7-run-1") is None  # not the gateway's: not recovered
+    text = history_of("completions", {"prompt": "2 + 3 ="})
+    assert parse_logical_call_id(logical_call_id(text)) == ("text", 7, text.digest)
+    recovered = GatewayCall("c1", logical, None, "turns", 1, history.digest, recovered=True)
+    recovered.coords = object()  # type: ignore[assignment]  # any coords: it was staged
+    calls, by_id = [recovered], {"c1": recovered}
+    # Its reply is unknown: any assistant turn after its request continues it.
+    assert (
+        resolve(calls, history_of("chat", chat("hi", "whatever it said", "more")), by_id).parent is recovered
+    )
+    assert (
+        resolve(
+            calls, history_of("chat", {"messages": [{"role": "user", "content": "hi"}] * 2}), by_id
+        ).parent
+        is None
+    )
