@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
 import orjson
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pipeline.gateway.calls import Forwarder, agent_error
 from pipeline.gateway.metrics import gateway_registry
 from pipeline.gateway.normalize import Dialect, MalformedHistory, history_of
+from pipeline.gateway.previous import PREVIOUS
 from pipeline.gateway.sessions import SessionError, Sessions
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
@@ -151,16 +152,23 @@ def _agent_route(sessions: Sessions, forwarder: Forwarder, path: str, dialect: D
                 raise InvalidRequest(None, "body: must be a JSON object")
             if CAPTURE_FIELD in body:
                 raise InvalidRequest(CAPTURE_FIELD, f"{CAPTURE_FIELD}: the gateway admits calls itself")
-            history = history_of(dialect, body)
+            forwarded = body
+            if dialect == "responses" and PREVIOUS in body:  # the conversation the worker does not keep
+                forwarded = sessions.get(rollout_id).responses.expand(body)
+            history = history_of(dialect, forwarded)
+            session = sessions.open(rollout_id)  # only once the call is known to be well formed
         except InvalidRequest as exc:
             return _refused(dialect, exc.param, exc.message)
         except MalformedHistory as exc:
             return _refused(dialect, exc.param, exc.message)
-        try:
-            session = sessions.open(rollout_id)
         except SessionError as exc:
             return agent_error(dialect, exc.status, exc.message, _kind(exc.status))
-        return await forwarder.call(session, dialect, path, body, history)
+
+        def remember(reply: Mapping[str, Any]) -> None:
+            session.responses.remember(body, reply)
+
+        on_reply = remember if dialect == "responses" else None
+        return await forwarder.call(session, dialect, path, forwarded, history, on_reply=on_reply)
 
     return serve
 

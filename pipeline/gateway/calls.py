@@ -12,7 +12,7 @@ attempt (same logical id: the ledger collapses the attempts).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from topics.wire import CAPTURE_FIELD
 
 log = logging.getLogger(__name__)
 
+OnReply = Callable[[Mapping[str, Any]], None]
 RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
@@ -63,8 +64,16 @@ class Forwarder:
         self.counters = CallCounters()
 
     async def call(
-        self, session: Session, dialect: Dialect, path: str, body: dict[str, Any], history: History
+        self,
+        session: Session,
+        dialect: Dialect,
+        path: str,
+        body: dict[str, Any],
+        history: History,
+        *,
+        on_reply: OnReply | None = None,
     ) -> Response:
+        """Serve one agent call; ``on_reply`` sees the worker's whole reply (or final response) once."""
         n = int(body.get("n") or 1) if dialect in ("chat", "completions") else 1
         resolution = resolve(session.calls, history, session.by_id)
         logical = resolution.retry_of.logical_call_id if resolution.retry_of else logical_call_id(history)
@@ -79,14 +88,12 @@ class Forwarder:
                 except NoWorker as exc:
                     return agent_error(dialect, 503, str(exc), "server_error")
                 calls = await self._admit(session, resolution.parent, logical, history, n)
-                admission = calls[0][1]
-                request = {**body, CAPTURE_FIELD: admission.model_dump(mode="json")}
+                request = {**body, CAPTURE_FIELD: calls[0][1].model_dump(mode="json")}
+                attempt = _Attempt(
+                    session, dialect, url, f"{url}{path}", request, calls, hidden, history, on_reply
+                )
                 try:
-                    if body.get("stream"):
-                        return await self._stream(
-                            session, dialect, url, path, request, calls, hidden, history
-                        )
-                    return await self._whole(session, dialect, url, path, request, calls, hidden, history)
+                    return await (self._stream(attempt) if body.get("stream") else self._whole(attempt))
                 except (*RETRYABLE, _WorkerFailed) as exc:
                     log.warning("worker %s failed a call of %s: %s; retrying", url, session.rollout_id, exc)
                     self.workers.failed(url)
@@ -134,44 +141,28 @@ class Forwarder:
             calls.append((call, admission))
         return calls
 
-    async def _whole(
-        self,
-        session: Session,
-        dialect: Dialect,
-        url: str,
-        path: str,
-        request: dict[str, Any],
-        calls: list[tuple[GatewayCall, CaptureAdmission]],
-        hidden: frozenset[str],
-        history: History,
-    ) -> Response:
-        with self.workers.serving(url):
-            response = await self.http.post(f"{url}{path}", content=orjson.dumps(request), headers=_JSON)
+    async def _whole(self, attempt: _Attempt) -> Response:
+        with self.workers.serving(attempt.url):
+            response = await self.http.post(
+                attempt.target, content=orjson.dumps(attempt.request), headers=_JSON
+            )
         if response.status_code >= 500:
             raise _WorkerFailed(f"HTTP {response.status_code}")
         reply = orjson.loads(response.content)
         if response.status_code != 200:
-            return JSONResponse(stripped(reply, hidden), status_code=response.status_code)
+            return JSONResponse(stripped(reply, attempt.hidden), status_code=response.status_code)
         try:
-            turns = reply_turns(dialect, reply)
+            turns = reply_turns(attempt.dialect, reply)
         except MalformedHistory:  # a reply it cannot normalize: delivered, but nothing continues it
             turns = {}
-        self._answered(session, url, calls, take_coords(reply), turns, history)
-        return JSONResponse(stripped(reply, hidden))
+        attempt.answered(take_coords(reply), turns, reply)
+        return JSONResponse(stripped(reply, attempt.hidden))
 
-    async def _stream(
-        self,
-        session: Session,
-        dialect: Dialect,
-        url: str,
-        path: str,
-        request: dict[str, Any],
-        calls: list[tuple[GatewayCall, CaptureAdmission]],
-        hidden: frozenset[str],
-        history: History,
-    ) -> Response:
+    async def _stream(self, attempt: _Attempt) -> Response:
         upstream = await self.http.send(
-            self.http.build_request("POST", f"{url}{path}", content=orjson.dumps(request), headers=_JSON),
+            self.http.build_request(
+                "POST", attempt.target, content=orjson.dumps(attempt.request), headers=_JSON
+            ),
             stream=True,
         )
         if upstream.status_code != 200:
@@ -179,43 +170,56 @@ class Forwarder:
             await upstream.aclose()
             if upstream.status_code >= 500:
                 raise _WorkerFailed(f"HTTP {upstream.status_code}")
-            return JSONResponse(stripped(orjson.loads(content), hidden), status_code=upstream.status_code)
+            return JSONResponse(
+                stripped(orjson.loads(content), attempt.hidden), status_code=upstream.status_code
+            )
 
         async def events() -> AsyncIterator[str]:
-            reply = StreamedReply(dialect)
+            reply = StreamedReply(attempt.dialect)
             coords: dict[int, CommitCoords] = {}
-            session.in_flight += 1
+            attempt.session.in_flight += 1
             try:
-                with self.workers.serving(url):
+                with self.workers.serving(attempt.url):
                     async for event in _sse_events(upstream):
                         reply.feed(event)
-                        clean, found = strip_event(event, hidden)
+                        clean, found = strip_event(event, attempt.hidden)
                         coords.update(found)
                         yield clean
-                self._answered(session, url, calls, coords, reply.turns(), history)
+                attempt.answered(coords, reply.turns(), reply.final)
             finally:
-                session.in_flight -= 1
+                attempt.session.in_flight -= 1
                 await upstream.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def _answered(
-        self,
-        session: Session,
-        url: str,
-        calls: list[tuple[GatewayCall, CaptureAdmission]],
-        coords: Mapping[int, CommitCoords],
-        turns: Mapping[int, Turn],
-        history: History,
+
+@dataclass(slots=True)
+class _Attempt:
+    """One try of a call on one worker, and what its reply must update."""
+
+    session: Session
+    dialect: Dialect
+    url: str
+    target: str
+    request: dict[str, Any]
+    calls: list[tuple[GatewayCall, CaptureAdmission]]
+    hidden: frozenset[str]
+    history: History
+    on_reply: OnReply | None
+
+    def answered(
+        self, coords: Mapping[int, CommitCoords], turns: Mapping[int, Turn], reply: Mapping[str, Any] | None
     ) -> None:
         """Record each choice's reply and coords: the next call that continues it finds it."""
-        for index, (call, _) in enumerate(calls):
+        for index, (call, _) in enumerate(self.calls):
             turn = turns.get(index)
             if turn is None:
                 continue
-            length, digest = extended(history, turn)
-            call.answered(length, digest, coords.get(index), url)
-        session.worker = url
+            length, digest = extended(self.history, turn)
+            call.answered(length, digest, coords.get(index), self.url)
+        self.session.worker = self.url
+        if self.on_reply is not None and reply is not None:
+            self.on_reply(reply)
 
 
 class _WorkerFailed(RuntimeError):

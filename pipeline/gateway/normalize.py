@@ -440,6 +440,11 @@ class StreamedReply:
             else:
                 self._on_message(name or data.get("type"), data)
 
+    @property
+    def final(self) -> Mapping[str, Any] | None:
+        """The final response object of a Responses stream, once it arrived."""
+        return self._response
+
     def turns(self) -> dict[int, Turn]:
         """Each choice's reply so far; a reply that cannot be normalized has none."""
         try:

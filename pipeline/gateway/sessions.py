@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.gateway.lineage import GatewayCall
+from pipeline.gateway.previous import ResponseLog
 from stages.client import RolloutClient
 from topics.records import IDENT_PATTERN, RolloutSeal
 
@@ -46,6 +47,7 @@ class Session:
     seal: RolloutSeal | None = None
     in_flight: int = 0
     worker: str | None = None
+    responses: ResponseLog = field(default_factory=ResponseLog)
 
     def add(self, call: GatewayCall) -> None:
         self.calls.append(call)

@@ -280,3 +280,33 @@ def test_a_failed_worker_is_benched_and_the_call_retried(host: EngineHost, model
             assert event.status == "accepted" and sample is not None and event.call_count == 1, event
     finally:
         rig.close()
+
+
+def test_responses_previous_response_id_continues_the_named_call(
+    served: Served, oracle: HFOracle, model_dir: Path
+) -> None:
+    opened = served.session()
+    rollout_id = opened["rollout_id"]
+    agent = openai.OpenAI(base_url=opened["base_url"], api_key="unused", max_retries=0, timeout=120)
+    common: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "max_output_tokens": 6, "store": False}
+    first = agent.responses.create(input="What is 2 + 3?", **common)
+    clean(first.model_extra)
+    second = agent.responses.create(input="And times 4?", previous_response_id=first.id, **common)
+    completed = None
+    for event in agent.responses.create(
+        input="Thanks.", previous_response_id=second.id, stream=True, **common
+    ):
+        if event.type == "response.completed":
+            completed = event
+    assert completed is not None
+    clean(completed.response.model_extra)
+    with pytest.raises(openai.BadRequestError) as caught:
+        agent.responses.create(input="x", previous_response_id="resp_unknown", **common)
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "previous_response_id"
+    assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
+    calls = served.calls(rollout_id)
+    assert [c["parent_call_id"] for c in calls] == [None, calls[0]["call_id"], calls[1]["call_id"]]
+    event, sample = served.rig.finalize(rollout_id, sealed=True)
+    assert event.status == "accepted" and sample is not None and event.call_count == 3, event
+    assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in served.rig.recorder.calls])
+    assert_matches_hf(oracle, model_dir, sample)
