@@ -2,13 +2,16 @@
 
 One real tansu broker (memory engine, random free port) serves the whole session;
 each test gets its own topic prefix and therefore its own topics and groups, so tests
-never see each other's events.
+never see each other's events. A module that asks for ``host`` gets its own vLLM CPU
+engine on the tiny model (``model_dir``), freed when the module ends.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -17,6 +20,9 @@ from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import FAST_GROUPS, ConsumerTuning
 from pipeline.process.guard import guard_descendants
 from topics.names import TopicNames
+
+if TYPE_CHECKING:  # the engine kit imports vLLM: only the modules that ask for it load it
+    from enginekit import EngineHost, HFOracle
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,3 +56,36 @@ def fast_group() -> ConsumerTuning:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+# -- the real vLLM engine, one per test module that asks for it (``enginekit``) --------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The seed-0 tiny model (ChatML template), built offline."""
+    from pipeline.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "chatml", seed=0)
+
+
+@pytest.fixture(scope="module")
+def host(model_dir: Path) -> Iterator[EngineHost]:
+    """A vLLM CPU engine on ``model_dir``, on its own thread's event loop."""
+    from enginekit import EngineHost
+
+    from stages.capture.vllm.engine import EngineSettings
+
+    engine_host = EngineHost(EngineSettings(model=str(model_dir)))
+    try:
+        yield engine_host
+    finally:
+        engine_host.close()
+
+
+@pytest.fixture(scope="module")
+def oracle() -> HFOracle:
+    """A Hugging Face forward of the same models: the independent check of every sample."""
+    from enginekit import HFOracle
+
+    return HFOracle()

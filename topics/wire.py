@@ -8,7 +8,10 @@ contract, so neither depends on the other.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+Dialect = Literal["chat", "completions", "responses", "messages"]
+"""The generation APIs the worker and the gateway serve: OpenAI's three and Anthropic's Messages."""
 
 CAPTURE_FIELD = "ng_capture"
 COORDS_FIELD = "ng_commit_coords"
@@ -19,10 +22,10 @@ TOKEN_FIELDS = frozenset(
 """Reply fields that carry tokens; the agent must never see them."""
 
 
-def strip_token_fields(value: Any) -> Any:
-    """A reply with every token-carrying field removed, at any depth."""
+def strip_token_fields(value: Any, hidden: frozenset[str] = TOKEN_FIELDS) -> Any:
+    """A reply with every ``hidden`` field (by default the token-carrying ones) removed, at any depth."""
     if isinstance(value, dict):
-        return {k: strip_token_fields(v) for k, v in value.items() if k not in TOKEN_FIELDS}
+        return {k: strip_token_fields(v, hidden) for k, v in value.items() if k not in hidden}
     if isinstance(value, list):
-        return [strip_token_fields(item) for item in value]
+        return [strip_token_fields(item, hidden) for item in value]
     return value

@@ -12,7 +12,7 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
-from pipeline.worker import DEFAULT_MAX_BODY_BYTES
+from pipeline.worker import add_body_limit_argument
 
 EXAMPLES = """example:
   tokentrail gateway --workers http://127.0.0.1:8000 --bootstrap 127.0.0.1:9092 --port 8100
@@ -49,13 +49,7 @@ def add_parser(subparsers: Any) -> None:
         metavar="S",
         help="a session idle this long is sealed failed 'abandoned' (default: %(default)s)",
     )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        metavar="N",
-        help="largest request body accepted; bigger ones get 413 (default: %(default)s)",
-    )
+    add_body_limit_argument(parser)
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
     parser.set_defaults(run=run)

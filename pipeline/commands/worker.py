@@ -24,7 +24,7 @@ from aiokafka.errors import KafkaError
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
-from pipeline.worker import DEFAULT_MAX_BODY_BYTES
+from pipeline.worker import add_body_limit_argument
 from stages.capture.retain import DEFAULT_BUDGET_BYTES
 from stages.ports import DataPlaneError
 
@@ -78,13 +78,7 @@ def add_parser(subparsers: Any) -> None:
         help="calls straddling a refit: record their version spans, or fail their capture",
     )
     parser.add_argument("--prefix-wait-s", type=float, default=5.0, help="bound on waiting for a parent row")
-    parser.add_argument(
-        "--max-body-bytes",
-        type=_positive_int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        metavar="N",
-        help="larger request bodies are answered 413 before they are read (default: %(default)s, 8 MiB)",
-    )
+    add_body_limit_argument(parser)
     parser.add_argument(
         "--retain-bytes",
         type=int,
@@ -120,13 +114,6 @@ def add_parser(subparsers: Any) -> None:
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
     parser.set_defaults(run=run)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 @contextlib.asynccontextmanager

@@ -22,19 +22,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.gateway.calls import Forwarder, agent_error
+from pipeline.gateway.calls import Forwarder
 from pipeline.gateway.metrics import gateway_registry
-from pipeline.gateway.normalize import Dialect, MalformedHistory, history_of
+from pipeline.gateway.normalize import MalformedHistory, history_of
 from pipeline.gateway.previous import PREVIOUS
 from pipeline.gateway.sessions import SessionError, Sessions
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render
-from pipeline.worker.protocol import InvalidRequest, error_body, parse_body
+from pipeline.worker.protocol import InvalidRequest, api_error, parse_body
 from topics.records import IDENT_PATTERN
-from topics.wire import CAPTURE_FIELD
+from topics.wire import CAPTURE_FIELD, Dialect
 
 log = logging.getLogger(__name__)
+
+SESSION_ERRORS: Dialect = "chat"
+"""The session endpoints answer errors in OpenAI's shape."""
 
 ROUTES: dict[str, Dialect] = {
     "/v1/chat/completions": "chat",
@@ -92,14 +95,11 @@ def create_gateway_app(
 
     @app.exception_handler(SessionError)
     async def session_error(_: Request, exc: SessionError) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.message, kind=_kind(exc.status)),
-            status_code=exc.status,
-        )
+        return api_error(SESSION_ERRORS, exc.status, exc.message)
 
     @app.exception_handler(InvalidRequest)
     async def invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, param=exc.param), status_code=400)
+        return api_error(SESSION_ERRORS, 400, exc.message, param=exc.param)
 
     @app.post("/rollouts")
     async def open_rollout(request: Request) -> JSONResponse:
@@ -157,12 +157,10 @@ def _agent_route(sessions: Sessions, forwarder: Forwarder, path: str, dialect: D
                 forwarded = sessions.get(rollout_id).responses.expand(body)
             history = history_of(dialect, forwarded)
             session = sessions.open(rollout_id)  # only once the call is known to be well formed
-        except InvalidRequest as exc:
-            return _refused(dialect, exc.param, exc.message)
-        except MalformedHistory as exc:
-            return _refused(dialect, exc.param, exc.message)
+        except (InvalidRequest, MalformedHistory) as exc:
+            return api_error(dialect, 400, exc.message, param=exc.param)
         except SessionError as exc:
-            return agent_error(dialect, exc.status, exc.message, _kind(exc.status))
+            return api_error(dialect, exc.status, exc.message)
 
         def remember(reply: Mapping[str, Any]) -> None:
             session.responses.remember(body, reply)
@@ -171,16 +169,6 @@ def _agent_route(sessions: Sessions, forwarder: Forwarder, path: str, dialect: D
         return await forwarder.call(session, dialect, path, forwarded, history, on_reply=on_reply)
 
     return serve
-
-
-def _refused(dialect: Dialect, param: str | None, message: str) -> JSONResponse:
-    if dialect == "messages":
-        return agent_error(dialect, 400, message)
-    return JSONResponse(error_body(message, param=param), status_code=400)
-
-
-def _kind(status: int) -> str:
-    return {404: "not_found_error", 409: "conflict"}.get(status, "invalid_request_error")
 
 
 async def _body(request: Request, *, allow_empty: bool = False) -> Any:

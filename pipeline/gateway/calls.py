@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.gateway.lineage import GatewayCall, logical_call_id, resolve
 from pipeline.gateway.normalize import (
-    Dialect,
     History,
     MalformedHistory,
     StreamedReply,
@@ -30,14 +29,14 @@ from pipeline.gateway.normalize import (
     extended,
     reply_turns,
 )
-from pipeline.gateway.replies import hidden_fields, strip_event, stripped, take_coords
+from pipeline.gateway.replies import hidden_fields, strip_event, take_coords
 from pipeline.gateway.sessions import Session
 from pipeline.gateway.upstream import NoWorker, Workers
-from pipeline.worker.protocol import anthropic_error_body, error_body
+from pipeline.worker.protocol import api_error
 from stages.client import RolloutClient
 from topics.choices import choice_admissions
 from topics.records import CaptureAdmission, CommitCoords
-from topics.wire import CAPTURE_FIELD
+from topics.wire import CAPTURE_FIELD, Dialect, strip_token_fields
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ class Forwarder:
                 try:
                     url = self.workers.choose(session.worker if resolution.parent else None, avoid=tried)
                 except NoWorker as exc:
-                    return agent_error(dialect, 503, str(exc), "server_error")
+                    return api_error(dialect, 503, str(exc))
                 calls = await self._admit(session, resolution.parent, logical, history, n)
                 request = {**body, CAPTURE_FIELD: calls[0][1].model_dump(mode="json")}
                 attempt = _Attempt(
@@ -150,13 +149,13 @@ class Forwarder:
             raise _WorkerFailed(f"HTTP {response.status_code}")
         reply = orjson.loads(response.content)
         if response.status_code != 200:
-            return JSONResponse(stripped(reply, attempt.hidden), status_code=response.status_code)
+            return JSONResponse(strip_token_fields(reply, attempt.hidden), status_code=response.status_code)
         try:
             turns = reply_turns(attempt.dialect, reply)
         except MalformedHistory:  # a reply it cannot normalize: delivered, but nothing continues it
             turns = {}
         attempt.answered(take_coords(reply), turns, reply)
-        return JSONResponse(stripped(reply, attempt.hidden))
+        return JSONResponse(strip_token_fields(reply, attempt.hidden))
 
     async def _stream(self, attempt: _Attempt) -> Response:
         upstream = await self.http.send(
@@ -171,7 +170,7 @@ class Forwarder:
             if upstream.status_code >= 500:
                 raise _WorkerFailed(f"HTTP {upstream.status_code}")
             return JSONResponse(
-                stripped(orjson.loads(content), attempt.hidden), status_code=upstream.status_code
+                strip_token_fields(orjson.loads(content), attempt.hidden), status_code=upstream.status_code
             )
 
         async def events() -> AsyncIterator[str]:
@@ -241,12 +240,4 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[str]:
         yield buffer
 
 
-def agent_error(
-    dialect: Dialect, status: int, message: str, kind: str = "invalid_request_error"
-) -> JSONResponse:
-    if dialect == "messages":
-        return JSONResponse(anthropic_error_body(message, kind=kind), status_code=status)
-    return JSONResponse(error_body(message, kind=kind), status_code=status)
-
-
-__all__ = ["CallCounters", "Forwarder", "agent_error"]
+__all__ = ["CallCounters", "Forwarder"]

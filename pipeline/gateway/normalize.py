@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import orjson
 
-Dialect = Literal["chat", "completions", "responses", "messages"]
+from topics.wire import Dialect
 
 _TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 _CONVERSATION_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from topics.records import CommitCoords
-from topics.wire import COORDS_FIELD, TOKEN_FIELDS
+from topics.wire import COORDS_FIELD, TOKEN_FIELDS, strip_token_fields
 
 _MARKERS = (COORDS_FIELD, *(f'"{name}"' for name in TOKEN_FIELDS))
 
@@ -40,14 +40,6 @@ def take_coords(value: Any) -> dict[int, CommitCoords]:
     return found
 
 
-def stripped(value: Any, hidden: frozenset[str]) -> Any:
-    if isinstance(value, dict):
-        return {k: stripped(v, hidden) for k, v in value.items() if k not in hidden}
-    if isinstance(value, list):
-        return [stripped(item, hidden) for item in value]
-    return value
-
-
 def strip_event(event: str, hidden: frozenset[str]) -> tuple[str, dict[int, CommitCoords]]:
     """One SSE message without hidden fields, and the coords it carried."""
     if not any(marker in event for marker in _MARKERS):
@@ -60,8 +52,8 @@ def strip_event(event: str, hidden: frozenset[str]) -> tuple[str, dict[int, Comm
     except orjson.JSONDecodeError:
         return event, {}
     coords = take_coords(data)
-    body = orjson.dumps(stripped(data, hidden)).decode()
+    body = orjson.dumps(strip_token_fields(data, hidden)).decode()
     return f"{event[:marker]}data: {body}\n\n", coords
 
 
-__all__ = ["hidden_fields", "strip_event", "stripped", "take_coords"]
+__all__ = ["hidden_fields", "strip_event", "take_coords"]

@@ -9,11 +9,12 @@ from __future__ import annotations
 import re
 from typing import Any, TypeVar
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from topics.choices import check_shared_prefix, choice_admissions
 from topics.records import CaptureAdmission
-from topics.wire import CAPTURE_FIELD
+from topics.wire import CAPTURE_FIELD, Dialect
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -61,6 +62,21 @@ def error_body(
 def anthropic_error_body(message: str, *, kind: str = "invalid_request_error") -> dict[str, Any]:
     """Anthropic's error shape (it has no ``param``: the message names the field)."""
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+_KINDS = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict", 413: "request_too_large"}
+
+
+def api_error(
+    dialect: Dialect, status: int, message: str, *, param: str | None = None, kind: str | None = None
+) -> JSONResponse:
+    """An error reply in the shape of the API the client speaks (Anthropic's for Messages)."""
+    if dialect == "messages":
+        return JSONResponse(
+            anthropic_error_body(message, kind=_KINDS.get(status, "api_error")), status_code=status
+        )
+    body = error_body(message, param=param, kind=kind or _KINDS.get(status, "server_error"))
+    return JSONResponse(body, status_code=status)
 
 
 def capture_admissions(raw: Any, n: int) -> list[CaptureAdmission]:

@@ -15,15 +15,14 @@ final event) waits for staging; the engine never does.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
 from stages.capture.vllm.scope import CaptureScope
 from topics.failures import WorkerFailure
-from topics.wire import COORDS_FIELD
+from topics.wire import COORDS_FIELD, Dialect
 
-Dialect = Literal["chat", "completions", "responses", "messages"]
 CHOICE_DIALECTS = ("chat", "completions")
 
 

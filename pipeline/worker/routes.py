@@ -31,18 +31,17 @@ from vllm.exceptions import VLLMClientError
 from pipeline.worker.options import COMMON, RESPONSES, Refusal, check_content, check_options, field_names
 from pipeline.worker.protocol import (
     InvalidRequest,
-    anthropic_error_body,
+    api_error,
     capture_admissions,
-    error_body,
     invalid_request,
 )
-from pipeline.worker.replies import Dialect, attach_coords, stream_with_coords
+from pipeline.worker.replies import attach_coords, stream_with_coords
 from pipeline.worker.serving import Serving
 from stages.capture.vllm.renderer import CaptureRefused
 from stages.capture.vllm.scope import CURRENT_SCOPE, CaptureScope
 from stages.capture.vllm.worker import VllmWorker
 from topics.failures import WorkerFailure
-from topics.wire import CAPTURE_FIELD
+from topics.wire import CAPTURE_FIELD, Dialect
 
 Handler = Callable[[Any, Request], Awaitable[Any]]
 
@@ -105,7 +104,7 @@ def _endpoint(route: GenerationRoute, worker: VllmWorker) -> Callable[[Request],
         except InvalidRequest as exc:
             worker.requests.rejected_requests += 1
             _report_refused(worker, raw_capture, body)
-            return _refused(route.dialect, 400, exc.message, exc.param)
+            return api_error(route.dialect, 400, exc.message, param=exc.param)
         if not admissions:
             return await _reply(route, await _handled(route, parsed, request), None, worker)
         scope = await worker.open_scope(admissions, response_id=f"req-{uuid.uuid4().hex}")
@@ -115,7 +114,7 @@ def _endpoint(route: GenerationRoute, worker: VllmWorker) -> Callable[[Request],
         except CaptureRefused as exc:
             scope.abandon(WorkerFailure.NOT_SERVED, worker.weight_version)
             worker.requests.rejected_requests += 1
-            return _refused(route.dialect, 400, f"{CAPTURE_FIELD}: {exc}", CAPTURE_FIELD)
+            return api_error(route.dialect, 400, f"{CAPTURE_FIELD}: {exc}", param=CAPTURE_FIELD)
         except BaseException:
             scope.abandon(WorkerFailure.NOT_SERVED, worker.weight_version)
             raise
@@ -156,9 +155,8 @@ async def _reply(
             scope.abandon(WorkerFailure.NOT_SERVED, worker.weight_version)
         if result.error.code == 400:
             worker.requests.rejected_requests += 1
-        return _refused(
-            route.dialect, result.error.code, result.error.message, result.error.param, result.error.type
-        )
+        error = result.error
+        return api_error(route.dialect, error.code, error.message, param=error.param, kind=error.type)
     if isinstance(result, BaseModel):
         body = _dump(result, route.dialect)
         if scope is not None:
@@ -207,20 +205,6 @@ def _validated(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
     except (ValueError, VLLMClientError) as exc:  # vLLM's own validators raise these
         param = getattr(exc, "parameter", None)
         raise InvalidRequest(param, f"{param or 'body'}: {exc}") from None
-
-
-def _refused(
-    dialect: Dialect, status: int, message: str, param: str | None, kind: str = "invalid_request_error"
-) -> JSONResponse:
-    if dialect == "messages":
-        return JSONResponse(anthropic_error_body(message, kind=_anthropic_kind(status)), status_code=status)
-    return JSONResponse(error_body(message, param=param, kind=kind, code=None), status_code=status)
-
-
-def _anthropic_kind(status: int) -> str:
-    return {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large"}.get(
-        status, "api_error"
-    )
 
 
 __all__ = ["GenerationRoute", "add_generation_routes", "generation_routes"]

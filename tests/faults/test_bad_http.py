@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,8 +20,6 @@ import pytest
 from badinput import SECTION
 from enginekit import EngineHost, Rig, settled, start_rig
 
-from pipeline.models.tiny import make_tiny_model
-from stages.capture.vllm.engine import EngineSettings
 from topics.records import MAX_CHAIN_DEPTH, StagedEvent
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
@@ -31,20 +30,9 @@ LIMIT = 512 * 1024
 USER = [{"role": "user", "content": "Add 2 and 3."}]
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
-    engine_host = EngineHost(EngineSettings(model=str(model_dir), max_model_len=512))
-    engine_host.model_dir = model_dir  # type: ignore[attr-defined]
-    try:
-        yield engine_host
-    finally:
-        engine_host.close()
-
-
 @pytest.fixture
-def rig(host: EngineHost) -> Iterator[Rig]:
-    served = start_rig(host, host.model_dir, max_body_bytes=LIMIT, prefix_wait_s=0.05)  # type: ignore[attr-defined]
+def rig(host: EngineHost, model_dir: Path) -> Iterator[Rig]:
+    served = start_rig(host, model_dir, max_body_bytes=LIMIT, prefix_wait_s=0.05)
     try:
         yield served
     finally:

@@ -30,32 +30,11 @@ from enginekit import (
 )
 
 from pipeline.gateway.main import Gateway, GatewayConfig, gateway
-from pipeline.models.tiny import make_tiny_model
 from pipeline.worker.main import WorkerServer
-from stages.capture.vllm.engine import EngineSettings
 from topics.records import RolloutSeal
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "chatml", seed=0)
-
-
-@pytest.fixture(scope="module")
-def host(model_dir: Path) -> Iterator[EngineHost]:
-    engine_host = EngineHost(EngineSettings(model=str(model_dir)))
-    try:
-        yield engine_host
-    finally:
-        engine_host.close()
-
-
-@pytest.fixture(scope="module")
-def oracle() -> HFOracle:
-    return HFOracle()
 
 
 @dataclass

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,28 +23,12 @@ from enginekit import EngineHost, assert_sample_is_what_the_engine_saw, finalize
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.producer import KafkaEventSink
-from pipeline.models.tiny import make_tiny_model
 from pipeline.replay.rebuild import read_log
-from stages.capture.vllm.engine import EngineSettings
 from topics.records import Record
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "chatml", seed=0)
-
-
-@pytest.fixture(scope="module")
-def host(model_dir: Path) -> Iterator[EngineHost]:
-    engine_host = EngineHost(EngineSettings(model=str(model_dir)))
-    try:
-        yield engine_host
-    finally:
-        engine_host.close()
 
 
 def start_gateway(worker_url: str, kafka: KafkaConfig) -> tuple[subprocess.Popen[str], str]:

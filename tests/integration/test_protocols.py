@@ -31,8 +31,6 @@ from enginekit import (
     token_keys,
 )
 
-from pipeline.models.tiny import make_tiny_model
-from stages.capture.vllm.engine import EngineSettings
 from topics.choices import choice_admissions
 from topics.records import CaptureAdmission, CommitCoords, StagedEvent
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
@@ -49,25 +47,6 @@ CHAT_TOOLS = [
     {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD_SCHEMA}}
 ]
 ADD_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "chatml", seed=0)
-
-
-@pytest.fixture(scope="module")
-def host(model_dir: Path) -> Iterator[EngineHost]:
-    engine_host = EngineHost(EngineSettings(model=str(model_dir)))
-    try:
-        yield engine_host
-    finally:
-        engine_host.close()
-
-
-@pytest.fixture(scope="module")
-def oracle() -> HFOracle:
-    return HFOracle()
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ engine serves both.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,6 @@ from enginekit import (
 )
 
 from pipeline.models.tiny import make_tiny_model, reasoning_stripping_template
-from stages.capture.vllm.engine import EngineSettings
 from topics.records import EXTRAS_WEIGHT_SPANS, CaptureAdmission, CommitCoords
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
@@ -48,25 +46,9 @@ class Models:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
-    root = tmp_path_factory.mktemp("models")
-    return Models(
-        chatml=make_tiny_model(root / "chatml", seed=0), refit=make_tiny_model(root / "refit", seed=1)
-    )
-
-
-@pytest.fixture(scope="module")
-def host(models: Models) -> Iterator[EngineHost]:
-    engine_host = EngineHost(EngineSettings(model=str(models.chatml)))
-    try:
-        yield engine_host
-    finally:
-        engine_host.close()
-
-
-@pytest.fixture(scope="module")
-def oracle() -> HFOracle:
-    return HFOracle()
+def models(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Models:
+    """The engine's model (``host`` serves ``model_dir``) and the same one with other weights."""
+    return Models(chatml=model_dir, refit=make_tiny_model(tmp_path_factory.mktemp("refit") / "m", seed=1))
 
 
 def chat(rig: Rig, body: dict[str, Any]) -> httpx.Response:
