@@ -23,10 +23,6 @@ class DataPlaneTimeout(DataPlaneError):
     """A data-plane call did not finish within its timeout."""
 
 
-class RowsChanged(DataPlaneError):
-    """Rows were rewritten while being read (a concurrent write); reading again will do."""
-
-
 class MissingRows(DataPlaneError):
     """Some requested keys have no readable row; ``keys`` names exactly those."""
 

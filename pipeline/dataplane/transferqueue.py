@@ -43,7 +43,6 @@ from stages.ports import (
     DataPlaneError,
     DataPlaneTimeout,
     MissingRows,
-    RowsChanged,
 )
 from topics.records import StagedCall, TrainingSample
 
@@ -79,6 +78,13 @@ class _ReadFailure(Exception):
     def __init__(self, problem: _Problem) -> None:
         super().__init__(problem.detail)
         self.problem = problem
+
+
+class _RowsChanged(Exception):
+    """Internal: a read failed, yet every row checks out on a second look: a write raced it."""
+
+
+_REREAD_PAUSE_S = 0.02
 
 
 def _unique(keys: Sequence[str]) -> list[str]:
@@ -242,7 +248,7 @@ class TransferQueueDataPlane:
         if not key_list:
             return {}
         return await self._bounded(
-            "get", partition, len(key_list), lambda: self._get(partition, key_list, fields, decode)
+            "get", partition, len(key_list), lambda: self._get_settled(partition, key_list, fields, decode)
         )
 
     async def delete_rows(self, partition: str, keys: Sequence[str]) -> None:
@@ -307,6 +313,17 @@ class TransferQueueDataPlane:
             f"({details or 'state changed during the check'}); TransferQueue refused the update "
             "(see its log, e.g. a dtype conflict with rows already in the partition)"
         )
+
+    async def _get_settled(
+        self, partition: str, keys: list[str], fields: Sequence[str], decode: Decode
+    ) -> dict[str, Any]:
+        """Read again while a concurrent write makes a read fail with every row fine on
+        a second look; the caller's deadline bounds the loop."""
+        while True:
+            try:
+                return await self._get(partition, keys, fields, decode)
+            except _RowsChanged:
+                await asyncio.sleep(_REREAD_PAUSE_S)
 
     async def _get(
         self, partition: str, keys: list[str], fields: Sequence[str], decode: Decode
@@ -404,7 +421,7 @@ class TransferQueueDataPlane:
     @staticmethod
     def _raise(partition: str, keys: list[str], problems: Mapping[str, _Problem]) -> NoReturn:
         if not problems:
-            raise RowsChanged(f"{partition}: rows changed while being read; retry")
+            raise _RowsChanged(partition)
         missing = [key for key in keys if key in problems]
         corrupt = {key: p.detail for key, p in problems.items() if p.kind == "corrupt"}
         if corrupt:

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from stages.capture.cache import ChainCache, ChainLink
 from stages.capture.errors import CaptureFailure
-from stages.ports import DataPlane, DataPlaneError, RowsChanged, read_calls
+from stages.ports import DataPlane, DataPlaneError, read_calls
 from topics.digest import chain_hash
 from topics.failures import WorkerFailure
 from topics.records import CaptureAdmission, StagedCall
@@ -84,8 +84,6 @@ class PrefixResolver:
         try:
             rows, _ = await read_calls(self.data_plane, keys)
             return rows
-        except RowsChanged:  # a write raced the read: nothing readable yet, poll again
-            return {}
         except DataPlaneError as exc:
             raise CaptureFailure(WorkerFailure.PREFIX_UNAVAILABLE, f"data plane: {exc}") from None
 
