@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stages.ports import EventSink
-from topics.records import CaptureAdmission, CommitCoords, RolloutSeal
+from topics.records import CaptureAdmission, CommitCoords, RolloutSeal, SamplePolicy
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 
@@ -82,8 +82,11 @@ class RolloutClient:
         reward: float | None = None,
         terminal_call_id: str | None = None,
         failed: str | None = None,
+        sample_policy: SamplePolicy = "terminal",
+        all_or_nothing: bool | None = None,
     ) -> RolloutSeal:
-        """Close a rollout; ``failed`` (a reason) marks an episode that broke."""
+        """Close a rollout; ``failed`` (a reason) marks an episode that broke;
+        ``sample_policy`` says which chains become samples (DESIGN §4.4)."""
         seal = RolloutSeal(
             rollout_id=rollout_id,
             group_id=group_id,
@@ -92,6 +95,8 @@ class RolloutClient:
             status="failed" if failed else "completed",
             failure_reason=failed,
             sealed_at=self.clock(),
+            sample_policy=sample_policy,
+            all_or_nothing=all_or_nothing,
         )
         await self.sink.publish([seal])
         return seal

@@ -44,7 +44,7 @@ class MemoryDataPlane:
 
     async def put_samples(self, samples: Sequence[TrainingSample]) -> None:
         self._check()
-        self.samples.update((sample.rollout_id, sample) for sample in samples)
+        self.samples.update((sample.key, sample) for sample in samples)
 
     async def get_samples(self, keys: Sequence[str]) -> dict[str, TrainingSample]:
         self._check()

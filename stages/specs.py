@@ -27,6 +27,8 @@ class StageSettings:
 
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     mixed_versions: MixedVersionPolicy = MixedVersionPolicy.ALLOW
+    all_or_nothing: bool = False
+    """The finalizer's default for multi-sample rollouts whose seal does not say."""
     remember: int = DEFAULT_REMEMBER
     """Rollouts a stage remembers as answered (recalled from its output topic's tail)."""
     janitor: JanitorConfig = field(default_factory=JanitorConfig)
@@ -79,7 +81,12 @@ def _ledger(sink: EventSink, _: DataPlane | None, settings: StageSettings) -> St
 def _finalizer(sink: EventSink, data_plane: DataPlane | None, settings: StageSettings) -> StagePort:
     assert data_plane is not None  # StageSpec.build checked it
     return FinalizerStage(
-        data_plane, sink, policy=settings.mixed_versions, remember=settings.remember, janitor=settings.janitor
+        data_plane,
+        sink,
+        policy=settings.mixed_versions,
+        all_or_nothing=settings.all_or_nothing,
+        remember=settings.remember,
+        janitor=settings.janitor,
     )
 
 

@@ -50,6 +50,8 @@ class FinalizerFailure(StrEnum):
     INVALID_MASK = "invalid_mask"
     EMPTY_GENERATION = "empty_generation"
     MIXED_WEIGHT_VERSIONS = "mixed_weight_versions"
+    # All-or-nothing: this chain verified, but another chain of its rollout was rejected.
+    BRANCH_REJECTED = "branch_rejected"
 
 
 ALL_FAILURE_CODES: frozenset[str] = frozenset(

@@ -14,10 +14,19 @@ read into the schema-4 record, so a cluster upgrades one process at a time).
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from topics import canonical
 from topics.failures import FinalizerFailure, LedgerFailure, WorkerFailure
@@ -46,10 +55,12 @@ With the longest keys (401 bytes) the event limit binds first, near 10,000 keys.
 
 IDENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 STAGING_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+SAMPLE_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._-]*)?$"
 
 RolloutId = Annotated[str, StringConstraints(pattern=IDENT_PATTERN, max_length=200)]
 CallId = Annotated[str, StringConstraints(pattern=IDENT_PATTERN, max_length=200)]
 StagingKey = Annotated[str, StringConstraints(pattern=STAGING_KEY_PATTERN, max_length=401)]
+SampleKey = Annotated[str, StringConstraints(pattern=SAMPLE_KEY_PATTERN, max_length=401)]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 AncestorKeys = Annotated[list[StagingKey], Field(max_length=MAX_CHAIN_DEPTH - 1)]
 ChainKeys = Annotated[list[StagingKey], Field(max_length=MAX_CHAIN_DEPTH)]
@@ -58,6 +69,9 @@ Count = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 Timestamp = Annotated[float, Field(ge=0.0)]
 Mode = Literal["text", "token_in"]
+SamplePolicy = Literal["terminal", "leaves", "chains"]
+"""Which chains of a rollout's call tree become samples (DESIGN §4.4): the one terminal
+chain, every root-to-leaf chain, or each root's longest chain."""
 Disposition = Literal["staged", "capture_failed"]
 ExtrasDict = dict[str, Any]
 # Codes are enums in Python and plain strings on the wire: accept the string form.
@@ -71,6 +85,12 @@ RejectionCode = WorkerCode | LedgerCode | FinalizerCode
 def staging_key(rollout_id: str, call_id: str) -> str:
     """The data-plane key of one call's row."""
     return f"{rollout_id}/{call_id}"
+
+
+def sample_key(rollout_id: str, leaf_call_id: str | None = None) -> str:
+    """The data-plane key of a sample: the rollout id for the one terminal sample, else
+    the rollout id and the chain's leaf (``@`` is in no id, so keys never collide)."""
+    return rollout_id if leaf_call_id is None else f"{rollout_id}@{leaf_call_id}"
 
 
 class Record(BaseModel):
@@ -98,6 +118,18 @@ class EventRecord(Record):
     """An event: written as schema 4; a schema-3 event is read into this schema-4 record."""
 
     schema_version: int = EVENT_SCHEMA_VERSION
+    ADDED_IN_4: ClassVar[tuple[str, ...]] = ()
+    """Fields added to schema 4 after it shipped, written only when they differ from their
+    default: events that do not use them stay byte for byte what older readers know."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unused_additions(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self.ADDED_IN_4:
+                if name in data and getattr(self, name) == type(self).model_fields[name].default:
+                    del data[name]
+        return data
 
     @field_validator("schema_version")
     @classmethod
@@ -404,11 +436,19 @@ class RolloutSeal(EventRecord):
     status: Literal["completed", "failed"]
     failure_reason: Label | None = None
     sealed_at: Timestamp
+    sample_policy: SamplePolicy = "terminal"
+    all_or_nothing: bool | None = None
+    """Reject every sample when one chain is rejected; None: the finalizer's default."""
+
+    ADDED_IN_4 = ("sample_policy", "all_or_nothing")
 
     @model_validator(mode="after")
     def _rules(self) -> RolloutSeal:
         if self.terminal_call_id is not None and self.terminal_response_id is not None:
             raise ValueError("terminal_call_id: declare the terminal by call id or response id, not both")
+        declared = self.terminal_call_id is not None or self.terminal_response_id is not None
+        if declared and self.sample_policy != "terminal":
+            raise ValueError("sample_policy: a declared terminal needs sample_policy terminal")
         if self.status == "failed" and self.failure_reason is None:
             raise ValueError("failure_reason: required when status is failed")
         return self
@@ -457,8 +497,29 @@ class ManifestEntry(BaseModel):
 _ENTRY_FIELDS = tuple(ManifestEntry.model_fields)
 
 
+class ReceiptChain(BaseModel):
+    """One chain a multi-sample receipt asks the finalizer for: its leaf, and the hash the
+    linearized chain must have, or the code that already rejects it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    leaf_call_id: CallId
+    cumulative_hash: Sha256Hex | None = None
+    failure_reason: FailureCode | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> ReceiptChain:
+        if (self.cumulative_hash is None) == (self.failure_reason is None):
+            raise ValueError("cumulative_hash: a chain has its hash or its failure_reason, exactly one")
+        return self
+
+
 class RolloutReceipt(EventRecord):
-    """The ledger's verdict on a sealed rollout: what to finalize, or why not."""
+    """The ledger's verdict on a sealed rollout: what to finalize, or why not.
+
+    Under ``sample_policy`` terminal the ``terminal_*`` fields name the one chain; under
+    ``leaves`` or ``chains`` the ``chains`` list names every chain, each with its hash or
+    its own rejection, and the receipt is poisoned only when none can become a sample."""
 
     rollout_id: RolloutId
     group_id: Label | None = None
@@ -472,6 +533,11 @@ class RolloutReceipt(EventRecord):
     capture_poisoned: bool
     failure_reason: FailureCode | None = None
     sealed_at: Timestamp
+    sample_policy: SamplePolicy = "terminal"
+    all_or_nothing: bool | None = None
+    chains: list[ReceiptChain] = []
+
+    ADDED_IN_4 = ("sample_policy", "all_or_nothing", "chains")
 
     @classmethod
     def _from_v3(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -487,7 +553,11 @@ class RolloutReceipt(EventRecord):
 
     @model_validator(mode="after")
     def _rules(self) -> RolloutReceipt:
-        if self.capture_poisoned:
+        if self.sample_policy != "terminal":
+            self._check_chains()
+        elif self.chains:
+            raise ValueError("chains: only a leaves or chains policy lists chains")
+        elif self.capture_poisoned:
             if self.failure_reason is None:
                 raise ValueError("failure_reason: required for a poisoned receipt")
         else:
@@ -502,6 +572,70 @@ class RolloutReceipt(EventRecord):
                 raise ValueError(f"failed_calls: call {failed.call_id} belongs to {failed.rollout_id}")
         return self
 
+    def _check_chains(self) -> None:
+        if self.terminal_call_id is not None or self.terminal_cumulative_hash is not None:
+            raise ValueError("terminal_call_id: a multi-sample receipt names its chains instead")
+        served = {entry.call_id for entry in self.manifest}
+        leaves = [chain.leaf_call_id for chain in self.chains]
+        if len(set(leaves)) != len(leaves):
+            raise ValueError("chains: a leaf repeats")
+        for chain in self.chains:
+            if chain.cumulative_hash is not None and chain.leaf_call_id not in served:
+                raise ValueError(f"chains: leaf {chain.leaf_call_id} is not in the manifest")
+        sampled = any(chain.cumulative_hash is not None for chain in self.chains)
+        if self.capture_poisoned == sampled:
+            raise ValueError("capture_poisoned: true exactly when no chain can become a sample")
+        if self.capture_poisoned and self.failure_reason is None:
+            raise ValueError("failure_reason: required for a poisoned receipt")
+        if not self.capture_poisoned and self.failure_reason is not None:
+            raise ValueError("failure_reason: only a poisoned receipt has one")
+
+    def sample_chains(self) -> list[SampleChain]:
+        """Every chain the finalizer verifies and linearizes into a sample."""
+        if self.sample_policy == "terminal":
+            if self.capture_poisoned or self.terminal_call_id is None:
+                return []
+            assert self.terminal_cumulative_hash is not None
+            return [SampleChain(self.rollout_id, self.terminal_call_id, self.terminal_cumulative_hash)]
+        return [
+            SampleChain(
+                sample_key(self.rollout_id, chain.leaf_call_id), chain.leaf_call_id, chain.cumulative_hash
+            )
+            for chain in self.chains
+            if chain.cumulative_hash is not None
+        ]
+
+
+class SampleChain(NamedTuple):
+    """A chain to become a sample: where it is stored, its leaf, the hash it must have."""
+
+    key: str
+    leaf_call_id: str
+    cumulative_hash: str
+
+
+class SampleOutcome(BaseModel):
+    """One chain of a multi-sample rollout, as the finalized event reports it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    sample_key: SampleKey
+    leaf_call_id: CallId
+    status: Literal["accepted", "rejected"]
+    rejection_reason: RejectionCode | None = None
+    prompt_len: Count = 0
+    total_len: Count = 0
+    generated_tokens: Count = 0
+    call_count: Count = 0
+    min_weight_version: Count | None = None
+    max_weight_version: Count | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> SampleOutcome:
+        if (self.status == "accepted") != (self.rejection_reason is None):
+            raise ValueError("rejection_reason: required exactly when the sample is rejected")
+        return self
+
 
 class FinalizedEvent(EventRecord):
     """One per admitted rollout: accepted with a sample key, or rejected with a code."""
@@ -510,7 +644,7 @@ class FinalizedEvent(EventRecord):
     group_id: Label | None = None
     status: Literal["accepted", "rejected"]
     rejection_reason: RejectionCode | None = None
-    sample_key: RolloutId | None = None
+    sample_key: SampleKey | None = None
     prompt_len: Count
     total_len: Count
     generated_tokens: Count
@@ -519,17 +653,38 @@ class FinalizedEvent(EventRecord):
     max_weight_version: Count | None = None
     reward: float | None = None
     finalized_at: Timestamp
+    sample_policy: SamplePolicy = "terminal"
+    samples: list[SampleOutcome] = []
+    """Under a multi-sample policy, every chain's outcome; the lengths and versions above
+    then sum (or bound) those of the accepted samples."""
+
+    ADDED_IN_4 = ("sample_policy", "samples")
 
     @model_validator(mode="after")
     def _rules(self) -> FinalizedEvent:
-        if self.status == "accepted":
-            if self.sample_key is None:
-                raise ValueError("sample_key: required for an accepted rollout")
-            if self.rejection_reason is not None:
-                raise ValueError("rejection_reason: an accepted rollout has none")
-        elif self.rejection_reason is None:
+        if self.status == "rejected" and self.rejection_reason is None:
             raise ValueError("rejection_reason: required for a rejected rollout")
+        if self.status == "accepted" and self.rejection_reason is not None:
+            raise ValueError("rejection_reason: an accepted rollout has none")
+        if self.sample_policy == "terminal":
+            if self.samples:
+                raise ValueError("samples: only a leaves or chains policy lists samples")
+            if self.status == "accepted" and self.sample_key is None:
+                raise ValueError("sample_key: required for an accepted rollout")
+            return self
+        if self.sample_key is not None:
+            raise ValueError("sample_key: a multi-sample rollout names its samples in samples")
+        accepted = any(outcome.status == "accepted" for outcome in self.samples)
+        if accepted != (self.status == "accepted"):
+            raise ValueError("status: accepted exactly when one of its samples is")
         return self
+
+    @property
+    def sample_keys(self) -> list[str]:
+        """The data-plane keys of this rollout's accepted samples, in chain order."""
+        if self.sample_policy == "terminal":
+            return [self.sample_key] if self.status == "accepted" and self.sample_key else []
+        return [outcome.sample_key for outcome in self.samples if outcome.status == "accepted"]
 
 
 class CallSpan(RowRecord):
@@ -553,6 +708,12 @@ class TrainingSample(RowRecord):
     spans: list[CallSpan]
     reward: float | None = None
     cumulative_hash: Sha256Hex
+    sample_key: SampleKey | None = None
+    """Where the sample is stored when it is one of several; None: under the rollout id."""
+
+    @property
+    def key(self) -> str:
+        return self.sample_key or self.rollout_id
 
     @model_validator(mode="after")
     def _rules(self) -> TrainingSample:

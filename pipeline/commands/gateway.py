@@ -7,12 +7,13 @@ import asyncio
 import json
 import logging
 import sys
-from typing import Any
+from typing import Any, get_args
 
 from aiokafka.errors import KafkaError
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.worker import add_body_limit_argument
+from topics.records import SamplePolicy
 
 EXAMPLES = """example:
   tokentrail gateway --workers http://127.0.0.1:8000 --bootstrap 127.0.0.1:9092 --port 8100
@@ -49,6 +50,16 @@ def add_parser(subparsers: Any) -> None:
         metavar="S",
         help="a session idle this long is sealed failed 'abandoned' (default: %(default)s)",
     )
+    parser.add_argument(
+        "--sample-policy",
+        choices=get_args(SamplePolicy),
+        default="terminal",
+        help=(
+            "which chains of a rollout become samples when its seal does not say: the terminal chain, "
+            "every root-to-leaf chain (leaves), or each root's longest chain (chains, for agents that "
+            "rewrite their history) (default: %(default)s)"
+        ),
+    )
     add_body_limit_argument(parser)
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
@@ -66,6 +77,7 @@ async def _serve(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         session_ttl_s=args.session_ttl,
+        sample_policy=args.sample_policy,
         max_body_bytes=args.max_body_bytes,
     )
 

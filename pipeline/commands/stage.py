@@ -105,6 +105,15 @@ def add_parser(subparsers: Any) -> None:
         default=settings.mixed_versions.value,
         help="finalizer: policy for samples mixing weight versions (default allow)",
     )
+    parser.add_argument(
+        "--all-or-nothing",
+        action="store_true",
+        default=settings.all_or_nothing,
+        help=(
+            "finalizer: under a multi-sample policy, one rejected chain rejects every sample of its rollout, "
+            "for rollouts whose seal does not say (default: each chain stands alone)"
+        ),
+    )
     parser.add_argument("--dataplane-mode", choices=["attach", "ray", "embedded"], default="attach")
     parser.add_argument(
         "--data-dir", type=Path, default=Path(".tokentrail"), help="where dataplane.json lives"
@@ -246,6 +255,7 @@ async def _serve_stage(
     settings = StageSettings(
         ledger=ledger,
         mixed_versions=MixedVersionPolicy(args.mixed_versions),
+        all_or_nothing=args.all_or_nothing,
         remember=args.remember,
         janitor=JanitorConfig(
             ttl_s=args.staging_ttl or staging_ttl(ledger), sweep_every_s=args.staging_sweep

@@ -177,7 +177,7 @@ def encode_samples(samples: Sequence[TrainingSample]) -> TensorDict:
         raise ValueError("encode_samples: no samples")
     columns: dict[str, list[torch.Tensor]] = {name: [] for name in SAMPLE_FIELDS}
     for sample in samples:
-        key = sample.rollout_id
+        key = sample.key
         columns["token_ids"].append(_ints(key, "token_ids", sample.token_ids))
         columns["token_mask"].append(_floats(key, "token_mask", sample.token_mask))
         columns["logprobs"].append(_floats(key, "logprobs", sample.logprobs))
@@ -200,6 +200,9 @@ def encode_samples(samples: Sequence[TrainingSample]) -> TensorDict:
                         }
                         for span in sample.spans
                     ],
+                    # Only a sample that is one of several has its own key: the others
+                    # stay byte for byte what older readers know.
+                    **({"sample_key": sample.sample_key} if sample.sample_key is not None else {}),
                 },
             )
         )
@@ -350,6 +353,7 @@ def decode_samples(keys: Sequence[str], data: TensorDict) -> list[TrainingSample
                 spans=_spans(key, _take(key, document, "spans", (list,)), schema_version),
                 reward=_take(key, document, "reward", (float, type(None))),
                 cumulative_hash=_take(key, document, "cumulative_hash", _STR),
+                sample_key=_take(key, document, "sample_key", _STR) if "sample_key" in document else None,
             )
         )
     return samples

@@ -207,7 +207,7 @@ class TransferQueueDataPlane:
             return
         data = codec.encode_samples(samples)
         await self.put_rows(
-            self.samples_partition, [sample.rollout_id for sample in samples], data, codec.SAMPLE_FIELDS
+            self.samples_partition, [sample.key for sample in samples], data, codec.SAMPLE_FIELDS
         )
 
     async def get_samples(self, keys: Sequence[str]) -> dict[str, TrainingSample]:

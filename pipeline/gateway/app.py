@@ -31,7 +31,7 @@ from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render
 from pipeline.worker.protocol import InvalidRequest, api_error, parse_body
-from topics.records import IDENT_PATTERN
+from topics.records import IDENT_PATTERN, SamplePolicy
 from topics.wire import CAPTURE_FIELD, Dialect
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class SealBody(BaseModel):
     reward: float | None = Field(None, allow_inf_nan=False)
     status: Literal["completed", "failed"] = "completed"
     reason: str | None = Field(None, min_length=1, max_length=200)
+    sample_policy: SamplePolicy | None = None
+    """Which chains become samples; None: the gateway's ``--sample-policy``."""
+    all_or_nothing: bool | None = None
 
     @model_validator(mode="after")
     def _rules(self) -> SealBody:
@@ -123,7 +126,13 @@ def create_gateway_app(
     async def seal(rollout_id: str, request: Request) -> JSONResponse:
         body = parse_body(SealBody, await _body(request))
         failed = body.reason if body.status == "failed" else None
-        sealed = await sessions.seal(rollout_id, reward=body.reward, failed=failed)
+        sealed = await sessions.seal(
+            rollout_id,
+            reward=body.reward,
+            failed=failed,
+            sample_policy=body.sample_policy,
+            all_or_nothing=body.all_or_nothing,
+        )
         return JSONResponse(sealed.model_dump(mode="json"))
 
     for path, dialect in ROUTES.items():

@@ -24,6 +24,7 @@ from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.main import WorkerServer, stop_on_signals
 from stages.client import RolloutClient
 from stages.ports import EventSink
+from topics.records import SamplePolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     session_ttl_s: float = 600.0
+    sample_policy: SamplePolicy = "terminal"
+    """For seals that do not name one (DESIGN §4.4)."""
     sweep_every_s: float = 5.0
     call_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -55,7 +58,7 @@ async def gateway(
     ``client`` publishes admissions and seals (default: a plain one on ``sink``).
     """
     client = client if client is not None else RolloutClient(sink)
-    sessions = Sessions(client, ttl_s=config.session_ttl_s)
+    sessions = Sessions(client, ttl_s=config.session_ttl_s, sample_policy=config.sample_policy)
     timeout = httpx.Timeout(config.call_timeout_s, connect=5.0)
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
         if config.kafka is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pipeline.gateway.lineage import GatewayCall
 from pipeline.gateway.previous import ResponseLog
 from stages.client import RolloutClient
-from topics.records import IDENT_PATTERN, RolloutSeal
+from topics.records import IDENT_PATTERN, RolloutSeal, SamplePolicy
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class Sessions:
         client: RolloutClient,
         *,
         ttl_s: float,
+        sample_policy: SamplePolicy = "terminal",
         remember_sealed: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -87,6 +88,8 @@ class Sessions:
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
         self.client = client
         self.ttl_s = ttl_s
+        self.sample_policy = sample_policy
+        """For seals that do not name a policy of their own."""
         self.clock = clock
         self._open: dict[str, Session] = {}
         self._sealed: OrderedDict[str, Session] = OrderedDict()  # the latest, for show and 409s
@@ -126,7 +129,13 @@ class Sessions:
         return len(self._open)
 
     async def seal(
-        self, rollout_id: str, *, reward: float | None = None, failed: str | None = None
+        self,
+        rollout_id: str,
+        *,
+        reward: float | None = None,
+        failed: str | None = None,
+        sample_policy: SamplePolicy | None = None,
+        all_or_nothing: bool | None = None,
     ) -> RolloutSeal:
         """Publish the session's one seal; a second seal is a 409 naming the first."""
         done = self._sealed.get(rollout_id)
@@ -139,7 +148,14 @@ class Sessions:
         session = self._open.get(rollout_id)
         if session is None:
             raise SessionError(404, f"rollout {rollout_id} is unknown")
-        seal = await self.client.seal(rollout_id, group_id=session.group_id, reward=reward, failed=failed)
+        seal = await self.client.seal(
+            rollout_id,
+            group_id=session.group_id,
+            reward=reward,
+            failed=failed,
+            sample_policy=sample_policy or self.sample_policy,
+            all_or_nothing=all_or_nothing,
+        )
         session.seal = seal
         self._sealed[rollout_id] = self._open.pop(rollout_id)
         while len(self._sealed) > self.remember_sealed:

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class SampleArchiver:
-    """Drains a stream of finalized events; ``written``/``failed`` count accepted samples."""
+    """Drains a stream of finalized events; ``written`` counts accepted samples (several
+    per rollout under a multi-sample policy), ``failed`` the fetches that failed."""
 
     def __init__(
         self,
@@ -43,13 +44,12 @@ class SampleArchiver:
         next event is taken from a fresh stream (the reader skips what it has seen)."""
         while True:
             try:
-                async for item in self.reader.samples(stream()):
-                    if item.sample is None:
-                        continue
-                    self.archive.append(sample_record(item.sample, self.run_id))
-                    self.written += 1
-                    self.tokens += len(item.sample.token_ids)
-                    if self._on_written is not None:
+                async for rollout in self.reader.rollouts(stream()):
+                    for sample in rollout.samples:
+                        self.archive.append(sample_record(sample, self.run_id))
+                        self.written += 1
+                        self.tokens += len(sample.token_ids)
+                    if rollout.samples and self._on_written is not None:
                         self._on_written(self.written)
                 return
             except DataPlaneError as exc:

@@ -23,7 +23,7 @@ from stages.client import RolloutClient
 from stages.driver import DriverStats, Job
 from stages.envs.arithmetic import Episode
 from stages.ports import EventSink
-from topics.records import RolloutSeal
+from topics.records import RolloutSeal, SamplePolicy
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,18 @@ class SealTrackingClient(RolloutClient):
         reward: float | None = None,
         terminal_call_id: str | None = None,
         failed: str | None = None,
+        sample_policy: SamplePolicy = "terminal",
+        all_or_nothing: bool | None = None,
     ) -> RolloutSeal:
         self.sealing.add(rollout_id)
         seal = await super().seal(
-            rollout_id, group_id=group_id, reward=reward, terminal_call_id=terminal_call_id, failed=failed
+            rollout_id,
+            group_id=group_id,
+            reward=reward,
+            terminal_call_id=terminal_call_id,
+            failed=failed,
+            sample_policy=sample_policy,
+            all_or_nothing=all_or_nothing,
         )
         if self.journal is not None:
             self.journal.sealed(rollout_id)

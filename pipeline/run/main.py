@@ -408,7 +408,7 @@ class Run:
             drive_s = (progress.driving_until or time.monotonic()) - progress.driving_since
         written = self.archiver.written if self.archiver is not None else 0
         status = self.status()
-        if status == "completed" and written != accepted:
+        if status == "completed" and written != sum(len(event.sample_keys) for event in events):
             status = "failed"
         errors = [e for e in (self.error, self.shutdown.failure, self.timeout) if e]
         if self.archiver is not None and self.archiver.failed:

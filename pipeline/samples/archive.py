@@ -28,7 +28,16 @@ from topics.records import TrainingSample
 ARCHIVE_NAME = "samples.jsonl"
 
 # The DESIGN §10 export fields, then what the archive adds.
-EXPORT_FIELDS = ("rollout_id", "group_id", "token_ids", "token_mask", "logprobs", "weight_versions", "reward")
+EXPORT_FIELDS = (
+    "rollout_id",
+    "sample_key",
+    "group_id",
+    "token_ids",
+    "token_mask",
+    "logprobs",
+    "weight_versions",
+    "reward",
+)
 ARCHIVE_FIELDS = ("run_id", *EXPORT_FIELDS, "cumulative_hash", "spans")
 
 
@@ -41,6 +50,7 @@ def sample_record(sample: TrainingSample, run_id: str) -> dict[str, Any]:
     return {
         "run_id": run_id,
         "rollout_id": sample.rollout_id,
+        "sample_key": sample.key,
         "group_id": sample.group_id,
         "token_ids": list(sample.token_ids),
         "token_mask": list(sample.token_mask),
@@ -86,7 +96,7 @@ class SampleArchive:
 
 @dataclass(slots=True)
 class ArchiveContents:
-    """Records read from an archive, once per rollout id, and what had to be skipped."""
+    """Records read from an archive, once per sample key, and what had to be skipped."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0
@@ -98,7 +108,8 @@ class ArchiveContents:
 
 
 def read_archive(path: Path, *, run_id: str | None = None) -> ArchiveContents:
-    """Every archived sample (of ``run_id`` if given), the first line per rollout id winning.
+    """Every archived sample (of ``run_id`` if given), the first line per sample key winning
+    (lines archived before samples had keys of their own are keyed by their rollout id).
 
     A missing archive reads as empty: no run has accepted a sample there yet.
     """
@@ -107,11 +118,11 @@ def read_archive(path: Path, *, run_id: str | None = None) -> ArchiveContents:
     for record in _lines(path, contents):
         if run_id is not None and record.get("run_id") != run_id:
             continue
-        rollout_id = str(record["rollout_id"])
-        if rollout_id in seen:
+        key = str(record.get("sample_key") or record["rollout_id"])
+        if key in seen:
             contents.duplicates += 1
             continue
-        seen.add(rollout_id)
+        seen.add(key)
         contents.records.append(record)
     return contents
 

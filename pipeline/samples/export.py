@@ -20,8 +20,11 @@ FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
 
 
 def export_row(record: dict[str, Any]) -> dict[str, Any]:
-    """The exported object: the archive fields, in a fixed order."""
-    return {name: record.get(name) for name in ARCHIVE_FIELDS}
+    """The exported object: the archive fields, in a fixed order (a line archived before
+    samples had keys of their own is keyed by its rollout id)."""
+    row = {name: record.get(name) for name in ARCHIVE_FIELDS}
+    row["sample_key"] = row["sample_key"] or row["rollout_id"]
+    return row
 
 
 def write_jsonl(records: Sequence[dict[str, Any]], stream: IO[bytes]) -> int:
@@ -47,6 +50,7 @@ def parquet_schema() -> Any:
         [
             ("run_id", pa.string()),
             ("rollout_id", pa.string()),
+            ("sample_key", pa.string()),
             ("group_id", pa.string()),
             ("token_ids", pa.list_(pa.int64())),
             ("token_mask", pa.list_(pa.float32())),

@@ -1,9 +1,10 @@
 """The trainer's side: finalized events in, samples (and complete GRPO groups) out.
 
 The reader consumes ``FinalizedEvent``s (from any source: the Kafka consumer in
-``pipeline`` or a replay), drops duplicate deliveries, fetches each accepted sample
-from the data plane, and never drops a rejected rollout silently: it is yielded with
-``sample=None`` so a group-based trainer can see the hole.
+``pipeline`` or a replay), drops duplicate deliveries, fetches each rollout's accepted
+samples from the data plane (one, or one per chain under a multi-sample policy), and
+never drops a rejected rollout silently: it is yielded without samples so a group-based
+trainer can see the hole.
 """
 
 from __future__ import annotations
@@ -16,53 +17,57 @@ from topics.records import FinalizedEvent, TrainingSample
 
 
 @dataclass(frozen=True, slots=True)
-class FinalizedSample:
+class FinalizedRollout:
+    """A rollout's outcome and its accepted samples, in chain order."""
+
     event: FinalizedEvent
-    sample: TrainingSample | None
+    samples: tuple[TrainingSample, ...] = ()
 
     @property
     def accepted(self) -> bool:
-        return self.sample is not None
+        return bool(self.samples)
 
 
 @dataclass(slots=True)
 class Group:
-    """All members of one GRPO group, accepted or rejected."""
+    """All members (rollouts) of one GRPO group, accepted or rejected."""
 
     group_id: str
-    members: list[FinalizedSample] = field(default_factory=list)
+    members: list[FinalizedRollout] = field(default_factory=list)
 
     @property
-    def accepted(self) -> list[FinalizedSample]:
+    def accepted(self) -> list[FinalizedRollout]:
         return [m for m in self.members if m.accepted]
 
     @property
-    def rejected(self) -> list[FinalizedSample]:
+    def rejected(self) -> list[FinalizedRollout]:
         return [m for m in self.members if not m.accepted]
+
+    @property
+    def samples(self) -> list[TrainingSample]:
+        """Every sample of every member, each carrying its rollout's reward."""
+        return [sample for member in self.members for sample in member.samples]
 
 
 class SampleReader:
-    """Turns a stream of finalized events into samples, once each."""
+    """Turns a stream of finalized events into rollouts with their samples, once each."""
 
     def __init__(self, data_plane: DataPlane) -> None:
         self.data_plane = data_plane
         self._seen: set[str] = set()
 
-    async def samples(self, events: AsyncIterable[FinalizedEvent]) -> AsyncIterator[FinalizedSample]:
+    async def rollouts(self, events: AsyncIterable[FinalizedEvent]) -> AsyncIterator[FinalizedRollout]:
         async for event in events:
             if event.rollout_id in self._seen:
                 continue
             self._seen.add(event.rollout_id)
-            if event.status == "accepted":
-                assert event.sample_key is not None
-                fetched = await self.data_plane.get_samples([event.sample_key])
-                yield FinalizedSample(event, fetched[event.sample_key])
-            else:
-                yield FinalizedSample(event, None)
+            keys = event.sample_keys
+            fetched = await self.data_plane.get_samples(keys) if keys else {}
+            yield FinalizedRollout(event, tuple(fetched[key] for key in keys))
 
 
 class GroupCollector:
-    """Collects finalized samples into complete groups of ``group_size``."""
+    """Collects finalized rollouts into complete groups of ``group_size`` rollouts."""
 
     def __init__(self, group_size: int) -> None:
         if group_size < 1:
@@ -70,7 +75,7 @@ class GroupCollector:
         self.group_size = group_size
         self._open: dict[str, Group] = {}
 
-    def add(self, item: FinalizedSample) -> Group | None:
+    def add(self, item: FinalizedRollout) -> Group | None:
         """The group once its last member arrived; rollouts without a group come back alone."""
         group_id = item.event.group_id
         if group_id is None:

@@ -1,4 +1,4 @@
-"""Verification (DESIGN §4.5) and linearization of a rollout's terminal chain.
+"""Verification (DESIGN §4.5) and linearization of the chains of a rollout.
 
 Checks run in a fixed order so that each corruption maps to exactly one code:
 identity, lengths, mask, digest, chain hash, cumulative hash, weight versions. The
@@ -25,6 +25,7 @@ from topics.records import (
     CallSpan,
     ManifestEntry,
     RolloutReceipt,
+    SampleChain,
     StagedCall,
     StagedCallBody,
     TrainingSample,
@@ -57,11 +58,11 @@ class Linearized:
     max_weight_version: int
 
 
-def terminal_records(receipt: RolloutReceipt) -> list[ManifestEntry]:
-    """The manifest entries from root to terminal, following parent links."""
+def chain_records(receipt: RolloutReceipt, leaf_call_id: str) -> list[ManifestEntry]:
+    """The manifest entries from root to ``leaf_call_id``, following parent links."""
     by_id = {record.call_id: record for record in receipt.manifest}
     chain: list[ManifestEntry] = []
-    current = receipt.terminal_call_id
+    current: str | None = leaf_call_id
     while current is not None:
         record = by_id.get(current)
         if record is None or len(chain) > len(by_id):
@@ -76,11 +77,12 @@ def terminal_records(receipt: RolloutReceipt) -> list[ManifestEntry]:
 
 def linearize(
     receipt: RolloutReceipt,
+    target: SampleChain,
     rows: Mapping[str, StagedCall],
     policy: MixedVersionPolicy = MixedVersionPolicy.ALLOW,
 ) -> Linearized:
-    """Verify every row of the terminal chain and concatenate them into the sample."""
-    chain = terminal_records(receipt)
+    """Verify every row of one chain and concatenate them into its sample."""
+    chain = chain_records(receipt, target.leaf_call_id)
     ids: list[npt.NDArray[np.int64]] = []
     masks: list[npt.NDArray[np.float64]] = []
     logprobs: list[npt.NDArray[np.float64]] = []
@@ -113,11 +115,11 @@ def linearize(
         )
         length = row.cum_len
     all_ids = np.concatenate(ids)
-    terminal_row = rows[staging_key(receipt.rollout_id, chain[-1].call_id)]
+    leaf_row = rows[staging_key(receipt.rollout_id, chain[-1].call_id)]
     linear_hash = cumulative_hash(all_ids)
-    if linear_hash != terminal_row.cumulative_hash or linear_hash != receipt.terminal_cumulative_hash:
+    if linear_hash != leaf_row.cumulative_hash or linear_hash != target.cumulative_hash:
         raise Rejected(
-            FinalizerFailure.CUMULATIVE_HASH_MISMATCH, "linearized ids do not match the terminal's hash"
+            FinalizerFailure.CUMULATIVE_HASH_MISMATCH, "linearized ids do not match the leaf's hash"
         )
     all_versions = np.concatenate(versions)
     low, high = int(all_versions.min()), int(all_versions.max())
@@ -135,6 +137,7 @@ def linearize(
         spans=spans,
         reward=receipt.reward,
         cumulative_hash=linear_hash,
+        sample_key=None if target.key == receipt.rollout_id else target.key,
     )
     return Linearized(sample, spans[0].carry_len, int(all_mask.sum()), len(chain), low, high)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from stages.ledger.terminal import NoTerminal, select_terminal, terminal_chain
+from stages.ledger.terminal import NoTerminal, select_chains, select_terminal, terminal_chain
 from topics.failures import LedgerFailure, WorkerFailure
 from topics.records import (
     CallRecord,
@@ -18,6 +18,7 @@ from topics.records import (
     FailedCall,
     ManifestEntry,
     Mode,
+    ReceiptChain,
     RolloutReceipt,
     RolloutSeal,
     StagedEvent,
@@ -192,6 +193,7 @@ class OpenRollout:
         seal = self.seal
         terminal: str | None = None
         selection = None
+        chains: list[ReceiptChain] = []
         reason: FailureReason | None = forced
         if reason is not None:
             pass
@@ -202,18 +204,14 @@ class OpenRollout:
             reason = LedgerFailure.NO_CALLS
         else:
             try:
-                parents = {c: f.parent_call_id for c, f in self.failed.items()}
-                # Parents nobody admitted are nodes too, also under a failed call: else a
-                # call failed for naming a missing parent stands as a second root, and
-                # the rollout reads ambiguous_terminal instead of that call's own code.
-                named = [r.parent_call_id for r in self.committed.values()]
-                named += [f.parent_call_id for f in self.failed.values()]
-                for parent in named:
-                    if parent is not None and parent not in self.admissions:
-                        parents.setdefault(parent, None)
-                chosen = select_terminal(self.committed, seal, parents)
-                terminal, selection = chosen.call_id, chosen.selection
-                reason = self._chain_failure(chosen.call_id)
+                if seal.sample_policy == "terminal":
+                    chosen = select_terminal(self.committed, seal, self._tree_parents())
+                    terminal, selection = chosen.call_id, chosen.selection
+                    reason = self._chain_failure(chosen.call_id)
+                else:
+                    chains = self._chains(seal)
+                    if not any(chain.cumulative_hash for chain in chains):
+                        reason = chains[0].failure_reason
             except NoTerminal as exc:
                 reason = exc.code
         return RolloutReceipt(
@@ -233,7 +231,39 @@ class OpenRollout:
             capture_poisoned=reason is not None,
             failure_reason=reason,
             sealed_at=seal.sealed_at,
+            sample_policy=seal.sample_policy,
+            all_or_nothing=seal.all_or_nothing,
+            chains=chains,
         )
+
+    def _tree_parents(self) -> dict[str, str | None]:
+        """Parents of the calls that are not committed: failed ones, and parents nobody admitted."""
+        parents: dict[str, str | None] = {c: f.parent_call_id for c, f in self.failed.items()}
+        # Parents nobody admitted are nodes too, also under a failed call: else a call
+        # failed for naming a missing parent stands as a second root, and the rollout
+        # reads ambiguous_terminal instead of that call's own code.
+        named = [r.parent_call_id for r in self.committed.values()]
+        named += [f.parent_call_id for f in self.failed.values()]
+        for parent in named:
+            if parent is not None and parent not in self.admissions:
+                parents.setdefault(parent, None)
+        return parents
+
+    def _chains(self, seal: RolloutSeal) -> list[ReceiptChain]:
+        """Every chain of a multi-sample policy, in admission order of its leaf, each with
+        the hash its sample must have or the code that rejects it in the ledger already."""
+        order = {call_id: i for i, call_id in enumerate(self.admissions)}
+        leaves = select_chains(self.committed, seal.sample_policy, self._tree_parents())
+        chains: list[ReceiptChain] = []
+        for leaf in sorted(leaves, key=lambda c: (order.get(c, len(order)), c)):
+            failure = self._chain_failure(leaf)
+            if failure is None:
+                chains.append(
+                    ReceiptChain(leaf_call_id=leaf, cumulative_hash=self.committed[leaf].cumulative_hash)
+                )
+            else:
+                chains.append(ReceiptChain(leaf_call_id=leaf, failure_reason=failure))
+        return chains
 
     def _chain_failure(self, terminal: str) -> FailureReason | None:
         """A failed or missing call on the terminal chain poisons the rollout."""

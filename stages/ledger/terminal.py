@@ -1,9 +1,9 @@
-"""Terminal selection (DESIGN §4.4) and the terminal chain.
+"""Terminal selection (DESIGN §4.4) and the chains that become samples.
 
 Given the committed calls of a rollout, pick the call whose chain becomes the sample:
 the one the seal declares, or else the unique leaf once failed calls, abandoned
 retries (childless siblings of an extended call) and superseded attempts of one
-logical call are set aside.
+logical call are set aside. Under a multi-sample policy, pick every chain's leaf.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from topics.failures import LedgerFailure
-from topics.records import CallRecord, RolloutSeal
+from topics.records import CallRecord, RolloutSeal, SamplePolicy
 
 Selection = Literal["declared", "unique_leaf"]
 
@@ -45,6 +45,47 @@ def select_terminal(
     """
     if seal.terminal_call_id is not None or seal.terminal_response_id is not None:
         return _declared(records, seal)
+    leaves = _surviving_leaves(_tree(records, parents), records, keep_branches=False)
+    if len(leaves) == 1:
+        return Terminal(leaves[0], "unique_leaf")
+    raise NoTerminal(LedgerFailure.AMBIGUOUS_TERMINAL, f"{len(leaves)} leaves: {', '.join(leaves[:5])}")
+
+
+def select_chains(
+    records: Mapping[str, CallRecord], policy: SamplePolicy, parents: Mapping[str, str | None] | None = None
+) -> list[str]:
+    """The leaves whose root-to-leaf chains become samples under a multi-sample policy.
+
+    ``leaves``: every surviving leaf. A served call nobody extended is a branch here, not
+    an abandoned retry; retries collapse through their shared ``logical_call_id`` and
+    failed attempts as for the terminal. ``chains``: per root (a rewritten history
+    starts a new one), the leaf that ends its longest chain, in tokens (then call id),
+    after the terminal's rules set abandoned retries aside.
+    """
+    tree = _tree(records, parents)
+    leaves = _surviving_leaves(tree, records, keep_branches=policy == "leaves")
+    if policy != "chains":
+        return leaves
+    by_root: dict[str, list[str]] = defaultdict(list)
+    for leaf in leaves:
+        by_root[tree.root_of(leaf)].append(leaf)
+    return sorted(max(group, key=lambda c: (_length(records, c), c)) for group in by_root.values())
+
+
+@dataclass(frozen=True, slots=True)
+class _Tree:
+    parent_of: dict[str, str | None]
+    children: dict[str | None, list[str]]
+
+    def root_of(self, call_id: str) -> str:
+        seen: set[str] = set()
+        while (parent := self.parent_of.get(call_id)) is not None and call_id not in seen:
+            seen.add(call_id)
+            call_id = parent
+        return call_id
+
+
+def _tree(records: Mapping[str, CallRecord], parents: Mapping[str, str | None] | None) -> _Tree:
     if not records and not parents:
         raise NoTerminal(LedgerFailure.NO_CALLS, "no committed call")
     parent_of: dict[str, str | None] = {
@@ -54,7 +95,16 @@ def select_terminal(
     children: dict[str | None, list[str]] = defaultdict(list)
     for call_id, parent in parent_of.items():
         children[parent].append(call_id)
-    dropped = _abandoned(children) | _superseded(records, children)
+    return _Tree(parent_of, children)
+
+
+def _surviving_leaves(tree: _Tree, records: Mapping[str, CallRecord], *, keep_branches: bool) -> list[str]:
+    """Leaves once retries collapse (DESIGN §4.4); ``keep_branches`` keeps childless
+    served siblings of an extended call, which the terminal rule sets aside as abandoned."""
+    parent_of, children = tree.parent_of, tree.children
+    dropped = _superseded(records, children)
+    if not keep_branches:
+        dropped |= _abandoned(children)
     while True:  # a failed leaf that was retried drops, which can expose its failed parent
         alive = set(parent_of) - dropped
         failed = {c for c in alive if c not in records and not any(k in alive for k in children.get(c, ()))}
@@ -69,11 +119,15 @@ def select_terminal(
         if len(attempts) > 1 and all(s in failed for s in attempts):
             alive -= set(attempts[:-1])
     leaves = sorted(c for c in alive if not any(k in alive for k in children.get(c, ())))
-    if len(leaves) == 1:
-        return Terminal(leaves[0], "unique_leaf")
     if not leaves:
         raise NoTerminal(LedgerFailure.COORDS_MISMATCH, "no leaf survives (cyclic parents)")
-    raise NoTerminal(LedgerFailure.AMBIGUOUS_TERMINAL, f"{len(leaves)} leaves: {', '.join(leaves[:5])}")
+    return leaves
+
+
+def _length(records: Mapping[str, CallRecord], call_id: str) -> int:
+    """Tokens through ``call_id``; a failed call (no record) ranks below every served one."""
+    record = records.get(call_id)
+    return -1 if record is None else record.cum_len
 
 
 def _declared(records: Mapping[str, CallRecord], seal: RolloutSeal) -> Terminal:

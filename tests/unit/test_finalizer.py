@@ -12,7 +12,7 @@ from stages.capture.core import CaptureCore
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient
-from stages.finalize.reader import FinalizedSample, GroupCollector
+from stages.finalize.reader import FinalizedRollout, GroupCollector
 from stages.finalize.stage import FinalizerStage
 from stages.finalize.verify import MixedVersionPolicy
 from stages.ledger.stage import LedgerConfig, LedgerStage
@@ -217,8 +217,8 @@ def test_group_collector_marks_rejected_members() -> None:
     bad = FinalizedEvent(
         rollout_id="b", group_id="g", status="rejected", rejection_reason="missing_row", **base
     )
-    assert collector.add(FinalizedSample(ok, None)) is None
-    group = collector.add(FinalizedSample(bad, None))
+    assert collector.add(FinalizedRollout(ok)) is None
+    group = collector.add(FinalizedRollout(bad))
     assert group is not None and [m.event.rollout_id for m in group.rejected] == ["a", "b"]
 
 
