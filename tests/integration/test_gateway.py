@@ -191,6 +191,40 @@ def test_retries_collapse_and_rewritten_histories_start_roots(served: Served) ->
     assert [c["parent_call_id"] for c in served.calls(other)] == [None, None]
 
 
+def test_an_agent_that_compacts_its_history_gives_one_sample_per_segment(
+    served: Served, oracle: HFOracle, model_dir: Path
+) -> None:
+    rollout_id = served.session(group_id="g2")["rollout_id"]
+    agent = openai.OpenAI(
+        base_url=f"{served.url}/rollouts/{rollout_id}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+    def ask(messages: list[Any]) -> Any:
+        reply = agent.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=6)
+        return [*messages, reply.choices[0].message]
+
+    segment = ask([{"role": "user", "content": "What is 2 + 3?"}])
+    ask([*segment, {"role": "user", "content": "And times 4?"}])
+    # The agent's context is full: it replaces the history with a summary and goes on.
+    segment = ask([{"role": "user", "content": "Summary: 2 + 3 = 5, times 4 = 20. Now add 1."}])
+    ask([*segment, {"role": "user", "content": "Thanks."}])
+    calls = served.calls(rollout_id)
+    assert [c["parent_call_id"] for c in calls] == [None, calls[0]["call_id"], None, calls[2]["call_id"]]
+
+    sealed = served.seal(rollout_id, {"reward": 0.5, "sample_policy": "chains"})
+    assert sealed.status_code == 200 and sealed.json()["sample_policy"] == "chains", sealed.text
+    event, _ = served.rig.finalize(rollout_id, sealed=True)
+    assert event.status == "accepted" and event.sample_policy == "chains", event
+    assert [s.leaf_call_id for s in event.samples] == [calls[1]["call_id"], calls[3]["call_id"]]
+    assert [s.status for s in event.samples] == ["accepted", "accepted"]
+    engine_calls = served.rig.recorder.calls
+    for keys, segment_calls in zip(event.sample_keys, (engine_calls[:2], engine_calls[2:]), strict=True):
+        sample = served.rig.data_plane.samples[keys]
+        assert sample.reward == 0.5 and sample.group_id == "g2"
+        assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in segment_calls])
+        assert_matches_hf(oracle, model_dir, sample)
+
+
 def test_bad_input_is_refused_and_nothing_stays_open(served: Served) -> None:
     rollout_id = served.session()["rollout_id"]
     chat = f"{served.url}/rollouts/{rollout_id}/v1/chat/completions"

@@ -26,6 +26,7 @@ from topics.records import (
     FinalizedEvent,
     Record,
     RolloutReceipt,
+    RolloutSeal,
     StagedCall,
     StagedCallBody,
     staging_key,
@@ -80,6 +81,7 @@ def run_stages(
     *,
     policy: MixedVersionPolicy = MixedVersionPolicy.ALLOW,
     tamper: Any = None,
+    all_or_nothing: bool = False,
 ) -> tuple[FinalizedEvent, RecordingSink, FinalizerStage]:
     async def go() -> tuple[FinalizedEvent, RecordingSink, FinalizerStage]:
         ledger_out = RecordingSink()
@@ -89,7 +91,7 @@ def run_stages(
         if tamper is not None:
             receipt = tamper(receipt) or receipt
         final_out = RecordingSink()
-        finalizer = FinalizerStage(data_plane, final_out, policy=policy)
+        finalizer = FinalizerStage(data_plane, final_out, policy=policy, all_or_nothing=all_or_nothing)
         await finalizer.handle([Consumed("c", 0, 0, envelope(receipt))])
         return final_out.payloads(FinalizedEvent)[0], final_out, finalizer  # type: ignore[return-value]
 
@@ -249,3 +251,56 @@ def test_one_batch_of_receipts_one_with_a_missing_row() -> None:
         ("rb", "rejected", "missing_row"),
         ("rc", "accepted", None),
     ]
+
+
+def sealed_with(events: list[Record], **update: Any) -> list[Record]:
+    """The same rollout, its seal asking for another sample policy."""
+    return [e.model_copy(update=update) if isinstance(e, RolloutSeal) else e for e in events]
+
+
+def test_leaves_policy_gives_the_dead_branch_its_own_sample() -> None:
+    data_plane = MemoryDataPlane()
+    events, seen, _ = asyncio.run(captured_rollout(data_plane))
+    event, _, finalizer = run_stages(sealed_with(events, sample_policy="leaves"), data_plane)
+    keys = event.sample_keys
+    assert event.status == "accepted" and len(keys) == 2 and finalizer.stats.samples == 2
+    by_len = sorted((data_plane.samples[key] for key in keys), key=lambda s: len(s.token_ids))
+    assert by_len[0].token_ids == [100, 101, 1, 2, 101, 101, 55]
+    assert by_len[1].token_ids == seen
+    assert all(s.sample_key == f"r1@{s.spans[-1].call_id}" for s in by_len)
+    assert event.total_len == 7 + len(seen) and event.call_count == 2 + 3
+    assert data_plane.calls == {}
+
+
+def test_a_replayed_multi_sample_receipt_finds_its_samples() -> None:
+    data_plane = MemoryDataPlane()
+    events, _, _ = asyncio.run(captured_rollout(data_plane))
+    events = sealed_with(events, sample_policy="leaves")
+    first, _, _ = run_stages(events, data_plane)
+    second, _, finalizer = run_stages(events, data_plane)  # rows already deleted
+    assert second.model_dump(exclude={"finalized_at"}) == first.model_dump(exclude={"finalized_at"})
+    assert finalizer.stats.samples == 0 and sorted(data_plane.samples) == sorted(first.sample_keys)
+
+
+@pytest.mark.parametrize(
+    ("stage_default", "seal_says", "outcome"),
+    [
+        (False, None, ["branch-ok", "digest_mismatch"]),
+        (True, None, ["branch_rejected", "digest_mismatch"]),
+        (True, False, ["branch-ok", "digest_mismatch"]),
+        (False, True, ["branch_rejected", "digest_mismatch"]),
+    ],
+)
+def test_all_or_nothing_from_the_seal_or_else_the_stage(
+    stage_default: bool, seal_says: bool | None, outcome: list[str]
+) -> None:
+    data_plane = MemoryDataPlane()
+    events, _, _ = asyncio.run(captured_rollout(data_plane))
+    CORRUPTIONS["digest_mismatch"](data_plane, middle_key(events))  # on the long chain only
+    events = sealed_with(events, sample_policy="leaves", all_or_nothing=seal_says)
+    event, _, _ = run_stages(events, data_plane, all_or_nothing=stage_default)
+    got = sorted(s.rejection_reason or "branch-ok" for s in event.samples)
+    assert got == outcome
+    assert event.status == ("accepted" if "branch-ok" in outcome else "rejected")
+    if event.status == "rejected":
+        assert event.rejection_reason == "digest_mismatch" and data_plane.samples == {}

@@ -91,6 +91,21 @@ def test_sessions_seal_once_and_abandon_idle_ones() -> None:
     ]
 
 
+def test_a_seal_names_its_sample_policy_or_takes_the_gateways() -> None:
+    sink = RecordingSink()
+    sessions = Sessions(RolloutClient(sink), ttl_s=10, sample_policy="chains")
+
+    async def go() -> None:
+        sessions.open("r1")
+        sessions.open("r2")
+        await sessions.seal("r1", reward=1.0)
+        await sessions.seal("r2", reward=1.0, sample_policy="leaves", all_or_nothing=True)
+
+    asyncio.run(go())
+    seals = [e.payload for e in sink.events if isinstance(e.payload, RolloutSeal)]
+    assert [(s.sample_policy, s.all_or_nothing) for s in seals] == [("chains", None), ("leaves", True)]
+
+
 def test_workers_prefer_the_sessions_worker_then_the_least_loaded() -> None:
     now = [0.0]
     workers = Workers(["http://a", "http://b/"], cooldown_s=5, clock=lambda: now[0])

@@ -565,3 +565,93 @@ def test_closed_rollouts_answer_for_their_calls_within_a_byte_budget() -> None:
         closed.add(f"r{number}", ["a", "b", "c"])
     assert len(closed) == 2 and closed.covers("r0", "a") is None  # the oldest went
     assert closed.covers("r2", "b") is True and closed.covers("r2", "z") is False
+
+
+def build_tree(case: str) -> Rollout:
+    """Rollouts for the multi-sample policies (DESIGN §4.4); the seal is added by the test."""
+    r = Rollout()
+    if case == "tree":  # a -> b1 -> c, a -> b2: b2 is a branch, or (terminal) an abandoned retry
+        r.call("a")
+        r.call("b1", "a")
+        r.call("b2", "a")
+        r.call("c", "b1")
+    elif case == "rewritten":  # a -> b, then a new root x -> y
+        r.call("a")
+        r.call("b", "a")
+        r.call("x")
+        r.call("y", "x")
+    elif case == "retried_by_logical_id":
+        r.call("a")
+        r.call("b1", "a", logical="L")
+        r.call("b2", "a", logical="L")
+    elif case == "failed_attempt_retried":
+        r.call("a")
+        r.call("b1", "a", failed="staging_timeout")
+        r.call("b2", "a")
+    elif case == "failed_root_continued":  # a failed call's continuation starts a new root
+        r.call("a", failed="staging_timeout")
+        r.call("x")
+        r.call("y", "x")
+    elif case == "failed_branch_end":  # the last call of one branch failed, the other is fine
+        r.call("a")
+        r.call("b1", "a")
+        r.call("c1", "b1", failed="staging_timeout")
+        r.call("b2", "a")
+        r.call("c2", "b2")
+    elif case == "every_chain_failed":
+        r.call("a", failed="invalid_delta")
+    return r
+
+
+MULTI = [
+    ("tree", "leaves", {"b2": "ok", "c": "ok"}, None),
+    ("tree", "chains", {"c": "ok"}, None),
+    ("rewritten", "leaves", {"b": "ok", "y": "ok"}, None),
+    ("rewritten", "chains", {"b": "ok", "y": "ok"}, None),
+    ("retried_by_logical_id", "leaves", {"b2": "ok"}, None),
+    ("failed_attempt_retried", "leaves", {"b2": "ok"}, None),
+    ("failed_root_continued", "chains", {"y": "ok"}, None),
+    ("failed_branch_end", "leaves", {"c1": "staging_timeout", "c2": "ok"}, None),
+    ("every_chain_failed", "leaves", {"a": "invalid_delta"}, "invalid_delta"),
+]
+
+
+@pytest.mark.parametrize(("case", "policy", "chains", "reason"), MULTI, ids=[f"{m[0]}-{m[1]}" for m in MULTI])
+def test_multi_sample_chains(case: str, policy: str, chains: dict[str, str], reason: str | None) -> None:
+    rollout = build_tree(case)
+    rollout.seal(sample_policy=policy)
+    receipt = receipt_of(run_ledger(rollout.events)[1])
+    got = {c.leaf_call_id: (c.failure_reason.value if c.failure_reason else "ok") for c in receipt.chains}
+    assert got == chains
+    assert receipt.terminal_call_id is None and receipt.sample_policy == policy
+    assert (receipt.failure_reason.value if receipt.failure_reason else None) == reason
+    assert receipt.capture_poisoned == (reason is not None)
+    for chain in receipt.chains:  # each sample must hash to its own leaf's cumulative hash
+        if chain.cumulative_hash is not None:
+            assert chain.cumulative_hash == rollout.coords[chain.leaf_call_id].cumulative_hash
+
+
+def test_chains_are_listed_in_the_order_their_leaves_were_admitted() -> None:
+    rollout = Rollout()
+    rollout.call("z")
+    rollout.call("a")
+    rollout.seal(sample_policy="leaves")
+    assert [c.leaf_call_id for c in receipt_of(run_ledger(rollout.events)[1]).chains] == ["z", "a"]
+
+
+def test_the_same_tree_is_ambiguous_under_terminal() -> None:
+    rollout = build_tree("rewritten")
+    rollout.seal()
+    receipt = receipt_of(run_ledger(rollout.events)[1])
+    assert receipt.failure_reason == "ambiguous_terminal" and receipt.chains == []
+
+
+def test_a_failed_seal_gives_no_chain_under_any_policy() -> None:
+    rollout = build_tree("tree")
+    rollout.events.append(
+        RolloutSeal(
+            rollout_id="r", status="failed", failure_reason="env", sealed_at=99.0, sample_policy="leaves"
+        )
+    )
+    receipt = receipt_of(run_ledger(rollout.events)[1])
+    assert (receipt.failure_reason, receipt.chains, receipt.capture_poisoned) == ("rollout_failed", [], True)

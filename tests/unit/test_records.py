@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
 from topics import digest
+from topics.codec import encode_payload
 from topics.records import (
     CaptureAdmission,
     CommitCoords,
@@ -237,6 +239,18 @@ def test_seal_rules() -> None:
     rejects(RolloutSeal, {**seal, "status": "failed"}, "failure_reason")
     rejects(RolloutSeal, {**seal, "terminal_call_id": "c1", "terminal_response_id": "x"}, "terminal_call_id")
     rejects(RolloutSeal, {**seal, "reward": math.inf}, "reward")
+    rejects(RolloutSeal, {**seal, "sample_policy": "every"}, "sample_policy")
+    rejects(RolloutSeal, {**seal, "terminal_call_id": "c1", "sample_policy": "leaves"}, "sample_policy")
+
+
+def test_fields_added_to_schema_4_are_written_only_when_used() -> None:
+    """A seal, receipt or finalized event of the terminal policy keeps its old bytes."""
+    seal = RolloutSeal(rollout_id="r1", status="completed", sealed_at=2.0)
+    assert b"sample_policy" not in encode_payload(seal) and b"all_or_nothing" not in encode_payload(seal)
+    leaves = seal.model_copy(update={"sample_policy": "leaves", "all_or_nothing": False})
+    written = orjson.loads(encode_payload(leaves))
+    assert (written["sample_policy"], written["all_or_nothing"]) == ("leaves", False)
+    assert RolloutSeal.model_validate_json(encode_payload(leaves)) == leaves
 
 
 def test_receipt_rules() -> None:
@@ -250,6 +264,27 @@ def test_receipt_rules() -> None:
     rejects(RolloutReceipt, base, "terminal_call_id")
     RolloutReceipt.model_validate({**base, "capture_poisoned": True, "failure_reason": "no_calls"})
     rejects(RolloutReceipt, {**base, "capture_poisoned": True}, "failure_reason")
+    ok = {"leaf_call_id": "c1", "cumulative_hash": "a" * 64}
+    failed = {"leaf_call_id": "c2", "failure_reason": "staging_timeout"}
+    entry = {
+        "call_id": "c1",
+        "mode": "text",
+        "prev_len": 0,
+        "delta_len": 2,
+        "chain_hash": "b" * 64,
+        "digest": "c" * 64,
+    }
+    multi = {**base, "sample_policy": "leaves", "manifest": [entry], "chains": [ok, failed]}
+    RolloutReceipt.model_validate(multi)
+    rejects(RolloutReceipt, {**multi, "chains": [ok, ok]}, "chains")
+    rejects(RolloutReceipt, {**multi, "chains": [{**ok, "leaf_call_id": "c9"}]}, "chains")
+    rejects(RolloutReceipt, {**multi, "chains": [{**ok, **failed}]}, "cumulative_hash")
+    rejects(RolloutReceipt, {**multi, "chains": [failed]}, "capture_poisoned")
+    rejects(RolloutReceipt, {**multi, "terminal_call_id": "c1"}, "terminal_call_id")
+    rejects(RolloutReceipt, {**base, "chains": [ok]}, "chains")
+    RolloutReceipt.model_validate(
+        {**multi, "chains": [failed], "capture_poisoned": True, "failure_reason": "staging_timeout"}
+    )
 
 
 def test_finalized_rules() -> None:
@@ -266,6 +301,20 @@ def test_finalized_rules() -> None:
     FinalizedEvent.model_validate({**base, "sample_key": "r1"})
     rejects(FinalizedEvent, {**base, "status": "rejected"}, "rejection_reason")
     FinalizedEvent.model_validate({**base, "status": "rejected", "rejection_reason": "digest_mismatch"})
+    sample = {"sample_key": "r1@c1", "leaf_call_id": "c1", "status": "accepted"}
+    bad = {
+        "sample_key": "r1@c2",
+        "leaf_call_id": "c2",
+        "status": "rejected",
+        "rejection_reason": "missing_row",
+    }
+    multi = {**base, "sample_policy": "leaves", "samples": [sample, bad]}
+    assert FinalizedEvent.model_validate(multi).sample_keys == ["r1@c1"]
+    rejects(FinalizedEvent, {**multi, "sample_key": "r1"}, "sample_key")
+    rejects(FinalizedEvent, {**multi, "samples": [bad]}, "status")
+    rejects(FinalizedEvent, {**multi, "samples": [{**sample, "sample_key": "r1/c1"}]}, "sample_key")
+    rejects(FinalizedEvent, {**multi, "samples": [{**bad, "rejection_reason": None}]}, "rejection_reason")
+    rejects(FinalizedEvent, {**base, "sample_key": "r1", "samples": [sample]}, "samples")
 
 
 def test_sample_spans_cover_tokens() -> None:

@@ -173,6 +173,43 @@ def test_archiver_fetches_accepted_samples_and_survives_a_failed_fetch(tmp_path:
     assert all(r["run_id"] == "run-x" for r in records)
 
 
+def test_a_rollout_with_several_samples_is_archived_once_per_sample(tmp_path: Path) -> None:
+    branches = [sample("r.1").model_copy(update={"sample_key": f"r.1@c{i}"}) for i in (1, 2)]
+    event = FinalizedEvent.model_validate(
+        {
+            **finalized("r.1").model_dump(exclude={"sample_key", "schema_version"}),
+            "sample_policy": "leaves",
+            "samples": [
+                {"sample_key": "r.1@c1", "leaf_call_id": "c1", "status": "accepted"},
+                {
+                    "sample_key": "r.1@c3",
+                    "leaf_call_id": "c3",
+                    "status": "rejected",
+                    "rejection_reason": "missing_row",
+                },
+                {"sample_key": "r.1@c2", "leaf_call_id": "c2", "status": "accepted"},
+            ],
+        }
+    )
+
+    async def go() -> SampleArchiver:
+        plane = MemoryDataPlane()
+        await plane.put_samples(branches)
+        watcher = FinalizedWatcher(KafkaConfig("k:9092"), ["r.1"])
+        watcher.offer(*encode(envelope(event)))
+        watcher.end()
+        with SampleArchive(tmp_path / "s.jsonl") as archive:
+            archiver = SampleArchiver(plane, archive, "run-x")
+            await archiver.run(watcher.stream)
+        return archiver
+
+    assert asyncio.run(go()).written == 2
+    records = read_archive(tmp_path / "s.jsonl").records
+    assert [(r["rollout_id"], r["sample_key"]) for r in records] == [("r.1", "r.1@c1"), ("r.1", "r.1@c2")]
+    old_line = {k: v for k, v in sample_record(sample("r.0"), "run-x").items() if k != "sample_key"}
+    assert export_row(old_line)["sample_key"] == "r.0"  # archived before samples had keys
+
+
 class SlowEndpoint:
     """A chat endpoint that never answers (so every rollout is in flight when stopped)."""
 

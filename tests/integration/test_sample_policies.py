@@ -1,0 +1,307 @@
+"""Several samples per rollout, on the real broker and the real data plane.
+
+Rollouts whose calls form trees (branches), rewritten histories (a second root) and
+retries are captured through the real capture core into TransferQueue, their events go
+through the tansu broker, and the ledger and finalizer stages consume them as they do
+in production. Each sample is checked token for token against the tokens the rollout
+was built from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pipeline.dataplane import encoding as rows_codec
+from pipeline.dataplane.embedded import EmbeddedDataPlane
+from pipeline.dataplane.transferqueue import TransferQueueDataPlane
+from pipeline.kafka.admin import ensure_topics
+from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.consumer import FAST_GROUPS
+from pipeline.kafka.producer import KafkaEventSink
+from pipeline.replay.rebuild import read_log
+from pipeline.stagehost.runner import serve_stage
+from stages.capture.cache import ChainCache
+from stages.capture.core import AckPolicy, CaptureCore
+from stages.capture.resolve import PrefixResolver
+from stages.capture.writer import StagingWriter
+from stages.client import RolloutClient
+from stages.finalize.stage import FinalizerStage
+from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.specs import FINALIZER, LEDGER
+from topics import digest
+from topics.names import TopicNames
+from topics.records import CommitCoords, FinalizedEvent, SamplePolicy, StagedCall, TrainingSample
+
+pytestmark = [pytest.mark.broker, pytest.mark.dataplane]
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One call: ``prompt`` is what the agent adds before it, ``gen`` what the engine adds."""
+
+    name: str
+    parent: str | None
+    prompt: tuple[int, ...]
+    gen: tuple[int, ...]
+    logical: str | None = None
+    served: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    nodes: tuple[Node, ...]
+    policy: SamplePolicy
+    all_or_nothing: bool | None = None
+    corrupt: str | None = None
+    """A node whose row is overwritten with a flipped token after capture."""
+
+
+# root -> a -> a2, root -> b, root -> c -> c2: three surviving leaves (a2, b, c2).
+TREE = (
+    Node("root", None, (100, 101), (1, 2)),
+    Node("a", "root", (110,), (3, 4)),
+    Node("a2", "a", (111,), (5,)),
+    Node("b", "root", (120,), (6, 7)),
+    Node("c", "root", (130,), (8,)),
+    Node("c2", "c", (131,), (9, 10)),
+)
+# Three turns, an abandoned retry of turn 2, then the agent compacts its history at
+# turn 4: a new root, continued for two more turns.
+REWRITTEN = (
+    Node("t1", None, (100, 101), (1,)),
+    Node("t2-retry", "t1", (102,), (77,)),
+    Node("t2", "t1", (102,), (2,)),
+    Node("t3", "t2", (103,), (3, 3)),
+    Node("t4", None, (200, 201), (4,)),
+    Node("t5", "t4", (202,), (5,)),
+    Node("t6", "t5", (203,), (6, 6)),
+)
+# Turn 2 sent twice under one logical id (both served, the first dropped by the agent),
+# turn 3 failed once and was retried; beside them one real branch (b).
+RETRIED = (
+    Node("root", None, (100, 101), (1,)),
+    Node("t2-first", "root", (102,), (21,), logical="turn-2"),
+    Node("t2", "root", (102,), (2,), logical="turn-2"),
+    Node("t3-failed", "t2", (103,), (99,), served=False),
+    Node("t3", "t2", (103,), (3,)),
+    Node("b", "root", (120,), (6,)),
+)
+SCENARIOS = {
+    "tree-terminal": Scenario(TREE, "terminal"),
+    "tree-leaves": Scenario(TREE, "leaves"),
+    "rewritten-chains": Scenario(REWRITTEN, "chains"),
+    "retried-leaves": Scenario(RETRIED, "leaves"),
+    "corrupt-leaves": Scenario(TREE, "leaves", corrupt="b"),
+    "corrupt-all-or-nothing": Scenario(TREE, "leaves", all_or_nothing=True, corrupt="b"),
+}
+
+
+def chain_tokens(nodes: tuple[Node, ...], leaf: str) -> tuple[list[int], list[float], list[float]]:
+    """The ids, mask and logprobs a sample ending at ``leaf`` must have."""
+    by_name = {node.name: node for node in nodes}
+    chain: list[Node] = []
+    current: str | None = leaf
+    while current is not None:
+        chain.append(by_name[current])
+        current = by_name[current].parent
+    ids: list[int] = []
+    mask: list[float] = []
+    logprobs: list[float] = []
+    for node in reversed(chain):
+        ids += [*node.prompt, *node.gen]
+        mask += [0.0] * len(node.prompt) + [1.0] * len(node.gen)
+        logprobs += [0.0] * len(node.prompt) + [-0.5] * len(node.gen)
+    return ids, mask, logprobs
+
+
+@dataclass(slots=True)
+class Outcome:
+    call_ids: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per rollout: node name -> call id."""
+    finalized: dict[str, list[FinalizedEvent]] = field(default_factory=dict)
+    samples: dict[str, TrainingSample] = field(default_factory=dict)
+    staging_left: list[str] = field(default_factory=list)
+
+
+async def capture(
+    core: CaptureCore,
+    client: RolloutClient,
+    plane: TransferQueueDataPlane,
+    rollout_id: str,
+    scenario: Scenario,
+) -> dict[str, str]:
+    coords: dict[str, CommitCoords] = {}
+    seen: dict[str, list[int]] = {}
+    call_ids: dict[str, str] = {}
+    for node in scenario.nodes:
+        parent = coords.get(node.parent) if node.parent else None
+        admission = client.admit(rollout_id, parent, group_id="g", logical_call_id=node.logical)
+        await client.publish_admission(admission)
+        call_ids[node.name] = admission.call_id
+        prepared = await core.prepare(admission)
+        if not node.served:
+            await core.refuse(admission, weight_version=0).final_coords()
+            continue
+        prompt = [*(seen[node.parent] if node.parent else []), *node.prompt]
+        done = core.complete(prepared, prompt, list(node.gen), [-0.5] * len(node.gen), weight_version=0)
+        coords[node.name] = await done.final_coords()
+        seen[node.name] = [*prompt, *node.gen]
+    if scenario.corrupt is not None:
+        key = coords[scenario.corrupt].staging_key
+        row = (await plane.get_calls([key]))[key]
+        flipped = StagedCall.model_construct(
+            **{**row.model_dump(), "token_ids_delta": [*row.token_ids_delta[:-1], 999]}
+        )
+        await plane.delete_calls([key])
+        await plane.put_rows("staging", [key], rows_codec.encode_calls([flipped]), rows_codec.CALL_FIELDS)
+    await client.seal(
+        rollout_id,
+        group_id="g",
+        reward=1.0,
+        sample_policy=scenario.policy,
+        all_or_nothing=scenario.all_or_nothing,
+    )
+    return call_ids
+
+
+async def run_pipeline(server: EmbeddedDataPlane, config: KafkaConfig) -> Outcome:
+    outcome = Outcome()
+    await ensure_topics(config)
+    async with (
+        await TransferQueueDataPlane.attach(server.addresses, timeout_s=20.0) as plane,
+        KafkaEventSink(config) as sink,
+    ):
+        cache = ChainCache()
+        writer = StagingWriter(plane, sink, worker_id="w0", batch_delay_s=0.002)
+        writer.start()
+        core = CaptureCore(
+            PrefixResolver(plane, cache, wait_s=5.0), writer, cache, ack_policy=AckPolicy.STAGED
+        )
+        client = RolloutClient(sink)
+        for name, scenario in SCENARIOS.items():
+            outcome.call_ids[name] = await capture(core, client, plane, name, scenario)
+        await writer.stop()
+
+        stop = asyncio.Event()
+        ledger = LedgerStage(sink, LedgerConfig(seal_grace_s=30))
+        finalizer = FinalizerStage(plane, sink)
+        tasks = [
+            asyncio.create_task(serve_stage(stage, spec, config, sink, stop=stop, tuning=FAST_GROUPS))
+            for stage, spec in ((ledger, LEDGER), (finalizer, FINALIZER))
+        ]
+        deadline = time.monotonic() + 90
+        while len(finalizer.answered) < len(SCENARIOS) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        stop.set()
+        await asyncio.gather(*tasks)
+
+        async for batch, _, _ in read_log(config, [config.names.finalized]):
+            for item in batch:
+                event = item.event.payload
+                assert isinstance(event, FinalizedEvent)
+                outcome.finalized.setdefault(event.rollout_id, []).append(event)
+        keys = [key for events in outcome.finalized.values() for key in events[0].sample_keys]
+        outcome.samples = await plane.get_samples(keys)
+        outcome.staging_left = await plane.list_keys("staging")
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def outcome(kafka_broker: Any) -> Iterator[Outcome]:
+    kafka_broker.check()
+    config = kafka_broker.kafka_config(
+        TopicNames(prefix=f"t{uuid.uuid4().hex[:12]}", partitions=4), client_id="tokentrail-test"
+    )
+    with EmbeddedDataPlane.start() as server:
+        yield asyncio.run(run_pipeline(server, config))
+
+
+def finalized(outcome: Outcome, rollout_id: str) -> FinalizedEvent:
+    events = outcome.finalized[rollout_id]
+    assert len(events) == 1, f"{rollout_id}: {len(events)} outcomes"
+    return events[0]
+
+
+def assert_exact(outcome: Outcome, rollout_id: str, leaf: str) -> TrainingSample:
+    """The sample of the chain ending at ``leaf`` is stored and equals the built tokens."""
+    call_id = outcome.call_ids[rollout_id][leaf]
+    key = f"{rollout_id}@{call_id}"
+    sample = outcome.samples[key]
+    assert sample.sample_key == key  # read back from the data plane with its own key
+    ids, mask, logprobs = chain_tokens(SCENARIOS[rollout_id].nodes, leaf)
+    assert (sample.token_ids, sample.token_mask, sample.logprobs) == (ids, mask, logprobs)
+    assert sample.cumulative_hash == digest.cumulative_hash(ids)
+    assert sample.spans[-1].call_id == call_id and sample.reward == 1.0 and sample.group_id == "g"
+    return sample
+
+
+def outcomes_by_leaf(outcome: Outcome, rollout_id: str) -> dict[str, str]:
+    """Leaf node name -> the sample's status (or rejection code)."""
+    names = {call_id: name for name, call_id in outcome.call_ids[rollout_id].items()}
+    return {
+        names[sample.leaf_call_id]: sample.rejection_reason or sample.status
+        for sample in finalized(outcome, rollout_id).samples
+    }
+
+
+def test_a_tree_under_terminal_is_ambiguous(outcome: Outcome) -> None:
+    event = finalized(outcome, "tree-terminal")
+    assert (event.status, event.rejection_reason, event.samples) == ("rejected", "ambiguous_terminal", [])
+
+
+def test_a_tree_under_leaves_gives_one_exact_sample_per_leaf(outcome: Outcome) -> None:
+    event = finalized(outcome, "tree-leaves")
+    assert event.status == "accepted" and event.sample_policy == "leaves"
+    assert outcomes_by_leaf(outcome, "tree-leaves") == {"a2": "accepted", "b": "accepted", "c2": "accepted"}
+    samples = [assert_exact(outcome, "tree-leaves", leaf) for leaf in ("a2", "b", "c2")]
+    assert event.total_len == sum(len(s.token_ids) for s in samples)
+    assert event.generated_tokens == sum(int(sum(s.token_mask)) for s in samples)
+
+
+def test_a_history_rewritten_at_turn_4_gives_two_samples_under_chains(outcome: Outcome) -> None:
+    assert outcomes_by_leaf(outcome, "rewritten-chains") == {"t3": "accepted", "t6": "accepted"}
+    first = assert_exact(outcome, "rewritten-chains", "t3")
+    assert 77 not in first.token_ids  # the abandoned retry of turn 2 is in no sample
+    assert_exact(outcome, "rewritten-chains", "t6")
+
+
+def test_retries_collapse_and_branches_stay(outcome: Outcome) -> None:
+    assert outcomes_by_leaf(outcome, "retried-leaves") == {"t3": "accepted", "b": "accepted"}
+    assert_exact(outcome, "retried-leaves", "t3")
+    assert_exact(outcome, "retried-leaves", "b")
+
+
+def test_a_corrupted_row_rejects_only_its_branch(outcome: Outcome) -> None:
+    event = finalized(outcome, "corrupt-leaves")
+    assert event.status == "accepted"
+    assert outcomes_by_leaf(outcome, "corrupt-leaves") == {
+        "a2": "accepted",
+        "b": "digest_mismatch",
+        "c2": "accepted",
+    }
+    assert_exact(outcome, "corrupt-leaves", "a2")
+    assert_exact(outcome, "corrupt-leaves", "c2")
+    assert event.sample_keys == [s.sample_key for s in event.samples if s.status == "accepted"]
+
+
+def test_all_or_nothing_rejects_every_branch_with_the_failing_code(outcome: Outcome) -> None:
+    event = finalized(outcome, "corrupt-all-or-nothing")
+    assert (event.status, event.rejection_reason) == ("rejected", "digest_mismatch")
+    assert outcomes_by_leaf(outcome, "corrupt-all-or-nothing") == {
+        "a2": "branch_rejected",
+        "b": "digest_mismatch",
+        "c2": "branch_rejected",
+    }
+    assert not [key for key in outcome.samples if key.startswith("corrupt-all-or-nothing@")]
+
+
+def test_every_staging_row_is_deleted_once_finalized(outcome: Outcome) -> None:
+    assert len(outcome.finalized) == len(SCENARIOS)
+    assert [key for key in outcome.staging_left if key.split("/")[0] in SCENARIOS] == []
