@@ -162,6 +162,12 @@ class StageMetrics:
             ["stage", "status", "reason"],
             registry=reg,
         )
+        self.samples = Counter(
+            "tokentrail_samples_finalized_total",
+            "Samples (one per chain under a multi-sample policy) by policy, status and rejection code",
+            ["stage", "policy", "status", "reason"],
+            registry=reg,
+        )
         self.skew = Counter(
             "tokentrail_latency_clock_skew_total",
             "Latency observations that came out negative (clocks out of sync) and were taken as 0",
@@ -249,6 +255,7 @@ class StageMetrics:
                     self.receipts_poisoned.labels(self.stage, str(record.failure_reason)).inc()
             elif isinstance(record, FinalizedEvent):
                 self.finalized.labels(self.stage, record.status, str(record.rejection_reason or "")).inc()
+                self._count_samples(record)
                 sealed_at = self._sealed_at.get(record.rollout_id)
                 if sealed_at is not None:
                     self._observe("seal_to_finalized", record.finalized_at - sealed_at)
@@ -256,6 +263,14 @@ class StageMetrics:
                 self.dead_letters.labels(self.stage, record.source_topic).inc()
         for kind, count in kinds.items():
             self.events_out.labels(self.stage, kind).inc(count)
+
+    def _count_samples(self, event: FinalizedEvent) -> None:
+        # Under the terminal policy the rollout is its one sample.
+        outcomes = [(o.status, o.rejection_reason) for o in event.samples] or [
+            (event.status, event.rejection_reason)
+        ]
+        for status, reason in outcomes:
+            self.samples.labels(self.stage, event.sample_policy, status, str(reason or "")).inc()
 
     def _observe(self, interval: str, seconds: float) -> None:
         if seconds < 0:

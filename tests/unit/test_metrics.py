@@ -99,6 +99,8 @@ def test_the_finalizer_counts_outcomes_and_seal_to_finalized() -> None:
     metrics = asyncio.run(go())
     labels = {"stage": "finalizer", "status": "rejected", "reason": "rollout_failed"}
     assert sample(metrics, "tokentrail_rollouts_finalized_total", **labels) == 1
+    per_sample = {**labels, "policy": "terminal"}
+    assert sample(metrics, "tokentrail_samples_finalized_total", **per_sample) == 1
     assert sample(metrics, "tokentrail_seal_to_finalized_seconds_count", stage="finalizer") == 1
     assert sample(metrics, "tokentrail_stage_duplicates_total", stage="finalizer") == 1
     deletes = {"stage": "finalizer", "op": "delete_calls", "outcome": "ok"}
