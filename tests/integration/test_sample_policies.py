@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +26,8 @@ from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import FAST_GROUPS
 from pipeline.kafka.producer import KafkaEventSink
-from pipeline.replay.rebuild import read_log
+from pipeline.replay.rebuild import compare, materialize, read_log, rebuild
+from pipeline.replay.store import LedgerStore
 from pipeline.stagehost.runner import serve_stage
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore
@@ -128,6 +130,7 @@ class Outcome:
     finalized: dict[str, list[FinalizedEvent]] = field(default_factory=dict)
     samples: dict[str, TrainingSample] = field(default_factory=dict)
     staging_left: list[str] = field(default_factory=list)
+    replay_differences: list[str] = field(default_factory=list)
 
 
 async def capture(
@@ -171,7 +174,7 @@ async def capture(
     return call_ids
 
 
-async def run_pipeline(server: EmbeddedDataPlane, config: KafkaConfig) -> Outcome:
+async def run_pipeline(server: EmbeddedDataPlane, config: KafkaConfig, tmp: Path) -> Outcome:
     outcome = Outcome()
     await ensure_topics(config)
     async with (
@@ -210,17 +213,21 @@ async def run_pipeline(server: EmbeddedDataPlane, config: KafkaConfig) -> Outcom
         keys = [key for events in outcome.finalized.values() for key in events[0].sample_keys]
         outcome.samples = await plane.get_samples(keys)
         outcome.staging_left = await plane.list_keys("staging")
+    with LedgerStore(tmp / "rebuilt.sqlite") as rebuilt, LedgerStore(tmp / "live.sqlite") as live:
+        await rebuild(config, rebuilt, ledger=LedgerConfig(seal_grace_s=30))
+        await materialize(config, live)
+        outcome.replay_differences = compare(rebuilt, live)
     return outcome
 
 
 @pytest.fixture(scope="module")
-def outcome(kafka_broker: Any) -> Iterator[Outcome]:
+def outcome(kafka_broker: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
     kafka_broker.check()
     config = kafka_broker.kafka_config(
         TopicNames(prefix=f"t{uuid.uuid4().hex[:12]}", partitions=4), client_id="tokentrail-test"
     )
     with EmbeddedDataPlane.start() as server:
-        yield asyncio.run(run_pipeline(server, config))
+        yield asyncio.run(run_pipeline(server, config, tmp_path_factory.mktemp("replay")))
 
 
 def finalized(outcome: Outcome, rollout_id: str) -> FinalizedEvent:
@@ -305,3 +312,7 @@ def test_all_or_nothing_rejects_every_branch_with_the_failing_code(outcome: Outc
 def test_every_staging_row_is_deleted_once_finalized(outcome: Outcome) -> None:
     assert len(outcome.finalized) == len(SCENARIOS)
     assert [key for key in outcome.staging_left if key.split("/")[0] in SCENARIOS] == []
+
+
+def test_replay_rebuilds_the_multi_sample_receipts(outcome: Outcome) -> None:
+    assert outcome.replay_differences == []
