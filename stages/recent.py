@@ -28,6 +28,9 @@ class RecentIds:
         for item in items:
             self.add(item)
 
+    def discard(self, item: str) -> None:
+        self._ids.pop(item, None)
+
     def __contains__(self, item: object) -> bool:
         return item in self._ids
 

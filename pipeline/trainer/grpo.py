@@ -1,0 +1,74 @@
+"""One GRPO policy-gradient step on a Hugging Face causal LM, in plain torch.
+
+This is the smallest honest trainer for the closed loop of ``tokentrail run
+--train-steps``: it recomputes every generated token's logprob under the weights it
+holds, reports how far the importance ratio ``exp(logp_trainer - logp_sampled)`` is from
+1 before updating (about 0 for on-policy samples: the proof that the captured logprobs
+are the ones the trainer recomputes), and takes one clipped policy-gradient step with
+the batch's group-normalized advantages. Logprobs are taken as the engine records them
+(``processed_logprobs``): ``log_softmax(logits / temperature)``, no top-k/top-p
+(greedy decoding: of the plain logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.trainer.batch import TrainBatch
+
+CLIP = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    loss: float
+    ratio_max_abs_dev: float
+    """max |exp(logp_trainer - logp_sampled) - 1| over generated tokens, before the update."""
+    tokens: int
+
+
+class GrpoTrainer:
+    """Holds the policy's weights (fp32, CPU), steps them, saves them for the worker to load."""
+
+    def __init__(self, model_dir: Path, *, learning_rate: float = 1e-3, temperature: float = 1.0) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model = model.eval()  # no dropout: the recomputed logprobs must be the sampler's
+        self.temperature = temperature or 1.0  # greedy decoding records the plain logits' logprobs
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=learning_rate)
+
+    def token_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]``: the logprob of each token given the ones before it (0 at position 0)."""
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logprobs = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
+        taken = logprobs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return torch.nn.functional.pad(taken, (1, 0))
+
+    def step(self, batch: TrainBatch) -> StepReport:
+        mask = batch.loss_mask
+        tokens = int(mask.sum())
+        if tokens == 0:
+            return StepReport(loss=0.0, ratio_max_abs_dev=0.0, tokens=0)
+        new = self.token_logprobs(batch)
+        ratio = torch.exp(new - batch.old_logprobs)
+        deviation = float(((ratio.detach() - 1).abs() * mask).max())
+        advantages = (batch.advantages * batch.sample_weights).unsqueeze(-1)
+        clipped = torch.clamp(ratio, 1 - CLIP, 1 + CLIP)
+        objective = torch.minimum(ratio * advantages, clipped * advantages)
+        loss = -(objective * mask).sum() / tokens
+        self.optimizer.zero_grad()
+        torch.autograd.backward([loss])
+        self.optimizer.step()
+        return StepReport(loss=float(loss.detach()), ratio_max_abs_dev=deviation, tokens=tokens)
+
+    def save(self, out_dir: Path) -> Path:
+        """The weights in checkpoint format (safetensors and config), for ``reload_weights``."""
+        self.model.save_pretrained(str(out_dir))
+        return out_dir

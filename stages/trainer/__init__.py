@@ -1,0 +1,1 @@
+"""The trainer's side of the pipeline: verified samples as training batches."""

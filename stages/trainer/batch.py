@@ -1,0 +1,147 @@
+"""A trainer's batch: verified samples as padded tensors, with GRPO advantages.
+
+Positions line up with the sample: ``old_logprobs[b, i]`` is the sampled logprob of
+``input_ids[b, i]`` (0 where ``loss_mask`` is 0), so a trainer compares it with the
+log-softmax of the logits at position ``i - 1``. Advantages are normalized within each
+GRPO group, over the samples that stay in the batch (every chain of a multi-sample
+rollout counts, each with its rollout's reward): ``(r - mean) / (std + 1e-6)``, 0 for a
+group of one. A sample whose rollout has no reward keeps its tokens but trains with
+weight 0 and advantage 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from stages.finalize.reader import Group
+from topics.records import TrainingSample
+
+ADVANTAGE_EPS = 1e-6
+StaleMode = Literal["drop", "downweight"]
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessPolicy:
+    """How far behind the trainer's weights a sample may be (AReaL-style bounded staleness).
+
+    A sample's staleness is the trainer's current weight version minus the oldest version
+    that produced any of its tokens. Beyond ``max_staleness`` it is dropped, or trained
+    with weight ``1 / (1 + excess)`` under ``downweight``; None admits every sample.
+    """
+
+    max_staleness: int | None = None
+    mode: StaleMode = "drop"
+
+    def __post_init__(self) -> None:
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+
+    def weight(self, staleness: int) -> float | None:
+        """The sample's weight, or None to drop it."""
+        if self.max_staleness is None or staleness <= self.max_staleness:
+            return 1.0
+        if self.mode == "drop":
+            return None
+        return 1.0 / (1 + staleness - self.max_staleness)
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """Tensors of ``B`` samples padded to the longest (``T`` positions), plus where they came from."""
+
+    input_ids: torch.Tensor
+    """``[B, T]`` int64, padded with ``pad_id``."""
+    attention_mask: torch.Tensor
+    """``[B, T]`` int64: 1 on the sample's tokens."""
+    loss_mask: torch.Tensor
+    """``[B, T]`` float32: 1 on generated tokens."""
+    old_logprobs: torch.Tensor
+    """``[B, T]`` float32: the logprob each token was sampled with."""
+    rewards: torch.Tensor
+    """``[B]`` float32 (NaN where the rollout has none)."""
+    advantages: torch.Tensor
+    """``[B]`` float32, normalized within each group."""
+    sample_weights: torch.Tensor
+    """``[B]`` float32: the staleness policy's weight (0 without a reward)."""
+    weight_versions: torch.Tensor
+    """``[B, 2]`` int64: the oldest and newest weight version of each sample's tokens."""
+    samples: list[TrainingSample]
+    groups: list[Group]
+    stale: list[str] = field(default_factory=list)
+    """Keys of samples the staleness policy dropped (not in the tensors)."""
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def build_batch(
+    groups: Sequence[Group], *, policy_version: int, staleness: StalenessPolicy, pad_id: int = 0
+) -> TrainBatch:
+    """One batch of every accepted sample of ``groups`` the staleness policy keeps."""
+    kept: list[tuple[TrainingSample, float, int]] = []  # sample, weight, group index
+    stale: list[str] = []
+    for index, group in enumerate(groups):
+        for sample in group.samples:
+            weight = staleness.weight(policy_version - min(sample.weight_versions, default=policy_version))
+            if weight is None:
+                stale.append(sample.key)
+            else:
+                kept.append((sample, weight if sample.reward is not None else 0.0, index))
+    samples = [sample for sample, _, _ in kept]
+    advantages = _advantages([(s.reward, index) for s, _, index in kept])
+    width = max((len(s.token_ids) for s in samples), default=0)
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(samples), width), dtype=torch.int64)
+    loss_mask = torch.zeros((len(samples), width), dtype=torch.float32)
+    old_logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        n = len(sample.token_ids)
+        input_ids[row, :n] = torch.tensor(sample.token_ids, dtype=torch.int64)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(sample.token_mask, dtype=torch.float32)
+        old_logprobs[row, :n] = torch.tensor(sample.logprobs, dtype=torch.float32)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        old_logprobs=old_logprobs,
+        rewards=torch.tensor([_reward(s) for s in samples], dtype=torch.float32),
+        advantages=torch.tensor(advantages, dtype=torch.float32),
+        sample_weights=torch.tensor([weight for _, weight, _ in kept], dtype=torch.float32),
+        weight_versions=torch.tensor(
+            [[min(s.weight_versions), max(s.weight_versions)] for s in samples], dtype=torch.int64
+        ).reshape(len(samples), 2),
+        samples=samples,
+        groups=list(groups),
+        stale=stale,
+    )
+
+
+def _reward(sample: TrainingSample) -> float:
+    return math.nan if sample.reward is None else sample.reward
+
+
+def _advantages(rewards: Sequence[tuple[float | None, int]]) -> list[float]:
+    """GRPO: each reward against the mean and spread of its group's rewards."""
+    by_group: dict[int, list[float]] = {}
+    for reward, group in rewards:
+        if reward is not None:
+            by_group.setdefault(group, []).append(reward)
+    stats: dict[int, tuple[float, float]] = {}
+    for group, values in by_group.items():
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        stats[group] = (mean, std)
+    out: list[float] = []
+    for reward, group in rewards:
+        if reward is None or len(by_group[group]) < 2:
+            out.append(0.0)
+        else:
+            mean, std = stats[group]
+            out.append((reward - mean) / (std + ADVANTAGE_EPS))
+    return out
