@@ -155,6 +155,30 @@ def add_parser(subparsers: Any) -> None:
             "agent using only the openai SDK through a gateway (default: %(default)s)"
         ),
     )
+    training = parser.add_argument_group("training (the closed RL loop)")
+    training.add_argument(
+        "--train-steps",
+        type=int,
+        default=defaults.train_steps,
+        metavar="N",
+        help=(
+            "play --rollouts rollouts, take one GRPO step on the model with their samples, load the new "
+            "weights into the worker, N times; the JSON adds train_steps (default: %(default)s, no training)"
+        ),
+    )
+    training.add_argument(
+        "--learning-rate",
+        type=float,
+        default=defaults.learning_rate,
+        help="SGD step size (default: %(default)s)",
+    )
+    training.add_argument(
+        "--max-staleness",
+        type=int,
+        default=defaults.max_staleness,
+        metavar="VERSIONS",
+        help="drop samples more weight versions behind the trainer than this (default: keep all)",
+    )
     parser.add_argument(
         "--keep",
         action="store_true",
@@ -199,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
             finalize_timeout_s=args.timeout,
             lag_timeout_s=args.lag_timeout,
             keep=args.keep,
+            train_steps=args.train_steps,
+            learning_rate=args.learning_rate,
+            max_staleness=args.max_staleness,
         )
     except (ConfigError, ValueError) as exc:
         print(f"tokentrail run: {exc}", file=sys.stderr)

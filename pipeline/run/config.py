@@ -55,6 +55,11 @@ class RunConfig:
     """``driver``: the built-in driver builds admissions; ``sdk``: a plain OpenAI-SDK agent
     plays through the gateway, which builds them."""
     run_id: str | None = None
+    train_steps: int = 0
+    """Closed loop: this many steps of ``rollouts`` rollouts, a GRPO step and a refit each."""
+    learning_rate: float = 1e-2
+    max_staleness: int | None = None
+    """Train steps: samples more weight versions behind the trainer than this are dropped."""
 
     def __post_init__(self) -> None:
         for name in ("rollouts", "group_size", "turns", "concurrency", "max_tokens"):
@@ -67,9 +72,20 @@ class RunConfig:
             )
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.train_steps < 0:
+            raise ValueError(f"train_steps: must be >= 0, got {self.train_steps}")
+        if self.train_steps and self.keep:
+            raise ValueError("train_steps: a training run does not --keep serving")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
         for name in ("seal_grace_s", "max_open_s", "finalize_timeout_s", "lag_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+    @property
+    def total_rollouts(self) -> int:
+        """Every rollout the run plays: ``rollouts`` per train step, or once."""
+        return self.rollouts * max(1, self.train_steps)
 
     @property
     def resolved_model_dir(self) -> Path:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -62,12 +63,16 @@ from pipeline.run.services import (
     serving_worker,
     start_engine,
 )
+from pipeline.run.training import ClosedLoop
 from pipeline.samples.archive import SampleArchive, archive_path
 from pipeline.stagehost.lag import StageLagProbe
+from pipeline.trainer.feed import FeedSettings, TrainerFeed
+from pipeline.trainer.grpo import GrpoTrainer
 from stages.client import RolloutClient
 from stages.driver import RolloutDriver
 from stages.ledger.stage import LedgerConfig
-from stages.ports import DataPlaneError
+from stages.ports import SAMPLES_PARTITION, DataPlane, DataPlaneError
+from stages.trainer.batch import StalenessPolicy, TrainBatch
 
 SERVING_FILE = "serving.json"
 """Written by ``--keep`` while it serves: the addresses of the broker, worker, gateway and data plane."""
@@ -129,7 +134,7 @@ class Run:
         self.config = config
         self.run_id = config.run_id or new_run_id()
         self.jobs = plan_jobs(
-            self.run_id, rollouts=config.rollouts, group_size=config.group_size, seed=config.seed
+            self.run_id, rollouts=config.total_rollouts, group_size=config.group_size, seed=config.seed
         )
         self.progress = progress if progress is not None else RunProgress()
         self.progress.run_id = self.run_id
@@ -150,7 +155,10 @@ class Run:
         self._endpoint: HttpChatEndpoint | None = None
         self._probe: StageLagProbe | None = None
         self._archiving: asyncio.Task[None] | None = None
+        self._plane: DataPlane | None = None
         self.journal: RunJournal | None = None
+        self.training: ClosedLoop | None = None
+        self.samples_left: int | None = None
         self.closed_interrupted = 0
         self.timeout: str | None = None
         self.error: str | None = None
@@ -216,6 +224,7 @@ class Run:
         plane = await stack.enter_async_context(open_data_plane(plane_config))
         if config.dataplane_mode == "embedded":
             self.dataplane_addresses = str(plane_config.addresses_path)
+        self._plane = plane
         sink = await stack.enter_async_context(KafkaEventSink(kafka))
         probe = await stack.enter_async_context(StageLagProbe(kafka))
         self.closed_interrupted = await close_dead_runs(config.data_dir, log_identity, RolloutClient(sink))
@@ -246,6 +255,9 @@ class Run:
         self.worker_url = server.url
         self._endpoint = await stack.enter_async_context(HttpChatEndpoint(server.url))
         self._seals = SealTrackingClient(sink, journal)
+        if config.train_steps:
+            progress.enter("loading the trainer")
+            self.training = await self._closed_loop(stack, kafka, plane, server.url)
         if config.agent == "sdk":
             progress.enter("starting the gateway")
             self.gateway_url = await stack.enter_async_context(serving_gateway(server.url, sink, self._seals))
@@ -259,6 +271,27 @@ class Run:
             )
             stack.push_async_callback(agent.aclose)
         shutdown.check()
+
+    async def _closed_loop(
+        self, stack: contextlib.AsyncExitStack, kafka: KafkaConfig, plane: DataPlane, worker_url: str
+    ) -> ClosedLoop:
+        """The trainer feed (this run's rollouts only) and the trainer's copy of the weights."""
+        config = self.config
+        wanted = {job.rollout_id for job in self.jobs}
+        settings = FeedSettings(
+            group_size=config.group_size,
+            groups_per_batch=config.rollouts // config.group_size,
+            group_timeout_s=config.finalize_timeout_s,
+            staleness=StalenessPolicy(max_staleness=config.max_staleness),
+        )
+        feed = TrainerFeed(kafka, plane, settings, only=lambda event: event.rollout_id in wanted)
+        await stack.enter_async_context(feed)
+        trainer = await asyncio.to_thread(
+            GrpoTrainer, self.model_dir, learning_rate=config.learning_rate, temperature=config.temperature
+        )
+        return ClosedLoop(
+            feed, trainer, worker_url, config.data_dir, batch_timeout_s=config.finalize_timeout_s
+        )
 
     def _task(
         self, stack: contextlib.AsyncExitStack, coro: Coroutine[Any, Any, None], name: str
@@ -323,7 +356,10 @@ class Run:
             self.worker_url,
         )
         try:
-            await play_jobs(player, client, self.jobs, config.concurrency)
+            if self.training is None:
+                await play_jobs(player, client, self.jobs, config.concurrency)
+            else:
+                await self._train(player, client)
         finally:
             progress.driving_until = time.monotonic()
 
@@ -345,6 +381,28 @@ class Run:
             return
         self.completed = True
         log.info("run %s: every rollout finalized, lag 0", self.run_id)
+
+    async def _train(self, player: Player, client: SealTrackingClient) -> None:
+        """``--train-steps``: each step's rollouts, then its GRPO step and refit."""
+        assert self.training is not None and self.archiver is not None and self._plane is not None
+        config, archiver = self.config, self.archiver
+        expected = 0
+
+        async def archived(batch: TrainBatch) -> None:
+            nonlocal expected
+            expected += sum(len(m.event.sample_keys) for g in batch.groups for m in g.members)
+            deadline = time.monotonic() + config.finalize_timeout_s
+            while archiver.written + len(archiver.failed) < expected:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"samples not archived within {config.finalize_timeout_s:.0f}s")
+                await asyncio.sleep(0.05)
+
+        for step in range(1, config.train_steps + 1):
+            jobs = self.jobs[(step - 1) * config.rollouts : step * config.rollouts]
+            self.progress.enter(f"train step {step}/{config.train_steps}")
+            play = functools.partial(play_jobs, player, client, jobs, config.concurrency)
+            await self.training.run_step(step, play, archived)
+        self.samples_left = len(await self._plane.list_keys(SAMPLES_PARTITION))
 
     async def _keep_serving(self) -> None:
         """``--keep``: report, then serve the broker, data plane and worker until a signal."""
@@ -451,6 +509,8 @@ class Run:
             signal=self.shutdown.signal,
             error="; ".join(errors) or None,
             closed_interrupted=self.closed_interrupted,
+            train_steps=[s.as_json() for s in self.training.steps] if self.training is not None else None,
+            dataplane_samples_left=self.samples_left,
         )
 
 

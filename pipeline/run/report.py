@@ -106,6 +106,10 @@ class RunSummary:
     error: str | None = None
     closed_interrupted: int = 0
     """Rollouts of earlier, killed runs this run sealed as interrupted."""
+    train_steps: list[dict[str, Any]] | None = None
+    """``--train-steps``: one object per step (``pipeline.run.training.TrainStep``)."""
+    dataplane_samples_left: int | None = None
+    """``--train-steps``: samples still in the data plane at the end (0: all consumed)."""
 
     @property
     def exit_code(self) -> int:
@@ -160,6 +164,11 @@ class RunSummary:
             "signal": None if self.signal is None else signal.Signals(self.signal).name,
             "error": self.error,
             "closed_interrupted": self.closed_interrupted,
+            **(
+                {"train_steps": self.train_steps, "dataplane_samples_left": self.dataplane_samples_left}
+                if self.train_steps is not None
+                else {}
+            ),
         }
 
 

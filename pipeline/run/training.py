@@ -39,6 +39,8 @@ class TrainStep:
     reward_mean: float | None
     ratio_max_abs_dev: float
     loss: float
+    update_norm: float
+    policy_shift: float
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,8 +49,17 @@ class TrainStep:
 class ClosedLoop:
     """Steps ``play`` → feed batch → GRPO step → refit, recording each step."""
 
-    def __init__(self, feed: TrainerFeed, trainer: GrpoTrainer, worker_url: str, data_dir: Path) -> None:
+    def __init__(
+        self,
+        feed: TrainerFeed,
+        trainer: GrpoTrainer,
+        worker_url: str,
+        data_dir: Path,
+        *,
+        batch_timeout_s: float,
+    ) -> None:
         self.feed = feed
+        self.batch_timeout_s = batch_timeout_s
         self.trainer = trainer
         self.worker_url = worker_url
         self.weights_dir = data_dir / WEIGHTS_DIR
@@ -63,7 +74,12 @@ class ClosedLoop:
         """One step; ``archived`` returns once the run's archive holds the batch's samples."""
         version = self.feed.policy_version
         await play()
-        batch = await self.feed.next_batch()
+        try:
+            batch = await asyncio.wait_for(self.feed.next_batch(), self.batch_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"step {step}: its rollouts were not finalized within {self.batch_timeout_s:.0f}s"
+            ) from None
         await archived(batch)
         report = await asyncio.to_thread(self.trainer.step, batch)
         path = await asyncio.to_thread(self.trainer.save, self.weights_dir / f"step-{step}")
@@ -77,6 +93,8 @@ class ClosedLoop:
             reward_mean=_mean([s.reward for s in batch.samples]),
             ratio_max_abs_dev=report.ratio_max_abs_dev,
             loss=report.loss,
+            update_norm=report.update_norm,
+            policy_shift=report.policy_shift,
         )
         log.info(
             "train step %d: %d samples of weight version %d, reward mean %s, ratio deviation %.2e",

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
@@ -122,8 +122,11 @@ class TrainerFeed:
         *,
         metrics: StageMetrics | None = None,
         lag_interval_s: float = DEFAULT_INTERVAL_S,
+        only: Callable[[FinalizedEvent], bool] | None = None,
     ) -> None:
+        """``only``: the rollouts this trainer wants (say, one run's); the group reads past the others."""
         self.config = config
+        self._only = only
         self.data_plane = data_plane
         self.settings = settings
         self.policy_version = 0
@@ -315,7 +318,7 @@ class TrainerFeed:
 
     def _arrive(self, item: Consumed) -> None:
         event = item.event.payload
-        if not isinstance(event, FinalizedEvent):
+        if not isinstance(event, FinalizedEvent) or (self._only is not None and not self._only(event)):
             return
         if event.rollout_id in self._seen:
             self.metrics.duplicates.inc()

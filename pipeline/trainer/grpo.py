@@ -29,6 +29,12 @@ class StepReport:
     ratio_max_abs_dev: float
     """max |exp(logp_trainer - logp_sampled) - 1| over generated tokens, before the update."""
     tokens: int
+    update_norm: float
+    """L2 norm of the change the step made to the weights (0 when every advantage is 0)."""
+    policy_shift: float
+    """max |logp_after - logp_before| over the batch's generated tokens: how far the step
+    moved the policy. The next step's ``ratio_max_abs_dev`` stays near 0 only if the
+    worker sampled with the new weights, so a shift well above it proves the refit."""
 
 
 class GrpoTrainer:
@@ -55,18 +61,27 @@ class GrpoTrainer:
         mask = batch.loss_mask
         tokens = int(mask.sum())
         if tokens == 0:
-            return StepReport(loss=0.0, ratio_max_abs_dev=0.0, tokens=0)
+            return StepReport(loss=0.0, ratio_max_abs_dev=0.0, tokens=0, update_norm=0.0, policy_shift=0.0)
         new = self.token_logprobs(batch)
         ratio = torch.exp(new - batch.old_logprobs)
         deviation = float(((ratio.detach() - 1).abs() * mask).max())
         advantages = (batch.advantages * batch.sample_weights).unsqueeze(-1)
         clipped = torch.clamp(ratio, 1 - CLIP, 1 + CLIP)
-        objective = torch.minimum(ratio * advantages, clipped * advantages)
-        loss = -(objective * mask).sum() / tokens
+        loss = -(torch.minimum(ratio * advantages, clipped * advantages) * mask).sum() / tokens
+        before = [p.detach().clone() for p in self.model.parameters()]
         self.optimizer.zero_grad()
         torch.autograd.backward([loss])
         self.optimizer.step()
-        return StepReport(loss=float(loss.detach()), ratio_max_abs_dev=deviation, tokens=tokens)
+        moved = sum(float((p.detach() - old).pow(2).sum()) for p, old in zip(self.model.parameters(), before))
+        with torch.no_grad():
+            shift = float(((self.token_logprobs(batch) - new.detach()).abs() * mask).max())
+        return StepReport(
+            loss=float(loss.detach()),
+            ratio_max_abs_dev=deviation,
+            tokens=tokens,
+            update_norm=moved**0.5,
+            policy_shift=shift,
+        )
 
     def save(self, out_dir: Path) -> Path:
         """The weights in checkpoint format (safetensors and config), for ``reload_weights``."""

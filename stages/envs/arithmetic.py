@@ -4,7 +4,9 @@ Each task asks for the value of an expression. The model may call the ``calculat
 tool (the environment evaluates the expression and answers with a tool message) and
 should finish with the number. An answer without a tool call and without the right
 number gets a nudge as the next user turn, until the turn budget is spent. The
-reward is 1.0 when the final assistant message states the right value, else 0.0.
+reward is 1.0 when the final assistant message states the right value; a wrong number
+earns partial credit, ``0.1 / (1 + |number - value|)`` (a small model rarely gets the
+value, and GRPO learns nothing from a group whose rewards are all equal); no number, 0.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+PARTIAL_CREDIT = 0.1
+"""The most a final answer that states a wrong number earns (less the farther off it is)."""
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 SYSTEM = "You are a careful assistant. Use the calculator tool for arithmetic, then state the result."
 CALCULATOR_TOOL: dict[str, Any] = {
     "type": "function",
@@ -131,10 +136,14 @@ class Episode:
 
     def reward(self) -> float:
         finals = [m for m in self.messages if m["role"] == "assistant"]
-        return 1.0 if finals and self._correct(finals[-1].get("content") or "") else 0.0
+        text = finals[-1].get("content") or "" if finals else ""
+        if self._correct(text):
+            return 1.0
+        numbers = _NUMBER.findall(text)
+        return PARTIAL_CREDIT / (1 + abs(float(numbers[-1]) - self.task.answer)) if numbers else 0.0
 
     def _correct(self, text: str) -> bool:
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", text)
+        numbers = _NUMBER.findall(text)
         return bool(numbers) and abs(float(numbers[-1]) - self.task.answer) < 1e-6
 
 

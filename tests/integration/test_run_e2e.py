@@ -136,6 +136,30 @@ def test_an_sdk_agent_through_the_gateway_gives_exact_samples(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(400)
+def test_train_steps_close_the_loop_on_the_captured_logprobs(tmp_path: Path) -> None:
+    """Rollouts -> samples -> a GRPO step -> new weights in the worker, twice."""
+    data_dir = tmp_path / "tt"
+    summary = run_small(data_dir, tmp_path / "run.log", "--train-steps", "2", "--broker-storage", "memory")
+    assert summary["status"] == "completed" and summary["lag"] == 0, summary
+    assert summary["rollouts"] == summary["finalized"] == summary["accepted"] == 8, summary
+    first, second = summary["train_steps"]
+    assert [first["step"], second["step"]] == [1, 2]
+    assert [first["weight_version"], second["weight_version"]] == [0, 1]
+    assert first["samples"] == second["samples"] == 4
+    # The trainer recomputes the logprobs the worker sampled with, before and after a refit
+    # that moved the policy by far more than that: the worker really serves the new weights.
+    assert first["ratio_max_abs_dev"] < 1e-3 and second["ratio_max_abs_dev"] < 1e-3
+    assert first["update_norm"] > 0 and first["policy_shift"] > 100 * second["ratio_max_abs_dev"]
+    assert summary["dataplane_samples_left"] == 0
+    samples = export(data_dir)
+    for sample in samples:
+        check_sample(sample)
+    versions = Counter(frozenset(sample["weight_versions"]) for sample in samples)
+    assert versions == {frozenset({0}): 4, frozenset({1}): 4}
+    assert (data_dir / "weights" / "step-2" / "config.json").is_file()
+
+
+@pytest.mark.timeout(400)
 def test_sigint_stops_every_child_and_exits_130(tmp_path: Path) -> None:
     data_dir = tmp_path / "tt"
     log = tmp_path / "run.log"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from stages.envs.arithmetic import CalculatorError, Episode, Task, evaluate, make_tasks
+from stages.envs.arithmetic import PARTIAL_CREDIT, CalculatorError, Episode, Task, evaluate, make_tasks
 
 
 def test_calculator_evaluates_arithmetic_only() -> None:
@@ -37,6 +37,15 @@ def test_wrong_answers_get_nudged_until_turns_run_out() -> None:
     assert episode.messages[-1]["role"] == "user" and not episode.done
     episode.step({"role": "assistant", "content": "hmm"})
     assert episode.done and episode.reward() == 0.0
+
+
+def test_a_wrong_number_earns_less_credit_the_farther_off_it_is() -> None:
+    rewards = []
+    for said in ("It is 3.", "It is 12."):
+        episode = Episode(Task("t", "1 + 1"), max_turns=1)
+        episode.step({"role": "assistant", "content": said})
+        rewards.append(episode.reward())
+    assert rewards == [PARTIAL_CREDIT / 2, PARTIAL_CREDIT / 11]
 
 
 def test_bad_tool_arguments_answer_with_an_error() -> None:
