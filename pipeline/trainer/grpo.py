@@ -72,7 +72,10 @@ class GrpoTrainer:
         self.optimizer.zero_grad()
         torch.autograd.backward([loss])
         self.optimizer.step()
-        moved = sum(float((p.detach() - old).pow(2).sum()) for p, old in zip(self.model.parameters(), before))
+        moved = sum(
+            float((p.detach() - old).pow(2).sum())
+            for p, old in zip(self.model.parameters(), before, strict=True)
+        )
         with torch.no_grad():
             shift = float(((self.token_logprobs(batch) - new.detach()).abs() * mask).max())
         return StepReport(
