@@ -71,13 +71,6 @@ class FeedSettings:
             raise ValueError(f"group_timeout_s: must be > 0, got {self.group_timeout_s}")
 
 
-@dataclass(slots=True)
-class _Arrival:
-    partition: TopicPartition
-    offset: int
-    event: FinalizedEvent
-
-
 class FeedMetrics:
     """What the feed adds to a stage's metrics: groups, samples and acknowledgements."""
 
@@ -134,7 +127,6 @@ class TrainerFeed:
         self.metrics = FeedMetrics(self.stage_metrics)
         self._collector = GroupCollector(settings.group_size, timeout_s=settings.group_timeout_s)
         self._seen = RecentIds(settings.remember)
-        self._arrived: list[_Arrival] = []
         self._ready: list[Group] = []
         """Released groups a batch has not taken yet."""
         self._wake = asyncio.Event()
@@ -206,7 +198,7 @@ class TrainerFeed:
         wanted, wait = self.settings.groups_per_batch, self.settings.batch_wait_s
         while True:
             self._check_running()
-            self._ready += self._take_groups()
+            self._release(self._collector.expired())
             if self._ready and first_ready is None:
                 first_ready = time.monotonic()
             waited = first_ready is not None and wait is not None and time.monotonic() - first_ready >= wait
@@ -247,21 +239,12 @@ class TrainerFeed:
     def _poll_s(self) -> float:
         return min(1.0, self.settings.group_timeout_s, self.settings.batch_wait_s or 1.0)
 
-    def _take_groups(self) -> list[Group]:
-        """Groups released by the arrivals so far, and by the clock."""
-        arrived, self._arrived = self._arrived, []
-        released: list[Group] = []
-        for arrival in arrived:
-            self._where[arrival.event.rollout_id] = (arrival.partition, arrival.offset)
-            group = self._collector.add(FinalizedRollout(arrival.event))
-            if group is not None:
-                released.append(group)
-        released += self._collector.expired()
-        for group in released:
+    def _release(self, groups: list[Group]) -> None:
+        for group in groups:
             self.metrics.groups.labels(
                 "late" if group.late else "partial" if group.partial else "complete"
             ).inc()
-        return released
+        self._ready += groups
 
     async def _batch(self, groups: list[Group]) -> TrainBatch:
         keys = [key for group in groups for member in group.members for key in member.event.sample_keys]
@@ -326,8 +309,11 @@ class TrainerFeed:
         self._seen.add(event.rollout_id)
         partition = (item.topic, item.partition)
         self._outstanding[partition].add(item.offset)
-        self._arrived.append(_Arrival(partition, item.offset, event))
-        self._wake.set()
+        self._where[event.rollout_id] = (partition, item.offset)
+        group = self._collector.add(FinalizedRollout(event))  # a group's clock starts at arrival
+        if group is not None:
+            self._release([group])
+            self._wake.set()
 
     def _committable(self, positions: Mapping[TopicPartition, int]) -> Mapping[TopicPartition, int]:
         return {
@@ -340,13 +326,11 @@ class TrainerFeed:
         lost = set(partitions)
         for partition in lost:
             self._outstanding.pop(partition, None)
-        gone = [rollout for rollout, (partition, _) in self._where.items() if partition in lost]
-        gone += [a.event.rollout_id for a in self._arrived if a.partition in lost]
+        gone = {rollout for rollout, (partition, _) in self._where.items() if partition in lost}
         for rollout in gone:
-            self._where.pop(rollout, None)
+            del self._where[rollout]
             self._seen.discard(rollout)
-        self._arrived = [a for a in self._arrived if a.partition not in lost]
-        self._collector.discard(set(gone))
+        self._collector.discard(gone)
         for group in self._ready:
             group.members = [m for m in group.members if m.event.rollout_id not in gone]
         self._ready = [group for group in self._ready if group.members]

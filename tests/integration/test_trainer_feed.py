@@ -251,3 +251,22 @@ def test_stale_samples_are_dropped_and_still_deleted(pipeline: Pipeline) -> None
             assert not left & {r.rollout_id for r in rollouts}
 
     asyncio.run(go())
+
+
+def test_a_group_missing_members_is_released_partial_after_its_timeout(pipeline: Pipeline) -> None:
+    rollouts = two_groups()[:3]  # one member of g0 never comes
+
+    async def go() -> None:
+        await produce(pipeline, rollouts)
+        async with (
+            await TransferQueueDataPlane.attach(pipeline.server.addresses, timeout_s=20.0) as plane,
+            pipeline.feed(plane, group_size=4, group_timeout_s=1.0) as feed,
+        ):
+            batch = await asyncio.wait_for(feed.next_batch(), 60)
+            (group,) = batch.groups
+            assert group.partial and len(group.members) == 3 and len(batch) == 3
+            registry = feed.stage_metrics.registry
+            assert registry.get_sample_value("tokentrail_trainer_groups_total", {"kind": "partial"}) == 1
+            await feed.ack(batch)
+
+    asyncio.run(go())
