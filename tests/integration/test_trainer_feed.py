@@ -10,6 +10,7 @@ plane and the group's lag drops to 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,10 +63,15 @@ class Pipeline:
     addresses: Path
     server: EmbeddedDataPlane
 
-    def feed(self, plane: TransferQueueDataPlane, **settings: Any) -> TrainerFeed:
-        return TrainerFeed(
-            self.config, plane, FeedSettings(tuning=FAST_GROUPS, **settings), lag_interval_s=0.5
-        )
+    @contextlib.asynccontextmanager
+    async def feed(self, **settings: Any) -> AsyncIterator[tuple[TransferQueueDataPlane, TrainerFeed]]:
+        """A trainer's view: its own data-plane client and a feed with short group timings."""
+        async with await TransferQueueDataPlane.attach(self.server.addresses, timeout_s=20.0) as plane:
+            feed = TrainerFeed(
+                self.config, plane, FeedSettings(tuning=FAST_GROUPS, **settings), lag_interval_s=0.5
+            )
+            async with feed:
+                yield plane, feed
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +152,7 @@ def test_complete_groups_as_tensors_then_acknowledged_and_gone(pipeline: Pipelin
 
     async def go() -> None:
         await produce(pipeline, rollouts)
-        async with (
-            await TransferQueueDataPlane.attach(pipeline.server.addresses, timeout_s=20.0) as plane,
-            pipeline.feed(plane, group_size=4, groups_per_batch=2) as feed,
-        ):
+        async with pipeline.feed(group_size=4, groups_per_batch=2) as (plane, feed):
             batch = await asyncio.wait_for(feed.next_batch(), 60)
             assert sorted(g.group_id for g in batch.groups) == ["g0", "g1"]
             assert all(len(g.members) == 4 and not g.partial for g in batch.groups)
@@ -218,10 +221,7 @@ def test_a_killed_trainer_gets_its_unacknowledged_batch_again(pipeline: Pipeline
         child.wait(10)
 
     async def go() -> list[str]:
-        async with (
-            await TransferQueueDataPlane.attach(pipeline.server.addresses, timeout_s=20.0) as plane,
-            pipeline.feed(plane, group_size=4, groups_per_batch=2) as feed,
-        ):
+        async with pipeline.feed(group_size=4, groups_per_batch=2) as (_plane, feed):
             batch = await asyncio.wait_for(feed.next_batch(), 60)
             await feed.ack(batch)
             return sorted(s.rollout_id for s in batch.samples)
@@ -236,12 +236,9 @@ def test_stale_samples_are_dropped_and_still_deleted(pipeline: Pipeline) -> None
 
     async def go() -> None:
         await produce(pipeline, rollouts)
-        async with (
-            await TransferQueueDataPlane.attach(pipeline.server.addresses, timeout_s=20.0) as plane,
-            pipeline.feed(
-                plane, group_size=4, groups_per_batch=2, staleness=StalenessPolicy(max_staleness=1)
-            ) as feed,
-        ):
+        async with pipeline.feed(
+            group_size=4, groups_per_batch=2, staleness=StalenessPolicy(max_staleness=1)
+        ) as (plane, feed):
             feed.policy_version = 3
             batch = await asyncio.wait_for(feed.next_batch(), 60)
             assert {s.group_id for s in batch.samples} == {"g1"} and len(batch) == 4
@@ -258,10 +255,7 @@ def test_a_group_missing_members_is_released_partial_after_its_timeout(pipeline:
 
     async def go() -> None:
         await produce(pipeline, rollouts)
-        async with (
-            await TransferQueueDataPlane.attach(pipeline.server.addresses, timeout_s=20.0) as plane,
-            pipeline.feed(plane, group_size=4, group_timeout_s=1.0) as feed,
-        ):
+        async with pipeline.feed(group_size=4, group_timeout_s=1.0) as (_plane, feed):
             batch = await asyncio.wait_for(feed.next_batch(), 60)
             (group,) = batch.groups
             assert group.partial and len(group.members) == 3 and len(batch) == 3
