@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from stages.finalize.janitor import JanitorConfig, StagingJanitor
 from stages.finalize.verify import Linearized, MixedVersionPolicy, Rejected, chain_records, linearize
@@ -237,15 +238,32 @@ def _accepted(receipt: RolloutReceipt, result: Linearized) -> FinalizedEvent:
         group_id=receipt.group_id,
         status="accepted",
         sample_key=receipt.rollout_id,
-        prompt_len=result.prompt_len,
-        total_len=len(result.sample.token_ids),
-        generated_tokens=result.generated_tokens,
-        call_count=result.call_count,
-        min_weight_version=result.min_weight_version,
-        max_weight_version=result.max_weight_version,
         reward=receipt.reward,
         finalized_at=time.time(),
+        **_measures(result),
     )
+
+
+class _Measures(TypedDict):
+    """The lengths and weight versions an outcome reports of its sample."""
+
+    prompt_len: int
+    total_len: int
+    generated_tokens: int
+    call_count: int
+    min_weight_version: int
+    max_weight_version: int
+
+
+def _measures(result: Linearized) -> _Measures:
+    return {
+        "prompt_len": result.prompt_len,
+        "total_len": len(result.sample.token_ids),
+        "generated_tokens": result.generated_tokens,
+        "call_count": result.call_count,
+        "min_weight_version": result.min_weight_version,
+        "max_weight_version": result.max_weight_version,
+    }
 
 
 def _rejected(receipt: RolloutReceipt, reason: str) -> FinalizedEvent:
@@ -313,14 +331,4 @@ def _multi_sample_event(receipt: RolloutReceipt, chains: list[_ChainVerdict]) ->
 
 
 def _sample_accepted(key: str, leaf_call_id: str, result: Linearized) -> SampleOutcome:
-    return SampleOutcome(
-        sample_key=key,
-        leaf_call_id=leaf_call_id,
-        status="accepted",
-        prompt_len=result.prompt_len,
-        total_len=len(result.sample.token_ids),
-        generated_tokens=result.generated_tokens,
-        call_count=result.call_count,
-        min_weight_version=result.min_weight_version,
-        max_weight_version=result.max_weight_version,
-    )
+    return SampleOutcome(sample_key=key, leaf_call_id=leaf_call_id, status="accepted", **_measures(result))
