@@ -69,8 +69,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report(args.bootstrap, rows), sort_keys=True))
     else:
-        Console().print(table(rows))
+        print_table(table(rows))
     return 0
+
+
+def print_table(rendered: Table) -> None:
+    """On a terminal at its width, else (a pipe, a log) as wide as the table needs."""
+    console = Console()
+    needed = console.measure(rendered, options=console.options.update(max_width=10_000)).maximum
+    if not console.is_terminal or console.width < needed:
+        console = Console(width=needed)
+    console.print(rendered)
 
 
 async def _read(args: argparse.Namespace) -> list[PartitionLag]:
@@ -90,9 +99,16 @@ def report(bootstrap: str, rows: list[PartitionLag]) -> dict[str, Any]:
 
 
 def table(rows: list[PartitionLag]) -> Table:
+    """Names are never cut: their columns are as wide as the longest (see ``print_table``)."""
     out = Table(title="consumer lag", caption=f"total lag: {total_lag(rows)}")
     for name in ("group", "topic", "partition", "committed", "highwater", "lag"):
-        out.add_column(name, justify="left" if name in ("group", "topic") else "right")
+        named = name in ("group", "topic")
+        out.add_column(
+            name,
+            justify="left" if named else "right",
+            no_wrap=True,
+            overflow="ignore" if named else "ellipsis",
+        )
     for row in rows:
         committed = "-" if row.committed is None else str(row.committed)
         out.add_row(row.group, row.topic, str(row.partition), committed, str(row.highwater), str(row.lag))

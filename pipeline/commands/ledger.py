@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.replay.store import LedgerStore
+from pipeline.replay.store import LedgerStore, tree_order
 from topics.records import CallRecord
 
 EXAMPLES = """\
@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     with LedgerStore(args.db) as store:
-        calls, receipt = store.rollout(args.rollout_id)
+        found, receipt = store.rollout(args.rollout_id)
+    ordered = tree_order(found)
+    calls = [call for call, _ in ordered]
     if not calls and receipt is None:
         print(f"tokentrail ledger: rollout {args.rollout_id!r} not in {args.db}", file=sys.stderr)
         return 1
@@ -60,10 +62,11 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"rollout {args.rollout_id}")
     for column in ("call", "parent", "status", "prev_len", "delta_len", "weight_version"):
         table.add_column(column)
-    for call in calls:
+    for call, depth in ordered:
+        name = "  " * depth + call.call_id
         if isinstance(call, CallRecord):
             table.add_row(
-                call.call_id,
+                name,
                 call.parent_call_id or "-",
                 "committed",
                 str(call.prev_len),
@@ -71,12 +74,16 @@ def run(args: argparse.Namespace) -> int:
                 str(call.weight_version),
             )
         else:
-            table.add_row(call.call_id, call.parent_call_id or "-", f"failed: {call.reason}", "", "", "")
+            table.add_row(name, call.parent_call_id or "-", f"failed: {call.reason}", "", "", "")
     console = Console()
     console.print(table)
     if receipt is not None:
         verdict = f"poisoned: {receipt.failure_reason}" if receipt.capture_poisoned else "ok"
-        console.print(
-            f"receipt: terminal={receipt.terminal_call_id} ({receipt.terminal_selection}) {verdict}"
-        )
+        if receipt.chains:
+            chains = ", ".join(f"{c.leaf_call_id}: {c.failure_reason or 'ok'}" for c in receipt.chains)
+            console.print(f"receipt ({receipt.sample_policy}): chains {chains}; {verdict}")
+        else:
+            console.print(
+                f"receipt: terminal={receipt.terminal_call_id} ({receipt.terminal_selection}) {verdict}"
+            )
     return 0

@@ -389,7 +389,8 @@ class ConsumerLoop:
                 self._positions.pop(tp, None)
                 self._read_up_to.pop(tp, None)
                 self._committed.pop(tp, None)
-        self.stats.rebalances += 1
+        if revoked:  # a member's first join revokes nothing: no rebalance has happened yet
+            self.stats.rebalances += 1
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         consumer = self._consumer

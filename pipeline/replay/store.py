@@ -7,6 +7,7 @@ write wins, exactly as every Kafka consumer of the ledger does.
 
 from __future__ import annotations
 
+import math
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,3 +102,32 @@ class LedgerStore:
         """Every event id with its payload: what a consistency check compares."""
         self.flush()
         return dict(self._db.execute("SELECT event_id, payload FROM ledger").fetchall())
+
+
+def tree_order(calls: Sequence[CallRecord | FailedCall]) -> list[tuple[CallRecord | FailedCall, int]]:
+    """Calls depth first from each root, with their depth: a parent before its children,
+    siblings in the order they were admitted (failed calls, which carry no time, after
+    them by id). A call whose parent is not listed counts as a root."""
+    ids = {call.call_id for call in calls}
+    children: dict[str | None, list[CallRecord | FailedCall]] = {}
+    for call in calls:
+        parent = call.parent_call_id if call.parent_call_id in ids else None
+        children.setdefault(parent, []).append(call)
+
+    def admitted(call: CallRecord | FailedCall) -> tuple[float, str]:
+        return (call.admitted_at if isinstance(call, CallRecord) else math.inf, call.call_id)
+
+    ordered: list[tuple[CallRecord | FailedCall, int]] = []
+    seen: set[str] = set()
+    stack = [(call, 0) for call in sorted(children.get(None, []), key=admitted, reverse=True)]
+    while stack:
+        call, depth = stack.pop()
+        if call.call_id in seen:
+            continue  # parents in a cycle: each call once
+        seen.add(call.call_id)
+        ordered.append((call, depth))
+        stack += [
+            (child, depth + 1) for child in sorted(children.get(call.call_id, []), key=admitted, reverse=True)
+        ]
+    ordered += [(call, 0) for call in calls if call.call_id not in seen]
+    return ordered

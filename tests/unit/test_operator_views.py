@@ -1,0 +1,62 @@
+"""What an operator reads: the lag table in a pipe, the ledger in tree order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pipeline.commands.lag import print_table, table
+from pipeline.kafka.lag import PartitionLag
+from pipeline.replay.store import tree_order
+from topics.records import CallRecord, FailedCall
+
+HASH = "ab" * 32
+
+
+def test_the_lag_table_never_cuts_names_in_a_pipe(
+    capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    monkeypatch.setenv("COLUMNS", "40")  # a narrow terminal, or a pipe
+    group = "tokentrail-finalizer-with-a-long-deployment-suffix"
+    topic = "cluster-a.tokentrail.committed"
+    rows = [PartitionLag(group, topic, p, 5, 0, 7) for p in range(2)]
+    print_table(table(rows))
+    out = capsys.readouterr().out
+    assert out.count(group) == 2 and out.count(topic) == 2
+    assert "…" not in out
+
+
+def call(call_id: str, parent: str | None, admitted_at: float) -> CallRecord:
+    prev = 0 if parent is None else 5
+    return CallRecord(
+        rollout_id="r",
+        call_id=call_id,
+        parent_call_id=parent,
+        mode="text" if parent is None else "token_in",
+        prev_len=prev,
+        delta_len=5,
+        cum_len=prev + 5,
+        weight_version=0,
+        staging_key=f"r/{call_id}",
+        chain_hash=HASH,
+        cumulative_hash=HASH,
+        digest=HASH,
+        extras_digest=HASH,
+        disposition="staged",
+        admitted_at=admitted_at,
+        staged_at=admitted_at + 1,
+    )
+
+
+def test_the_ledger_lists_calls_in_tree_order_not_by_id() -> None:
+    calls = [
+        call("c12", "c2", 12.0),
+        call("c2", None, 2.0),
+        call("c3", "c2", 3.0),
+        FailedCall(rollout_id="r", call_id="c10", parent_call_id="c3", reason="not_served"),
+        call("c4", "c3", 4.0),
+        call("c9", None, 9.0),
+    ]
+    ordered = [(c.call_id, depth) for c, depth in tree_order(calls)]
+    assert ordered == [("c2", 0), ("c3", 1), ("c4", 2), ("c10", 2), ("c12", 1), ("c9", 0)]
