@@ -16,6 +16,7 @@ EXAMPLE = """\
 example:
   tokentrail make-tiny-model /tmp/tiny --seed 0 --json
   tokentrail make-tiny-model /tmp/tiny-strip --template strip_reasoning
+  tokentrail make-tiny-model /tmp/tiny-moe --moe
 """
 
 
@@ -25,7 +26,7 @@ def add_parser(subparsers: Any) -> None:
         "make-tiny-model",
         help="create the tiny offline model (vLLM CPU and transformers compatible)",
         description=(
-            "Create a tiny Llama-architecture causal LM with seeded fp32 weights, a locally "
+            "Create a tiny Llama-architecture causal LM (or, with --moe, a Qwen2-MoE) with seeded fp32 weights, a locally "
             "trained byte-level BPE tokenizer and a ChatML chat template in DIR. Offline and "
             "idempotent: an existing identical model is left as it is."
         ),
@@ -41,6 +42,11 @@ def add_parser(subparsers: Any) -> None:
         default="chatml",
         help="chat template: plain ChatML, or one that strips <think> from earlier turns",
     )
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="a mixture-of-experts model instead (Qwen2-MoE architecture, 4 experts, top-2 routing)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(run=run)
 
@@ -51,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     out_dir: Path = args.dir
     existed = tinymodel.read_manifest(out_dir) is not None
-    options: dict[str, Any] = {"seed": args.seed, "template": args.template}
+    options: dict[str, Any] = {"seed": args.seed, "template": args.template, "experts": 4 if args.moe else 0}
     if args.vocab_size is not None:
         options["vocab_size"] = args.vocab_size
     try:

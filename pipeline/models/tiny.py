@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -80,6 +81,15 @@ class TinyModelSpec:
     intermediate_size: int = 256
     max_position_embeddings: int = 8192
     template: TemplateName = "chatml"
+    experts: int = 0
+    """0: a dense Llama. Otherwise a Qwen2-MoE with this many routed experts per layer
+    (no shared expert), ``experts_per_token`` of them per token."""
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 64
+
+
+MOE_FIELDS = ("experts", "experts_per_token", "moe_intermediate_size")
+"""Left out of a dense model's manifest, so dense models built before MoE existed still match."""
 
 
 @dataclass(frozen=True)
@@ -325,6 +335,8 @@ def _init_weights(model: Any, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if param.numel() == 0:
+                continue  # a disabled part (the MoE model's shared expert)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
@@ -344,25 +356,31 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
     import torch
 
     hf = _transformers()
-    config = hf.LlamaConfig(
-        vocab_size=layout.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.hidden_size // spec.num_attention_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=layout.token_ids[IM_END],
-        pad_token_id=layout.token_ids[ENDOFTEXT],
-        dtype="float32",
-        architectures=["LlamaForCausalLM"],
+    config = (
+        _moe_config(hf, spec, layout)
+        if spec.experts
+        else hf.LlamaConfig(
+            vocab_size=layout.vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            head_dim=spec.hidden_size // spec.num_attention_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=layout.token_ids[IM_END],
+            pad_token_id=layout.token_ids[ENDOFTEXT],
+            dtype="float32",
+            architectures=["LlamaForCausalLM"],
+        )
     )
-    with torch.device("cpu"):
-        model = hf.LlamaForCausalLM(config).to(torch.float32)
+    model_class = hf.Qwen2MoeForCausalLM if spec.experts else hf.LlamaForCausalLM
+    with torch.device("cpu"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
+        model = model_class(config).to(torch.float32)
     _init_weights(model, spec.seed)
     model.generation_config = hf.GenerationConfig(
         eos_token_id=layout.eos_token_ids,
@@ -370,6 +388,48 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
     )
     with _quiet_progress():
         model.save_pretrained(str(out_dir))
+    if spec.experts:
+        _drop_empty_tensors(out_dir / "model.safetensors")
+
+
+def _moe_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
+    """Qwen2-MoE (served by vLLM and transformers alike), every layer sparse, no shared expert."""
+    if not 1 <= spec.experts_per_token <= spec.experts:
+        raise ValueError(f"experts_per_token: must be in 1..{spec.experts}, got {spec.experts_per_token}")
+    return hf.Qwen2MoeConfig(
+        vocab_size=layout.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        shared_expert_intermediate_size=0,
+        num_experts=spec.experts,
+        num_experts_per_tok=spec.experts_per_token,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=False,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=layout.token_ids[IM_END],
+        pad_token_id=layout.token_ids[ENDOFTEXT],
+        dtype="float32",
+        architectures=["Qwen2MoeForCausalLM"],
+    )
+
+
+def _drop_empty_tensors(path: Path) -> None:
+    """The disabled shared expert is saved as zero-size tensors, which vLLM refuses to load."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    kept = {name: tensor for name, tensor in tensors.items() if tensor.numel() > 0}
+    if len(kept) != len(tensors):
+        save_file(kept, str(path), metadata={"format": "pt"})
 
 
 @contextmanager
@@ -400,7 +460,10 @@ def read_manifest(model_dir: Path) -> dict[str, Any] | None:
 
 
 def _expected_manifest(spec: TinyModelSpec) -> dict[str, Any]:
-    return {"format": MANIFEST_FORMAT, "spec": asdict(spec)}
+    fields = asdict(spec)
+    if not spec.experts:
+        fields = {name: value for name, value in fields.items() if name not in MOE_FIELDS}
+    return {"format": MANIFEST_FORMAT, "spec": fields}
 
 
 def _existing(out_dir: Path, spec: TinyModelSpec) -> bool:
@@ -426,8 +489,11 @@ def make_tiny_model(
     seed: int = 0,
     vocab_size: int = TinyModelSpec.vocab_size,
     template: TemplateName = "chatml",
+    experts: int = 0,
 ) -> Path:
     """Create the tiny model in ``out_dir`` (idempotent) and return the directory.
+
+    ``experts`` > 0 builds a mixture-of-experts model (Qwen2-MoE, top-2 routing).
 
     ``vocab_size`` is the tokenizer's target; see ``TokenLayout`` for when it falls
     short. The manifest (``tinymodel.json``, see ``read_manifest``) records the chat
@@ -440,7 +506,7 @@ def make_tiny_model(
         raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}")
     if vocab_size < 512:
         raise ValueError("vocab_size must be at least 512 (256 bytes, chat tokens and merges)")
-    spec = TinyModelSpec(seed=seed, vocab_size=vocab_size, template=template)
+    spec = TinyModelSpec(seed=seed, vocab_size=vocab_size, template=template, experts=experts)
     out_dir = Path(out_dir)
     if _existing(out_dir, spec):
         return out_dir

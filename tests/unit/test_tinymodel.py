@@ -163,3 +163,21 @@ def test_cli_verb_reports_json(model_dir: Path, capsys: pytest.CaptureFixture[st
     assert report["spec"]["seed"] == 0
     assert report["token_ids"][tinymodel.IM_END] >= 0
     assert cli.main(["make-tiny-model", str(model_dir), "--seed", "7"]) == 1
+
+
+def test_moe_model_routes_each_token_to_two_of_four_experts(model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    moe_dir = tinymodel.make_tiny_model(tmp_path / "moe", seed=0, experts=4)
+    config = json.loads((moe_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (4, 2)
+    assert tinymodel.read_manifest(moe_dir)["spec"]["experts"] == 4  # type: ignore[index]
+    assert "experts" not in (tinymodel.read_manifest(model_dir) or {})["spec"]  # dense manifests unchanged
+    model: Any = AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model.model.layers[0].mlp.gate(torch.randn(5, config["hidden_size"]))
+    if isinstance(logits, tuple):  # some versions return (logits, scores, indices)
+        logits = logits[0]
+    chosen = torch.topk(torch.softmax(logits, dim=-1), 2).indices
+    assert chosen.shape == (5, 2) and len({tuple(row) for row in chosen.tolist()}) > 1
