@@ -31,7 +31,7 @@ def add_parser(subparsers: Any) -> None:
     )
     verbs = parser.add_subparsers(dest="ledger_verb", required=True)
     show = verbs.add_parser("show", help="print one rollout's calls and receipt")
-    show.add_argument("rollout_id")
+    show.add_argument("rollout_id", help="the rollout to show")
     show.add_argument("--db", type=Path, default=Path(".tokentrail/ledger.sqlite"), help="ledger SQLite file")
     show.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     show.set_defaults(run=run)

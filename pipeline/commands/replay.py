@@ -40,7 +40,12 @@ def add_parser(subparsers: Any) -> None:
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--out", type=Path, required=True, help="SQLite file to write")
     parser.add_argument(
-        "--from", dest="offsets", action="append", default=[], metavar="TOPIC:PARTITION=OFFSET"
+        "--from",
+        dest="offsets",
+        action="append",
+        default=[],
+        metavar="TOPIC:PARTITION=OFFSET",
+        help="start that partition at that offset instead of its beginning (repeatable)",
     )
     parser.add_argument(
         "--seal-grace", type=float, default=10.0, help="seconds a seal waited live (default 10)"

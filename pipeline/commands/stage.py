@@ -114,7 +114,15 @@ def add_parser(subparsers: Any) -> None:
             "for rollouts whose seal does not say (default: each chain stands alone)"
         ),
     )
-    parser.add_argument("--dataplane-mode", choices=["attach", "ray", "embedded"], default="attach")
+    parser.add_argument(
+        "--dataplane-mode",
+        choices=["attach", "ray", "embedded"],
+        default="attach",
+        help=(
+            "attach: to a local data plane through its address file; ray: to TransferQueue on a Ray "
+            "cluster; embedded: own one in this process (tests) (default: %(default)s)"
+        ),
+    )
     parser.add_argument(
         "--data-dir", type=Path, default=Path(".tokentrail"), help="where dataplane.json lives"
     )

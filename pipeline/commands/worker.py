@@ -101,8 +101,13 @@ def add_parser(subparsers: Any) -> None:
         help="vLLM tool parser for tool calls in replies; 'none' turns tool parsing off (default: %(default)s)",
     )
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="float32")
-    engine.add_argument("--max-model-len", type=int, default=4096)
+    engine.add_argument("--dtype", default="float32", help="weights and activations (default: %(default)s)")
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="longest prompt plus generation, in tokens (default: %(default)s)",
+    )
     engine.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20, help="KV cache size in bytes")
     engine.add_argument("--seed", type=int, default=0, help="engine seed")
     parser.add_argument(

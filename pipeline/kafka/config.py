@@ -109,18 +109,23 @@ def add_kafka_arguments(
         "--security-protocol",
         default="PLAINTEXT",
         choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
+        help="how to talk to the brokers (default: %(default)s)",
     )
-    group.add_argument("--sasl-mechanism", choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
-    group.add_argument("--sasl-username")
+    group.add_argument(
+        "--sasl-mechanism",
+        choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"],
+        help="SASL mechanism; required with a SASL_* protocol",
+    )
+    group.add_argument("--sasl-username", help="SASL user (the password comes from the environment)")
     group.add_argument(
         "--sasl-password-env",
         default=SASL_PASSWORD_ENV,
         metavar="VAR",
         help="environment variable holding the SASL password (default: %(default)s)",
     )
-    group.add_argument("--ssl-cafile", metavar="PATH")
-    group.add_argument("--ssl-certfile", metavar="PATH")
-    group.add_argument("--ssl-keyfile", metavar="PATH")
+    group.add_argument("--ssl-cafile", metavar="PATH", help="CA bundle that signed the brokers' certificates")
+    group.add_argument("--ssl-certfile", metavar="PATH", help="client certificate (mutual TLS)")
+    group.add_argument("--ssl-keyfile", metavar="PATH", help="client certificate's private key (mutual TLS)")
 
 
 def add_topic_layout_arguments(parser: _ArgumentSink) -> None:

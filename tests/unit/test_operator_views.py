@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import pytest
 
+from pipeline import cli
 from pipeline.commands.lag import print_table, table
 from pipeline.kafka.lag import PartitionLag
 from pipeline.replay.store import tree_order
@@ -60,3 +62,24 @@ def test_the_ledger_lists_calls_in_tree_order_not_by_id() -> None:
     ]
     ordered = [(c.call_id, depth) for c, depth in tree_order(calls)]
     assert ordered == [("c2", 0), ("c3", 1), ("c4", 2), ("c10", 2), ("c12", 1), ("c9", 0)]
+
+
+def _parsers(
+    parser: argparse.ArgumentParser, path: str = "tokentrail"
+) -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _parsers(sub, f"{path} {name}")
+    return found
+
+
+def test_every_flag_of_every_verb_says_what_it_does() -> None:
+    missing = [
+        f"{path} {'/'.join(action.option_strings) or action.dest}"
+        for path, parser in _parsers(cli.build_parser())
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction) and not action.help
+    ]
+    assert missing == []
