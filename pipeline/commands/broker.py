@@ -18,6 +18,7 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
+from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import STORAGE_MODES, BrokerError, EmbeddedBroker, StorageMode, StoreLockedError
 from pipeline.kafka.config import ConfigError, add_topic_layout_arguments, topic_names_from_args
@@ -61,10 +62,12 @@ def add_parser(subparsers: Any) -> None:
     )
     add_topic_layout_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON document when ready")
+    add_log_format_argument(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)
     storage: StorageMode = (
         "durable" if args.storage == "durable" or (args.storage is None and args.data_dir) else "memory"
     )

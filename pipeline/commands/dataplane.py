@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.dataplane.addresses import AddressesError, DataPlaneAddresses
 from pipeline.dataplane.config import DEFAULT_HOST, DataPlaneConfig
 
@@ -52,6 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--host", default=DEFAULT_HOST, help="loopback address to bind (default: %(default)s)"
     )
     parser.add_argument("--json", action="store_true", help="print the addresses as one JSON document")
+    add_log_format_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -73,6 +75,7 @@ def _report(addresses: DataPlaneAddresses, path: Path, as_json: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)
     # TransferQueue reads this at import; its default (8) oversubscribes small machines.
     os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
     overrides: dict[str, object] = {"mode": "embedded", "host": args.host}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import sys
 from typing import Any, get_args
 
 from aiokafka.errors import KafkaError
 
+from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.worker import add_body_limit_argument
 from topics.records import SamplePolicy
@@ -63,6 +63,7 @@ def add_parser(subparsers: Any) -> None:
     add_body_limit_argument(parser)
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
+    add_log_format_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -92,8 +93,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pipeline").setLevel(logging.INFO)
+    configure_logging(args.log_format)
     try:
         asyncio.run(_serve(args))
     except (ConfigError, KafkaError, ValueError, OSError) as exc:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.commands.jsonlog import configure_logging
+from pipeline.commands.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
 from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
@@ -185,12 +185,13 @@ def add_parser(subparsers: Any) -> None:
         help="after the run, keep broker, data plane, worker and stages serving until Ctrl-C",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
+    add_log_format_argument(parser)
     parser.set_defaults(run=run)
 
 
-def _quiet_libraries() -> None:
-    """vLLM logs through our JSON lines (and only warnings); nothing it says goes to stdout."""
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+def _quiet_libraries(log_format: LogFormat) -> None:
+    """vLLM logs through our lines (and only warnings); nothing it says goes to stdout."""
+    vllm_logging(log_format)
     os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -200,8 +201,8 @@ def _quiet_libraries() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging()
-    _quiet_libraries()
+    configure_logging(args.log_format)
+    _quiet_libraries(args.log_format)
     try:
         config = RunConfig(
             data_dir=args.data_dir,

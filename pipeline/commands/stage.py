@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.commands.jsonlog import configure_logging
+from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.dataplane.config import RESTAGE_GRACE_S
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
@@ -140,6 +140,7 @@ def add_parser(subparsers: Any) -> None:
         help="consumer group heartbeat interval (default %(default)s)",
     )
     add_metrics_arguments(parser)
+    add_log_format_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -197,7 +198,7 @@ def _metrics_server(args: argparse.Namespace, metrics: StageMetrics) -> MetricsS
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging()
+    configure_logging(args.log_format)
     try:
         asyncio.run(_serve(args))
     except ConfigError as exc:

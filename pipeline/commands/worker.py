@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiokafka.errors import KafkaError
 
+from pipeline.commands.jsonlog import add_log_format_argument, configure_logging, vllm_logging
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
 from pipeline.worker import add_body_limit_argument
@@ -118,6 +118,7 @@ def add_parser(subparsers: Any) -> None:
     )
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
+    add_log_format_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -202,11 +203,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # stdout carries only this verb's own report; vLLM logs to stdout by default.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("pipeline", "stages"):
-        logging.getLogger(name).setLevel(logging.INFO)
+    # stdout carries only this verb's own report; vLLM logs to stderr in our format.
+    configure_logging(args.log_format)
+    vllm_logging(args.log_format, level="INFO")
     if not (args.model / "config.json").is_file():
         print(f"tokentrail worker: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2

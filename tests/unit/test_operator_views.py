@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import logging.config
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipeline import cli
+from pipeline.commands.jsonlog import configure_logging, vllm_logging
 from pipeline.commands.lag import print_table, table
 from pipeline.kafka.lag import PartitionLag
 from pipeline.replay.store import tree_order
@@ -83,3 +89,33 @@ def test_every_flag_of_every_verb_says_what_it_does() -> None:
         if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction) and not action.help
     ]
     assert missing == []
+
+
+@pytest.mark.parametrize(("log_format", "json_lines"), [("auto", True), ("json", True), ("text", False)])
+def test_every_process_logs_json_unless_on_a_terminal_or_told(
+    log_format: Any, json_lines: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging(log_format)  # stderr is captured here: not a terminal
+    logging.getLogger("pipeline.worker").warning("hello %s", "there")
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    if json_lines:
+        assert json.loads(line) | {"ts": 0} == {
+            "ts": 0,
+            "level": "warning",
+            "logger": "pipeline.worker",
+            "msg": "hello there",
+        }
+    else:
+        assert line.endswith("WARNING pipeline.worker: hello there")
+
+
+def test_vllm_logs_through_the_same_formatter_in_every_engine_process(monkeypatch: Any) -> None:
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    vllm_logging("json")
+    config = json.loads(Path(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read_text())
+    assert os.environ["VLLM_CONFIGURE_LOGGING"] == "1"
+    logging.config.dictConfig(config)  # what vLLM does in each process
+    handler = logging.getLogger("vllm").handlers[0]
+    record = logging.LogRecord("vllm.engine", logging.WARNING, __file__, 1, "slow step", None, None)
+    assert json.loads(handler.format(record))["logger"] == "vllm.engine"
+    logging.getLogger("vllm").handlers.clear()
