@@ -13,6 +13,7 @@ from importlib.metadata import entry_points
 # Verb modules, in the order ``--help`` lists them.
 VERBS: tuple[str, ...] = (
     "run",
+    "drive",
     "broker",
     "dataplane",
     "worker",

@@ -66,70 +66,19 @@ def add_parser(subparsers: Any) -> None:
         metavar="DIR",
         help="model directory to serve (default: the tiny model in DATA_DIR/tiny-model, built if missing)",
     )
-    rollouts = parser.add_argument_group("rollouts")
-    rollouts.add_argument(
-        "--rollouts", type=int, default=defaults.rollouts, help="rollouts to play (default: %(default)s)"
-    )
-    rollouts.add_argument(
-        "--group-size",
-        type=int,
-        default=defaults.group_size,
-        help="GRPO group size: each task is played this many times (default: %(default)s)",
-    )
-    rollouts.add_argument(
-        "--turns",
-        type=int,
-        default=defaults.turns,
-        help="model calls per rollout, at most (default: %(default)s)",
-    )
-    rollouts.add_argument(
-        "--concurrency",
-        type=int,
-        default=defaults.concurrency,
-        help="rollouts in flight (default: %(default)s)",
-    )
-    rollouts.add_argument(
-        "--max-tokens",
-        type=int,
-        default=defaults.max_tokens,
-        help="tokens per model call (default: %(default)s)",
-    )
-    rollouts.add_argument(
-        "--temperature",
-        type=float,
-        default=defaults.temperature,
-        help="sampling temperature; 1.0 samples the policy itself, as on-policy RL does (default: %(default)s)",
-    )
-    rollouts.add_argument(
-        "--seed",
-        type=int,
-        default=defaults.seed,
-        help="task, sampling and engine seed (default: %(default)s)",
-    )
-    timing = parser.add_argument_group("timing")
-    timing.add_argument(
+    add_rollout_arguments(parser, defaults)
+    ledger = parser.add_argument_group("ledger")
+    ledger.add_argument(
         "--seal-grace",
         type=float,
         default=defaults.seal_grace_s,
-        help="ledger: seconds a seal waits for calls in flight (default: %(default)s)",
+        help="seconds a seal waits for calls in flight (default: %(default)s)",
     )
-    timing.add_argument(
+    ledger.add_argument(
         "--max-open",
         type=float,
         default=defaults.max_open_s,
-        help="ledger: seconds before an unsealed rollout is closed (default: %(default)s)",
-    )
-    timing.add_argument(
-        "--timeout",
-        type=float,
-        default=defaults.finalize_timeout_s,
-        help="seconds to wait for every rollout's FinalizedEvent after driving (default: %(default)s)",
-    )
-    timing.add_argument(
-        "--lag-timeout",
-        type=float,
-        default=defaults.lag_timeout_s,
-        help="seconds to wait for consumer lag 0 (default: %(default)s)",
+        help="seconds before an unsealed rollout is closed (default: %(default)s)",
     )
     services = parser.add_argument_group("services")
     services.add_argument(
@@ -189,6 +138,63 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def add_rollout_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
+    """What to play and how long to wait: shared by ``run`` and ``drive``."""
+    rollouts = parser.add_argument_group("rollouts")
+    rollouts.add_argument(
+        "--rollouts", type=int, default=defaults.rollouts, help="rollouts to play (default: %(default)s)"
+    )
+    rollouts.add_argument(
+        "--group-size",
+        type=int,
+        default=defaults.group_size,
+        help="GRPO group size: each task is played this many times (default: %(default)s)",
+    )
+    rollouts.add_argument(
+        "--turns",
+        type=int,
+        default=defaults.turns,
+        help="model calls per rollout, at most (default: %(default)s)",
+    )
+    rollouts.add_argument(
+        "--concurrency",
+        type=int,
+        default=defaults.concurrency,
+        help="rollouts in flight (default: %(default)s)",
+    )
+    rollouts.add_argument(
+        "--max-tokens",
+        type=int,
+        default=defaults.max_tokens,
+        help="tokens per model call (default: %(default)s)",
+    )
+    rollouts.add_argument(
+        "--temperature",
+        type=float,
+        default=defaults.temperature,
+        help="sampling temperature; 1.0 samples the policy itself, as on-policy RL does (default: %(default)s)",
+    )
+    rollouts.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="task, sampling and engine seed (default: %(default)s)",
+    )
+    timing = parser.add_argument_group("timing")
+    timing.add_argument(
+        "--timeout",
+        type=float,
+        default=defaults.finalize_timeout_s,
+        help="seconds to wait for every rollout's FinalizedEvent after driving (default: %(default)s)",
+    )
+    timing.add_argument(
+        "--lag-timeout",
+        type=float,
+        default=defaults.lag_timeout_s,
+        help="seconds to wait for consumer lag 0 (default: %(default)s)",
+    )
+
+
 def _quiet_libraries(log_format: LogFormat) -> None:
     """vLLM logs through our lines (and only warnings); nothing it says goes to stdout."""
     vllm_logging(log_format)
@@ -235,10 +241,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokentrail run: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     guard_descendants(config.data_dir, role="run")  # broker, engine: none outlives this process
-    return _execute(config, as_json=args.json)
+    return execute_and_report(config, as_json=args.json)
 
 
-def _execute(config: RunConfig, *, as_json: bool) -> int:
+def execute_and_report(config: RunConfig, *, as_json: bool) -> int:
     import contextlib
 
     from pipeline.run.display import keep_banner, live_progress, summary_table

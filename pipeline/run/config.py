@@ -28,6 +28,24 @@ AgentKind = Literal["driver", "sdk"]
 
 
 @dataclass(frozen=True, slots=True)
+class Attach:
+    """The running services ``tokentrail drive`` plays against."""
+
+    worker_url: str | None = None
+    gateway_url: str | None = None
+    """Through a gateway: an agent that only uses the openai SDK plays (``model`` names the model)."""
+    model: str | None = None
+    dataplane_addresses: Path | None = None
+    """Where accepted samples are read back for the archive (None: ``TOKENTRAIL_DATAPLANE_*``)."""
+
+    def __post_init__(self) -> None:
+        if (self.worker_url is None) == (self.gateway_url is None):
+            raise ValueError("worker: give a worker URL or a gateway URL, one of them")
+        if self.gateway_url is not None and self.model is None:
+            raise ValueError("model-name: driving through a gateway needs the served model's name")
+
+
+@dataclass(frozen=True, slots=True)
 class RunConfig:
     """Every setting of a run; the defaults are the single-machine demo (``make run``)."""
 
@@ -55,6 +73,8 @@ class RunConfig:
     """``driver``: the built-in driver builds admissions; ``sdk``: a plain OpenAI-SDK agent
     plays through the gateway, which builds them."""
     run_id: str | None = None
+    attach: Attach | None = None
+    """``tokentrail drive``: play against services already running instead of starting them."""
     train_steps: int = 0
     """Closed loop: this many steps of ``rollouts`` rollouts, a GRPO step and a refit each."""
     learning_rate: float = 1e-2
@@ -72,6 +92,10 @@ class RunConfig:
             )
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.attach is not None and (self.embedded_broker or self.train_steps or self.keep):
+            raise ValueError(
+                "attach: driving running services needs --bootstrap, and trains or keeps nothing"
+            )
         if self.train_steps < 0:
             raise ValueError(f"train_steps: must be >= 0, got {self.train_steps}")
         if self.train_steps and self.keep:

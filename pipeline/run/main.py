@@ -47,7 +47,7 @@ from pipeline.kafka.producer import KafkaEventSink
 from pipeline.kafka.reader import topic_ends
 from pipeline.run.archiver import SampleArchiver
 from pipeline.run.chat_http import HttpChatEndpoint
-from pipeline.run.config import RunConfig, new_run_id, plan_jobs
+from pipeline.run.config import Attach, RunConfig, new_run_id, plan_jobs
 from pipeline.run.driver import Player, SealTrackingClient, play_jobs
 from pipeline.run.finalized_watch import FinalizedWatcher
 from pipeline.run.journal import RunJournal, close_dead_runs
@@ -197,6 +197,14 @@ class Run:
         return summary
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        if self.config.attach is not None:
+            await self._attach(stack, self.config.attach)
+        else:
+            await self._start_all(stack)
+        self.shutdown.check()
+
+    async def _start_all(self, stack: contextlib.AsyncExitStack) -> None:
+        """Every part in this process: broker, engine, data plane, stages, worker."""
         config, progress, shutdown = self.config, self.progress, self.shutdown
         progress.enter("preparing the model")
         self.model_dir = await asyncio.to_thread(ensure_model, config)
@@ -206,7 +214,6 @@ class Run:
         kafka, broker = await stack.enter_async_context(event_log(config, shutdown.fail))
         self.kafka = kafka
         await ensure_topics(kafka)
-        log_identity = event_log_identity(kafka, broker)
         shutdown.check()
 
         progress.enter("starting the vLLM engine")
@@ -224,18 +231,59 @@ class Run:
         plane = await stack.enter_async_context(open_data_plane(plane_config))
         if config.dataplane_mode == "embedded":
             self.dataplane_addresses = str(plane_config.addresses_path)
-        self._plane = plane
-        sink = await stack.enter_async_context(KafkaEventSink(kafka))
-        probe = await stack.enter_async_context(StageLagProbe(kafka))
-        self.closed_interrupted = await close_dead_runs(config.data_dir, log_identity, RolloutClient(sink))
-        self.journal = journal = RunJournal(config.data_dir, self.run_id, log_identity)
-        stack.callback(journal.close)
+        sink = await self._follow(stack, kafka, plane, event_log_identity(kafka, broker))
         shutdown.check()
 
         progress.enter("starting the stages")
         ledger = LedgerConfig(seal_grace_s=config.seal_grace_s, max_open_s=config.max_open_s)
         await stack.enter_async_context(running_stages(kafka, sink, plane, ledger, on_failure=shutdown.fail))
 
+        progress.enter("starting the worker")
+        server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))
+        self.worker_url = server.url
+        self._endpoint = await stack.enter_async_context(HttpChatEndpoint(server.url))
+        if config.train_steps:
+            progress.enter("loading the trainer")
+            self.training = await self._closed_loop(stack, kafka, plane, server.url)
+        if config.agent == "sdk":
+            progress.enter("starting the gateway")
+            assert self._seals is not None
+            gateway_url = await stack.enter_async_context(serving_gateway(server.url, sink, self._seals))
+            await self._sdk_agent(stack, gateway_url, self.model_dir.name)
+
+    async def _attach(self, stack: contextlib.AsyncExitStack, attach: Attach) -> None:
+        """``tokentrail drive``: the cluster's broker, data plane, stages and workers are running."""
+        from pipeline.dataplane import DataPlaneConfig, open_data_plane
+
+        self.progress.enter("attaching")
+        self.kafka = kafka = self.config.kafka
+        await ensure_topics(kafka)
+        overrides: dict[str, object] = {"mode": "attach", "data_dir": self.config.data_dir}
+        if attach.dataplane_addresses is not None:
+            overrides["addresses_file"] = attach.dataplane_addresses
+            self.dataplane_addresses = str(attach.dataplane_addresses)
+        plane = await stack.enter_async_context(open_data_plane(DataPlaneConfig.from_env(**overrides)))
+        await self._follow(stack, kafka, plane, event_log_identity(kafka, None))
+        if attach.worker_url is not None:
+            self.worker_url = attach.worker_url
+            self._endpoint = await stack.enter_async_context(HttpChatEndpoint(attach.worker_url))
+        if attach.gateway_url is not None:
+            assert attach.model is not None  # Attach checked it
+            await self._sdk_agent(stack, attach.gateway_url, attach.model)
+
+    async def _follow(
+        self, stack: contextlib.AsyncExitStack, kafka: KafkaConfig, plane: DataPlane, log_identity: str
+    ) -> KafkaEventSink:
+        """The producer, the lag probe, the journal, and the follower and archiver of this
+        run's finalized events; returns the producer."""
+        config, progress = self.config, self.progress
+        self._plane = plane
+        self._sink = sink = await stack.enter_async_context(KafkaEventSink(kafka))
+        self._probe = probe = await stack.enter_async_context(StageLagProbe(kafka))
+        self.closed_interrupted = await close_dead_runs(config.data_dir, log_identity, RolloutClient(sink))
+        self.journal = journal = RunJournal(config.data_dir, self.run_id, log_identity)
+        stack.callback(journal.close)
+        self._seals = SealTrackingClient(sink, journal)
         archive = stack.enter_context(SampleArchive(archive_path(config.data_dir)))
         self.watcher = watcher = FinalizedWatcher(
             kafka, [job.rollout_id for job in self.jobs], on_event=progress.record
@@ -247,30 +295,20 @@ class Run:
         self._task(stack, watcher.follow(start), "finalized-follower")
         self._archiving = self._task(stack, archiver.run(watcher.stream), "sample-archiver")
         self._task(stack, self._poll_lag(probe), "lag-poller")
-        self._probe = probe
-        self._sink = sink
+        return sink
 
-        progress.enter("starting the worker")
-        server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))
-        self.worker_url = server.url
-        self._endpoint = await stack.enter_async_context(HttpChatEndpoint(server.url))
-        self._seals = SealTrackingClient(sink, journal)
-        if config.train_steps:
-            progress.enter("loading the trainer")
-            self.training = await self._closed_loop(stack, kafka, plane, server.url)
-        if config.agent == "sdk":
-            progress.enter("starting the gateway")
-            self.gateway_url = await stack.enter_async_context(serving_gateway(server.url, sink, self._seals))
-            self._agent = agent = SdkAgent(
-                self.gateway_url,
-                self.model_dir.name,
-                temperature=config.temperature,
-                max_tokens=config.max_tokens,
-                max_turns=config.turns,
-                seed=config.seed,
-            )
-            stack.push_async_callback(agent.aclose)
-        shutdown.check()
+    async def _sdk_agent(self, stack: contextlib.AsyncExitStack, gateway_url: str, model: str) -> None:
+        config = self.config
+        self.gateway_url = gateway_url
+        self._agent = agent = SdkAgent(
+            gateway_url,
+            model,
+            temperature=config.temperature,
+            max_tokens=config.max_tokens,
+            max_turns=config.turns,
+            seed=config.seed,
+        )
+        stack.push_async_callback(agent.aclose)
 
     async def _closed_loop(
         self, stack: contextlib.AsyncExitStack, kafka: KafkaConfig, plane: DataPlane, worker_url: str
@@ -328,14 +366,16 @@ class Run:
 
     async def _work(self) -> None:
         config, progress = self.config, self.progress
-        assert self._sink is not None and self._endpoint is not None
+        assert self._sink is not None
         assert self._archiving is not None and self._probe is not None
         assert self._seals is not None
         client = self._seals
-        player: Player = (
-            self._agent
-            if self._agent is not None
-            else RolloutDriver(
+        player: Player
+        if self._agent is not None:
+            player = self._agent
+        else:
+            assert self._endpoint is not None
+            player = RolloutDriver(
                 client,
                 self._endpoint,
                 temperature=config.temperature,
@@ -343,7 +383,6 @@ class Run:
                 max_turns=config.turns,
                 seed=config.seed,
             )
-        )
         progress.driver = player.stats
         progress.enter("driving rollouts")
         progress.driving_since = time.monotonic()
@@ -493,7 +532,7 @@ class Run:
             samples_written=written,
             samples_file=str(archive_path(config.data_dir)),
             data_dir=str(config.data_dir),
-            model_dir=str(self.model_dir),
+            model_dir=str(self.model_dir) if config.attach is None else (config.attach.model or ""),
             bootstrap=self.kafka.bootstrap_servers
             if self.kafka is not None
             else config.kafka.bootstrap_servers,

@@ -1,0 +1,94 @@
+"""``tokentrail drive``: play rollouts against a running cluster and archive their samples.
+
+The operator's ``run``: the broker, data plane, stages and workers (or a gateway) are
+already running; this plays the built-in environment against them with the same
+rollout flags as ``run``, waits for every rollout's finalized event and for the stages'
+lag to reach 0, archives the accepted samples to ``DATA_DIR/samples.jsonl``, and reports
+with the same JSON keys as ``run --json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
+from pipeline.commands.run import add_rollout_arguments, execute_and_report
+from pipeline.dataplane.config import ENV_ADDRESSES_FILE
+from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.run.config import Attach, RunConfig
+
+EXAMPLES = """\
+examples:
+  tokentrail drive --bootstrap 127.0.0.1:9092 --worker http://127.0.0.1:8000 \\
+      --dataplane-addresses runs/exp1/dataplane.json --rollouts 12 --json
+  tokentrail drive --bootstrap kafka:9092 --gateway http://gateway:8100 --model-name tiny-model
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "drive",
+        help="play rollouts against a running worker or gateway, wait for their samples, archive them",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    defaults = RunConfig()
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--worker", metavar="URL", help="a capture worker: the built-in driver plays against it"
+    )
+    target.add_argument(
+        "--gateway", metavar="URL", help="a gateway: an agent that only uses the openai SDK plays through it"
+    )
+    parser.add_argument("--model-name", help="the model the workers serve (required with --gateway)")
+    parser.add_argument(
+        "--dataplane-addresses",
+        type=Path,
+        metavar="FILE",
+        help=f"address file of the data plane the samples are in (default: ${ENV_ADDRESSES_FILE}, "
+        "else DATA_DIR/dataplane.json)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=defaults.data_dir,
+        help="where this driver keeps its journal and samples.jsonl (default: %(default)s)",
+    )
+    add_rollout_arguments(parser, defaults)
+    add_kafka_arguments(parser, bootstrap_required=True)
+    parser.add_argument("--json", action="store_true", help="print one JSON summary on stdout (run's keys)")
+    add_log_format_argument(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)
+    try:
+        config = RunConfig(
+            data_dir=args.data_dir,
+            kafka=config_from_args(args),
+            attach=Attach(
+                worker_url=args.worker,
+                gateway_url=args.gateway,
+                model=args.model_name,
+                dataplane_addresses=args.dataplane_addresses,
+            ),
+            agent="sdk" if args.gateway else "driver",
+            rollouts=args.rollouts,
+            group_size=args.group_size,
+            turns=args.turns,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            finalize_timeout_s=args.timeout,
+            lag_timeout_s=args.lag_timeout,
+        )
+    except (ConfigError, ValueError) as exc:
+        print(f"tokentrail drive: {exc}", file=sys.stderr)
+        return 2
+    return execute_and_report(config, as_json=args.json)
