@@ -8,15 +8,27 @@ and they vanish when the process owning the data plane exits.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import errno
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from aiokafka.errors import KafkaError
+
+from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
+from pipeline.dataplane.config import ENV_ADDRESSES_FILE
+from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
+from pipeline.kafka.consumer import ConsumerLoop
+from pipeline.kafka.producer import KafkaEventSink
 from pipeline.samples.archive import archive_path, read_archive
 from pipeline.samples.export import FORMATS, write_jsonl, write_parquet
+from pipeline.samples.rotation import ARCHIVE_GROUP, ArchiveStats, RotatingArchive, RotationSettings
+from stages.ports import DataPlaneError
 
 EXAMPLES = """\
 examples:
@@ -34,7 +46,7 @@ start, carry_len, gen_len).
 def add_parser(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "samples",
-        help="export accepted samples archived by `tokentrail run`",
+        help="export the samples `tokentrail run` archived, or archive a cluster's samples as they come",
         description="Work with the accepted samples archived in a data directory.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -66,6 +78,98 @@ def add_parser(subparsers: Any) -> None:
     export.add_argument("--run", dest="run_id", metavar="RUN_ID", help="only the samples of this run")
     export.add_argument("--json", action="store_true", help="print one JSON summary document on stdout")
     export.set_defaults(run=run)
+    _add_archive(actions)
+
+
+def _add_archive(actions: Any) -> None:
+    archive = actions.add_parser(
+        "archive",
+        help="copy accepted samples from the data plane into rotated files, as a long-lived consumer",
+        description=(
+            "Consume tokentrail.finalized in a group of its own and write every accepted sample\n"
+            "(export format, plus run_id = --label) to OUT/samples-<time>-<n>.jsonl or .parquet,\n"
+            "rotated. For clusters without `tokentrail run`; stop with SIGTERM or Ctrl-C."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    archive.add_argument("--out", type=Path, required=True, metavar="DIR", help="directory for the files")
+    archive.add_argument(
+        "--format", choices=FORMATS, default="jsonl", help="file format (default: %(default)s)"
+    )
+    archive.add_argument(
+        "--rotate-records", type=int, default=10_000, help="samples per file at most (default: %(default)s)"
+    )
+    archive.add_argument(
+        "--rotate-seconds",
+        type=float,
+        default=3600.0,
+        help="seconds a file stays open at most (default: %(default)s)",
+    )
+    archive.add_argument(
+        "--label", default="cluster", help="the run_id every archived record carries (default: %(default)s)"
+    )
+    archive.add_argument("--group", default=ARCHIVE_GROUP, help="consumer group (default: %(default)s)")
+    archive.add_argument(
+        "--dataplane-addresses",
+        type=Path,
+        metavar="FILE",
+        help=f"address file of the data plane (default: ${ENV_ADDRESSES_FILE}, else .tokentrail/dataplane.json)",
+    )
+    add_kafka_arguments(archive, bootstrap_required=True)
+    archive.add_argument("--json", action="store_true", help="print one JSON summary on stdout when stopped")
+    add_log_format_argument(archive)
+    archive.set_defaults(run=run_archive)
+
+
+def run_archive(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)
+    try:
+        settings = RotationSettings(
+            args.out, args.format, args.rotate_records, args.rotate_seconds, label=args.label
+        )
+        kafka = config_from_args(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"tokentrail samples archive: {exc}", file=sys.stderr)
+        return 2
+    try:
+        stats = asyncio.run(_archive(kafka, settings, args.group, args.dataplane_addresses))
+    except (ConfigError, DataPlaneError, KafkaError, OSError) as exc:
+        print(f"tokentrail samples archive: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"out": str(args.out), **dataclasses.asdict(stats)}, sort_keys=True))
+    return 0
+
+
+async def _archive(
+    kafka: KafkaConfig, settings: RotationSettings, group: str, addresses: Path | None
+) -> ArchiveStats:
+    from pipeline.dataplane import DataPlaneConfig, open_data_plane
+
+    overrides: dict[str, object] = {"mode": "attach"}
+    if addresses is not None:
+        overrides["addresses_file"] = addresses
+    async with (
+        open_data_plane(DataPlaneConfig.from_env(**overrides)) as plane,
+        KafkaEventSink(kafka) as dead_letters,
+    ):
+        archive = RotatingArchive(plane, settings)
+        loop = ConsumerLoop(
+            kafka,
+            group_id=group,
+            topics=[kafka.names.finalized],
+            handler=archive,
+            dead_letters=dead_letters,
+            stage="archive",
+        )
+        running = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            running.add_signal_handler(sig, loop.request_stop)
+        try:
+            await loop.run()
+        finally:
+            archive.rotate()  # what was buffered is on disk; it is delivered again after a restart
+        return archive.stats
 
 
 def run(args: argparse.Namespace) -> int:
