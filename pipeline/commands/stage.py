@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
-from pipeline.dataplane.config import RESTAGE_GRACE_S
+from pipeline.dataplane.config import ENV_ADDRESSES_FILE, RESTAGE_GRACE_S
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.consumer import DEFAULT_TUNING
@@ -124,7 +124,17 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     parser.add_argument(
-        "--data-dir", type=Path, default=Path(".tokentrail"), help="where dataplane.json lives"
+        "--dataplane-addresses",
+        type=Path,
+        metavar="FILE",
+        help=f"finalizer: address file of the data plane to attach to (default: ${ENV_ADDRESSES_FILE}, "
+        "else DATA_DIR/dataplane.json)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(".tokentrail"),
+        help="where dataplane.json lives (default: %(default)s)",
     )
     parser.add_argument("--ray-address", help="Ray cluster address for --dataplane-mode ray")
     parser.add_argument(
@@ -281,6 +291,7 @@ async def _serve_stage(
                 data_dir=args.data_dir,
                 ray_address=args.ray_address,
                 restage_grace_s=RESTAGE_GRACE_S,  # missing rows may be on their way back
+                **({"addresses_file": args.dataplane_addresses} if args.dataplane_addresses else {}),
             )
             plane = metrics.data_plane(await stack.enter_async_context(open_data_plane(plane_config)))
         await serve_stage(

@@ -391,6 +391,7 @@ class ConsumerLoop:
                 self._committed.pop(tp, None)
         if revoked:  # a member's first join revokes nothing: no rebalance has happened yet
             self.stats.rebalances += 1
+            log.info("%s: group %s revoked %s", self.stage, self.group_id, _named(revoked))
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         consumer = self._consumer
@@ -418,9 +419,14 @@ class ConsumerLoop:
                         self._committed[tp] = offset
                 if self._on_assigned_hook is not None:
                     await self._on_assigned_hook(frozenset((tp.topic, tp.partition) for tp in assigned))
+                log.info("%s: group %s assigned %s", self.stage, self.group_id, _named(assigned))
             else:
                 self._epoch += 1
         self._assigned.set()
+
+
+def _named(partitions: set[TopicPartition]) -> str:
+    return ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(partitions))
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
