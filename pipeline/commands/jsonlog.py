@@ -3,7 +3,9 @@
 ``--log-format auto`` (the default) writes text on a terminal and JSON lines otherwise
 (a pipe, a file, a container's log), so the worker, the stages, the gateway and ``run``
 write the same lines into one log. vLLM's loggers, in this process and in the engine
-processes it starts, go through the same formatter (``vllm_logging``).
+processes it starts, go through the same formatter (``vllm_logging``). What libraries
+write to stderr without logging (torch's C++ warnings, progress bars, a message an
+engine process logs before its logging is configured) stays as it is.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def configure_logging(log_format: LogFormat = "json", level: int = logging.INFO)
     root.setLevel(level)
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.captureWarnings(True)  # Python warnings are log lines too
     logging.Formatter.converter = time.gmtime
 
 
