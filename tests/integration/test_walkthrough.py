@@ -179,8 +179,10 @@ def test_the_walkthrough_survives_a_killed_replica_of_each_stage(tmp_path: Path)
                 assert drive.returncode == 0, (tmp_path / "drive.log").read_text()[-3000:]
                 summary = json.loads(out)
                 assert summary["rollouts"] == summary["finalized"] == 12 and summary["missing"] == 0, summary
-                assert summary["accepted"] + sum(summary["rejected"].values()) == 12
-                assert summary["lag"] == 0 and summary["samples_written"] == summary["accepted"] > 0
+                assert summary["accepted"] == 12 and summary["rejected"] == {}, (
+                    summary
+                )  # one accepted outcome each
+                assert summary["lag"] == 0 and summary["samples_written"] == 12
                 continue
             done = operator.run(line, timeout=120)
             assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import logging.config
@@ -119,3 +120,52 @@ def test_vllm_logs_through_the_same_formatter_in_every_engine_process(monkeypatc
     record = logging.LogRecord("vllm.engine", logging.WARNING, __file__, 1, "slow step", None, None)
     assert json.loads(handler.format(record))["logger"] == "vllm.engine"
     logging.getLogger("vllm").handlers.clear()
+
+
+def test_a_first_join_is_not_counted_as_a_rebalance() -> None:
+    from aiokafka import TopicPartition
+
+    from pipeline.kafka.config import KafkaConfig
+    from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop
+    from stages.memory import RecordingSink
+
+    loop = ConsumerLoop(
+        KafkaConfig("127.0.0.1:1"),
+        group_id="g",
+        topics=["t"],
+        handler=CollectingHandler(),
+        dead_letters=RecordingSink(),
+        stage="test",
+    )
+
+    async def go() -> tuple[int, int]:
+        await loop._on_revoked(set())  # what a member's first join reports
+        first = loop.stats.rebalances
+        await loop._on_revoked({TopicPartition("t", 0)})
+        return first, loop.stats.rebalances
+
+    assert asyncio.run(go()) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("attach", "kafka", "error"),
+    [
+        ({}, "k:9092", "worker"),
+        ({"worker_url": "http://w", "gateway_url": "http://g", "model": "m"}, "k:9092", "worker"),
+        ({"gateway_url": "http://g"}, "k:9092", "model-name"),
+        ({"worker_url": "http://w"}, None, "bootstrap"),
+    ],
+)
+def test_drive_needs_one_target_and_a_cluster(attach: dict[str, Any], kafka: str | None, error: str) -> None:
+    from pipeline.kafka.config import KafkaConfig
+    from pipeline.run.config import Attach, RunConfig
+
+    with pytest.raises(ValueError, match=error):
+        RunConfig(kafka=KafkaConfig(kafka), attach=Attach(**attach))
+
+
+def test_drive_plays_against_running_services_with_runs_flags() -> None:
+    args = cli.build_parser().parse_args(
+        ["drive", "--bootstrap", "k:9092", "--gateway", "http://g", "--model-name", "m", "--rollouts", "4"]
+    )
+    assert (args.gateway, args.model_name, args.rollouts, args.group_size) == ("http://g", "m", 4, 4)
