@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
-from pipeline.commands.run import add_rollout_arguments, execute_and_report
+from pipeline.commands.run import add_rollout_arguments, execute_and_report, rollout_settings
 from pipeline.dataplane.config import ENV_ADDRESSES_FILE
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.run.config import Attach, RunConfig
@@ -78,17 +78,9 @@ def run(args: argparse.Namespace) -> int:
                 dataplane_addresses=args.dataplane_addresses,
             ),
             agent="sdk" if args.gateway else "driver",
-            rollouts=args.rollouts,
-            group_size=args.group_size,
-            turns=args.turns,
-            concurrency=args.concurrency,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            finalize_timeout_s=args.timeout,
-            lag_timeout_s=args.lag_timeout,
+            **rollout_settings(args),
         )
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"tokentrail drive: {exc}", file=sys.stderr)
         return 2
     return execute_and_report(config, as_json=args.json)

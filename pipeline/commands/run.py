@@ -21,6 +21,7 @@ from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
 from pipeline.run.config import RunConfig
+from stages.envs.arithmetic import read_tasks
 
 EXAMPLES = """\
 examples:
@@ -142,6 +143,15 @@ def add_rollout_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) 
     """What to play and how long to wait: shared by ``run`` and ``drive``."""
     rollouts = parser.add_argument_group("rollouts")
     rollouts.add_argument(
+        "--tasks",
+        type=Path,
+        metavar="FILE",
+        help=(
+            'play these tasks instead of generated ones: JSON lines {"task_id": ..., "expression": ...}, '
+            "each played --group-size times (--rollouts is then their number times the group size)"
+        ),
+    )
+    rollouts.add_argument(
         "--rollouts", type=int, default=defaults.rollouts, help="rollouts to play (default: %(default)s)"
     )
     rollouts.add_argument(
@@ -195,6 +205,27 @@ def add_rollout_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) 
     )
 
 
+def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``RunConfig`` fields of ``add_rollout_arguments``; a tasks file is read here
+    (``TaskFileError``, a ``ValueError``, names its bad line)."""
+    tasks = None
+    if args.tasks is not None:
+        with args.tasks.open() as lines:
+            tasks = tuple(read_tasks(lines, str(args.tasks)))
+    return {
+        "rollouts": len(tasks) * args.group_size if tasks else args.rollouts,
+        "tasks": tasks,
+        "group_size": args.group_size,
+        "turns": args.turns,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "finalize_timeout_s": args.timeout,
+        "lag_timeout_s": args.lag_timeout,
+    }
+
+
 def _quiet_libraries(log_format: LogFormat) -> None:
     """vLLM logs through our lines (and only warnings); nothing it says goes to stdout."""
     vllm_logging(log_format)
@@ -218,23 +249,15 @@ def run(args: argparse.Namespace) -> int:
             dataplane_mode=args.dataplane_mode,
             ray_address=args.ray_address,
             agent=args.agent,
-            rollouts=args.rollouts,
-            group_size=args.group_size,
-            turns=args.turns,
-            concurrency=args.concurrency,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
             seal_grace_s=args.seal_grace,
             max_open_s=args.max_open,
-            finalize_timeout_s=args.timeout,
-            lag_timeout_s=args.lag_timeout,
             keep=args.keep,
             train_steps=args.train_steps,
             learning_rate=args.learning_rate,
             max_staleness=args.max_staleness,
+            **rollout_settings(args),
         )
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"tokentrail run: {exc}", file=sys.stderr)
         return 2
     if args.model is not None and not (args.model / "config.json").is_file():

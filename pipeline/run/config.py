@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -17,7 +18,7 @@ from typing import Literal
 from pipeline.kafka.broker import StorageMode
 from pipeline.kafka.config import KafkaConfig
 from stages.driver import Job
-from stages.envs.arithmetic import make_tasks
+from stages.envs.arithmetic import Task, make_tasks
 
 RunDataPlaneMode = Literal["embedded", "ray"]
 DEFAULT_DATA_DIR = Path(".tokentrail")
@@ -75,6 +76,9 @@ class RunConfig:
     run_id: str | None = None
     attach: Attach | None = None
     """``tokentrail drive``: play against services already running instead of starting them."""
+    tasks: tuple[Task, ...] | None = None
+    """Tasks to play (``--tasks FILE``), each ``group_size`` times; ``rollouts`` must be
+    their number times the group size. None: ``rollouts // group_size`` generated ones."""
     train_steps: int = 0
     """Closed loop: this many steps of ``rollouts`` rollouts, a GRPO step and a refit each."""
     learning_rate: float = 1e-2
@@ -96,6 +100,10 @@ class RunConfig:
             raise ValueError(
                 "attach: driving running services needs --bootstrap, and trains or keeps nothing"
             )
+        if self.tasks is not None and (
+            self.train_steps or len(self.tasks) * self.group_size != self.rollouts
+        ):
+            raise ValueError("tasks: play each task group-size times, once (no --train-steps)")
         if self.train_steps < 0:
             raise ValueError(f"train_steps: must be >= 0, got {self.train_steps}")
         if self.train_steps and self.keep:
@@ -125,10 +133,13 @@ def new_run_id() -> str:
     return f"run-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
-def plan_jobs(run_id: str, *, rollouts: int, group_size: int, seed: int) -> list[Job]:
-    """``rollouts // group_size`` tasks, each played ``group_size`` times as one group."""
+def plan_jobs(
+    run_id: str, *, rollouts: int, group_size: int, seed: int, tasks: Sequence[Task] | None = None
+) -> list[Job]:
+    """``rollouts // group_size`` tasks (``tasks``, or generated from ``seed``), each played
+    ``group_size`` times as one group."""
     jobs: list[Job] = []
-    for task in make_tasks(rollouts // group_size, seed):
+    for task in tasks if tasks is not None else make_tasks(rollouts // group_size, seed):
         group_id = f"{run_id}.{task.task_id}"
         jobs.extend(Job(f"{group_id}.{member}", task, group_id) for member in range(group_size))
     return jobs

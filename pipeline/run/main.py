@@ -134,7 +134,11 @@ class Run:
         self.config = config
         self.run_id = config.run_id or new_run_id()
         self.jobs = plan_jobs(
-            self.run_id, rollouts=config.total_rollouts, group_size=config.group_size, seed=config.seed
+            self.run_id,
+            rollouts=config.total_rollouts,
+            group_size=config.group_size,
+            seed=config.seed,
+            tasks=config.tasks,
         )
         self.progress = progress if progress is not None else RunProgress()
         self.progress.run_id = self.run_id

@@ -16,7 +16,7 @@ import json
 import operator
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,44 @@ class Task:
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"What is {self.expression}?"},
         ]
+
+
+_TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class TaskFileError(ValueError):
+    """A line of a tasks file that cannot be played; the message names the line and field."""
+
+
+def read_tasks(lines: Iterable[str], source: str = "tasks") -> list[Task]:
+    """Tasks from JSON lines ``{"task_id": ..., "expression": ...}``, each checked: the id
+    becomes part of rollout ids, and the expression must evaluate."""
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{source}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskFileError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise TaskFileError(f"{where}: expected an object with task_id and expression")
+        task_id, expression = record.get("task_id"), record.get("expression")
+        if not isinstance(task_id, str) or not _TASK_ID.match(task_id) or task_id in seen:
+            raise TaskFileError(f"{where}: task_id: a new id of letters, digits, '.', '_' or '-' is needed")
+        if not isinstance(expression, str):
+            raise TaskFileError(f"{where}: expression: a string is needed")
+        try:
+            evaluate(expression)
+        except CalculatorError as exc:
+            raise TaskFileError(f"{where}: expression: {exc}") from None
+        seen.add(task_id)
+        tasks.append(Task(task_id, expression))
+    if not tasks:
+        raise TaskFileError(f"{source}: no task")
+    return tasks
 
 
 def make_tasks(count: int, seed: int = 0) -> list[Task]:

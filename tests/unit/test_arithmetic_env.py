@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from stages.envs.arithmetic import PARTIAL_CREDIT, CalculatorError, Episode, Task, evaluate, make_tasks
+from stages.envs.arithmetic import (
+    PARTIAL_CREDIT,
+    CalculatorError,
+    Episode,
+    Task,
+    TaskFileError,
+    evaluate,
+    make_tasks,
+    read_tasks,
+)
 
 
 def test_calculator_evaluates_arithmetic_only() -> None:
@@ -63,3 +72,22 @@ def test_bad_tool_arguments_answer_with_an_error() -> None:
 def test_tasks_are_deterministic() -> None:
     assert make_tasks(5, seed=3) == make_tasks(5, seed=3)
     assert len({t.task_id for t in make_tasks(50)}) == 50
+
+
+def test_tasks_are_read_from_json_lines_and_each_bad_line_is_named() -> None:
+    good = ['{"task_id": "a1", "expression": "2 + 3"}', "", '{"task_id": "b.2", "expression": "(4 * 5) - 1"}']
+    assert [(t.task_id, t.answer) for t in read_tasks(good)] == [("a1", 5.0), ("b.2", 19.0)]
+    bad = {
+        "not json": "tasks:1: not JSON",
+        '{"task_id": "a/1", "expression": "1"}': "tasks:1: task_id",
+        '{"task_id": "a", "expression": 7}': "tasks:1: expression",
+        '{"task_id": "a", "expression": "import os"}': "tasks:1: expression",
+        "[1, 2]": "tasks:1: expected an object",
+    }
+    for line, message in bad.items():
+        with pytest.raises(TaskFileError, match=message):
+            read_tasks([line])
+    with pytest.raises(TaskFileError, match="tasks:2: task_id"):
+        read_tasks(['{"task_id": "a", "expression": "1"}', '{"task_id": "a", "expression": "2"}'])
+    with pytest.raises(TaskFileError, match="no task"):
+        read_tasks([""])

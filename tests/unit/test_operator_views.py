@@ -16,6 +16,7 @@ import pytest
 from pipeline import cli
 from pipeline.commands.jsonlog import configure_logging, vllm_logging
 from pipeline.commands.lag import print_table, table
+from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.lag import PartitionLag
 from pipeline.replay.store import tree_order
 from topics.records import CallRecord, FailedCall
@@ -169,3 +170,21 @@ def test_drive_plays_against_running_services_with_runs_flags() -> None:
         ["drive", "--bootstrap", "k:9092", "--gateway", "http://g", "--model-name", "m", "--rollouts", "4"]
     )
     assert (args.gateway, args.model_name, args.rollouts, args.group_size) == ("http://g", "m", 4, 4)
+
+
+def test_drive_and_run_play_a_tasks_file_group_size_times_each(tmp_path: Path) -> None:
+    from pipeline.commands.run import rollout_settings
+    from pipeline.run.config import RunConfig, plan_jobs
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        '{"task_id": "sum", "expression": "2 + 3"}\n{"task_id": "prod", "expression": "4 * 5"}\n'
+    )
+    args = cli.build_parser().parse_args(
+        ["drive", "--bootstrap", "k:9092", "--worker", "http://w", "--tasks", str(tasks), "--group-size", "3"]
+    )
+    settings = rollout_settings(args)
+    config = RunConfig(kafka=KafkaConfig("k:9092"), **settings)
+    jobs = plan_jobs("run-t", rollouts=config.rollouts, group_size=3, seed=0, tasks=config.tasks)
+    assert config.rollouts == 6 and [j.group_id for j in jobs] == ["run-t.sum"] * 3 + ["run-t.prod"] * 3
+    assert jobs[0].task.expression == "2 + 3"
