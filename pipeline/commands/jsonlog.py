@@ -95,3 +95,5 @@ def vllm_logging(log_format: LogFormat, level: str = "WARNING") -> None:
     path.write_text(json.dumps(config))
     os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+    if resolve(log_format) == "json":
+        os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars (weight loading) are no log lines
