@@ -1,8 +1,8 @@
 """``tokentrail drive``: play rollouts against a running cluster and archive their samples.
 
 The operator's ``run``: the broker, data plane, stages and workers (or a gateway) are
-already running; this plays the built-in environment against them with the same
-rollout flags as ``run``, waits for every rollout's finalized event and for the stages'
+already running; this plays the built-in environment (its generated tasks, or those of
+``--tasks FILE``) against them with the same rollout flags as ``run``, waits for every rollout's finalized event and for the stages'
 lag to reach 0, archives the accepted samples to ``DATA_DIR/samples.jsonl``, and reports
 with the same JSON keys as ``run --json``.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.commands.run import add_rollout_arguments, execute_and_report, rollout_settings
-from pipeline.dataplane.config import ENV_ADDRESSES_FILE
+from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.run.config import Attach, RunConfig
 
@@ -45,13 +45,7 @@ def add_parser(subparsers: Any) -> None:
         "--gateway", metavar="URL", help="a gateway: an agent that only uses the openai SDK plays through it"
     )
     parser.add_argument("--model-name", help="the model the workers serve (required with --gateway)")
-    parser.add_argument(
-        "--dataplane-addresses",
-        type=Path,
-        metavar="FILE",
-        help=f"address file of the data plane the samples are in (default: ${ENV_ADDRESSES_FILE}, "
-        "else DATA_DIR/dataplane.json)",
-    )
+    add_dataplane_addresses_argument(parser)
     parser.add_argument(
         "--data-dir",
         type=Path,

@@ -21,7 +21,7 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
-from pipeline.dataplane.config import ENV_ADDRESSES_FILE
+from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.consumer import ConsumerLoop
 from pipeline.kafka.producer import KafkaEventSink
@@ -109,12 +109,7 @@ def _add_archive(actions: Any) -> None:
         "--label", default="cluster", help="the run_id every archived record carries (default: %(default)s)"
     )
     archive.add_argument("--group", default=ARCHIVE_GROUP, help="consumer group (default: %(default)s)")
-    archive.add_argument(
-        "--dataplane-addresses",
-        type=Path,
-        metavar="FILE",
-        help=f"address file of the data plane (default: ${ENV_ADDRESSES_FILE}, else .tokentrail/dataplane.json)",
-    )
+    add_dataplane_addresses_argument(archive)
     add_kafka_arguments(archive, bootstrap_required=True)
     archive.add_argument("--json", action="store_true", help="print one JSON summary on stdout when stopped")
     add_log_format_argument(archive)

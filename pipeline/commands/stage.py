@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
-from pipeline.dataplane.config import ENV_ADDRESSES_FILE, RESTAGE_GRACE_S
+from pipeline.dataplane.config import RESTAGE_GRACE_S, add_dataplane_addresses_argument
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.consumer import DEFAULT_TUNING
@@ -123,13 +123,7 @@ def add_parser(subparsers: Any) -> None:
             "cluster; embedded: own one in this process (tests) (default: %(default)s)"
         ),
     )
-    parser.add_argument(
-        "--dataplane-addresses",
-        type=Path,
-        metavar="FILE",
-        help=f"finalizer: address file of the data plane to attach to (default: ${ENV_ADDRESSES_FILE}, "
-        "else DATA_DIR/dataplane.json)",
-    )
+    add_dataplane_addresses_argument(parser)
     parser.add_argument(
         "--data-dir",
         type=Path,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka.errors import KafkaError
 
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging, vllm_logging
+from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
 from pipeline.worker import add_body_limit_argument
@@ -110,12 +111,7 @@ def add_parser(subparsers: Any) -> None:
     )
     engine.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20, help="KV cache size in bytes")
     engine.add_argument("--seed", type=int, default=0, help="engine seed")
-    parser.add_argument(
-        "--dataplane-addresses",
-        type=Path,
-        metavar="FILE",
-        help="address file of the data plane to attach to (default: from TOKENTRAIL_DATAPLANE_*)",
-    )
+    add_dataplane_addresses_argument(parser)
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
     add_log_format_argument(parser)

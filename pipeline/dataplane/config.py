@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast, get_args
+from typing import Any, Literal, cast, get_args
 
 DataPlaneMode = Literal["embedded", "attach", "ray"]
 
@@ -32,6 +32,19 @@ ENV_ADDRESSES_FILE = "TOKENTRAIL_DATAPLANE_ADDRESSES_FILE"
 ENV_ADDRESSES = "TOKENTRAIL_DATAPLANE_ADDRESSES"
 ENV_TIMEOUT_S = "TOKENTRAIL_DATAPLANE_TIMEOUT_S"
 ENV_RAY_ADDRESS = "TOKENTRAIL_RAY_ADDRESS"
+
+
+def add_dataplane_addresses_argument(parser: Any) -> None:
+    """``--dataplane-addresses FILE``: how every verb that reads or writes rows names the data plane."""
+    parser.add_argument(
+        "--dataplane-addresses",
+        type=Path,
+        metavar="FILE",
+        help=(
+            f"address file the data plane published (`tokentrail dataplane`); default: ${ENV_ADDRESSES_FILE}, "
+            f"else DATA_DIR/{ADDRESSES_FILE_NAME}"
+        ),
+    )
 
 
 def is_loopback(host: str) -> bool:

@@ -18,6 +18,11 @@ Order of start (each part stops in reverse, through one ``AsyncExitStack``):
    arithmetic tool-use environment against it over HTTP; with ``--agent sdk`` a gateway
    in front of the worker, and an agent that only uses the openai SDK through it.
 
+``tokentrail drive`` (``RunConfig.attach``) skips 1, 3, 5 and 7: it uses the cluster's
+broker, data plane, stages and worker or gateway, and only follows and archives. With
+``--train-steps`` the rollouts are played step by step, each followed by a GRPO step
+and a refit of the worker (``pipeline.run.training``).
+
 A run is complete when every rollout of this run has its ``FinalizedEvent`` (accepted
 or rejected), every accepted sample is archived, and both stages' consumer lag is 0.
 SIGINT/SIGTERM stop it at any point: in-flight rollouts are sealed as interrupted, and
