@@ -118,18 +118,6 @@ class EventRecord(Record):
     """An event: written as schema 4; a schema-3 event is read into this schema-4 record."""
 
     schema_version: int = EVENT_SCHEMA_VERSION
-    ADDED_IN_4: ClassVar[tuple[str, ...]] = ()
-    """Fields added to schema 4 after it shipped, written only when they differ from their
-    default: events that do not use them stay byte for byte what older readers know."""
-
-    @model_serializer(mode="wrap")
-    def _omit_unused_additions(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if isinstance(data, dict):
-            for name in self.ADDED_IN_4:
-                if name in data and getattr(self, name) == type(self).model_fields[name].default:
-                    del data[name]
-        return data
 
     @field_validator("schema_version")
     @classmethod
@@ -150,6 +138,23 @@ class EventRecord(Record):
     @classmethod
     def _from_v3(cls, data: dict[str, Any]) -> dict[str, Any]:
         """A schema-3 payload as the schema-4 fields (most events did not change)."""
+        return data
+
+
+class AddedIn4(EventRecord):
+    """An event with fields added to schema 4 after it shipped (``ADDED_IN_4``), written
+    only when they differ from their default: events that do not use them stay byte for
+    byte what older readers know. Only these events pay for the check (one per rollout)."""
+
+    ADDED_IN_4: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unused_additions(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self.ADDED_IN_4:
+                if name in data and getattr(self, name) == type(self).model_fields[name].default:
+                    del data[name]
         return data
 
 
@@ -425,7 +430,7 @@ class FailedCall(EventRecord):
     detail: str | None = None
 
 
-class RolloutSeal(EventRecord):
+class RolloutSeal(AddedIn4):
     """The driver's statement that a rollout is over (no more calls will be admitted)."""
 
     rollout_id: RolloutId
@@ -514,7 +519,7 @@ class ReceiptChain(BaseModel):
         return self
 
 
-class RolloutReceipt(EventRecord):
+class RolloutReceipt(AddedIn4):
     """The ledger's verdict on a sealed rollout: what to finalize, or why not.
 
     Under ``sample_policy`` terminal the ``terminal_*`` fields name the one chain; under
@@ -637,7 +642,7 @@ class SampleOutcome(BaseModel):
         return self
 
 
-class FinalizedEvent(EventRecord):
+class FinalizedEvent(AddedIn4):
     """One per admitted rollout: accepted with a sample key, or rejected with a code."""
 
     rollout_id: RolloutId
