@@ -3,8 +3,9 @@
 Each run starts the durable tansu broker, the embedded TransferQueue, a vLLM CPU engine
 on the tiny model, both stages and the driver, so every test here costs about a minute
 of engine start-up. The first test runs twice on one data directory (the second run
-must continue the same log and finalize only its own rollouts); the second interrupts
-a run with SIGINT and checks that nothing it started is left running.
+must continue the same log and finalize only its own rollouts); the second plays through
+a gateway with an SDK agent and trains the policy on its samples (``--train-steps``);
+the third interrupts a run with SIGINT and checks that nothing it started is left running.
 """
 
 from __future__ import annotations
@@ -122,25 +123,16 @@ def test_two_runs_on_one_data_dir_finalize_each_rollout_once(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(400)
-def test_an_sdk_agent_through_the_gateway_gives_exact_samples(tmp_path: Path) -> None:
-    """The agent uses only the openai SDK; the gateway admits, seals and strips."""
+def test_an_sdk_agent_trains_the_policy_through_the_gateway(tmp_path: Path) -> None:
+    """The agent uses only the openai SDK (the gateway admits, seals and strips), and
+    ``--train-steps`` closes the loop: rollouts -> samples -> a GRPO step -> new weights in
+    the worker, twice."""
     data_dir = tmp_path / "tt"
-    summary = run_small(data_dir, tmp_path / "run.log", "--agent", "sdk", "--broker-storage", "memory")
-    check_summary(summary, data_dir)
-    assert summary["agent"] == "sdk" and summary["gateway_url"].startswith("http://127.0.0.1:")
-    assert summary["accepted"] == 4 and summary["rejected"] == {}, summary
-    samples = export(data_dir)
-    assert len(samples) == 4
-    for sample in samples:
-        check_sample(sample)
-
-
-@pytest.mark.timeout(400)
-def test_train_steps_close_the_loop_on_the_captured_logprobs(tmp_path: Path) -> None:
-    """Rollouts -> samples -> a GRPO step -> new weights in the worker, twice."""
-    data_dir = tmp_path / "tt"
-    summary = run_small(data_dir, tmp_path / "run.log", "--train-steps", "2", "--broker-storage", "memory")
+    summary = run_small(
+        data_dir, tmp_path / "run.log", "--agent", "sdk", "--train-steps", "2", "--broker-storage", "memory"
+    )
     assert summary["status"] == "completed" and summary["lag"] == 0, summary
+    assert summary["agent"] == "sdk" and summary["gateway_url"].startswith("http://127.0.0.1:")
     assert summary["rollouts"] == summary["finalized"] == summary["accepted"] == 8, summary
     first, second = summary["train_steps"]
     assert [first["step"], second["step"]] == [1, 2]
