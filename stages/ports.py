@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from stages.recent import RecentIds
 from topics.codec import RawRecord, raw_record
 from topics.events import Envelope
 from topics.records import Record, StagedCall, TrainingSample
+
+T = TypeVar("T")
 
 STAGING_PARTITION = "staging"
 SAMPLES_PARTITION = "samples"
@@ -58,13 +60,25 @@ async def read_calls(plane: DataPlane, keys: Sequence[str]) -> tuple[dict[str, S
     """Every readable row of ``keys`` in one read (two when some are missing), and the
     keys that have none. A partial answer is the normal case while rows are still being
     staged, or after a loss the caller must name exactly."""
+    return await _read_available(plane.get_calls, keys)
+
+
+async def read_samples(plane: DataPlane, keys: Sequence[str]) -> tuple[dict[str, TrainingSample], set[str]]:
+    """Every sample of ``keys`` still stored, and the keys that have none (consumed by a
+    trainer, or lost with the data plane), as ``read_calls`` reads rows."""
+    return await _read_available(plane.get_samples, keys)
+
+
+async def _read_available(
+    get: Callable[[Sequence[str]], Awaitable[dict[str, T]]], keys: Sequence[str]
+) -> tuple[dict[str, T], set[str]]:
     try:
-        return await plane.get_calls(keys), set()
+        return await get(keys), set()
     except MissingRows as exc:
         missing = set(exc.keys)
     readable = [key for key in keys if key not in missing]
     try:
-        return (await plane.get_calls(readable) if readable else {}), missing
+        return (await get(readable) if readable else {}), missing
     except MissingRows as exc:  # rows vanished between the two reads
         return {}, missing | set(exc.keys) | set(readable)
 

@@ -139,13 +139,10 @@ def run_archive(args: argparse.Namespace) -> int:
 async def _archive(
     kafka: KafkaConfig, settings: RotationSettings, group: str, addresses: Path | None
 ) -> ArchiveStats:
-    from pipeline.dataplane import DataPlaneConfig, open_data_plane
+    from pipeline.dataplane import attach_data_plane
 
-    overrides: dict[str, object] = {"mode": "attach"}
-    if addresses is not None:
-        overrides["addresses_file"] = addresses
     async with (
-        open_data_plane(DataPlaneConfig.from_env(**overrides)) as plane,
+        attach_data_plane(addresses) as plane,
         KafkaEventSink(kafka) as dead_letters,
     ):
         archive = RotatingArchive(plane, settings)

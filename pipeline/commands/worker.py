@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +28,6 @@ from stages.ports import DataPlaneError
 
 if TYPE_CHECKING:
     from pipeline.worker.main import WorkerConfig, WorkerServer
-    from stages.ports import DataPlane
 
 EXAMPLES = """\
 examples:
@@ -118,25 +114,6 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-@contextlib.asynccontextmanager
-async def attach_data_plane(addresses_file: Path | None) -> AsyncIterator[DataPlane]:
-    """The TransferQueue data plane another process runs; this client closes on exit.
-
-    ``addresses_file`` wins; otherwise the ``TOKENTRAIL_DATAPLANE_*`` environment decides
-    (attach mode unless it names another one).
-    """
-    from pipeline.dataplane import DataPlaneConfig, open_data_plane
-    from pipeline.dataplane.config import ENV_MODE
-
-    overrides: dict[str, object] = {}
-    if addresses_file is not None:
-        overrides = {"mode": "attach", "addresses_file": addresses_file}
-    elif ENV_MODE not in os.environ:
-        overrides = {"mode": "attach"}
-    async with open_data_plane(DataPlaneConfig.from_env(**overrides)) as plane:
-        yield plane
-
-
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     from pipeline.worker.main import WorkerConfig, default_worker_id
     from stages.capture.core import AckPolicy
@@ -187,6 +164,8 @@ async def _serve(args: argparse.Namespace) -> None:
             print(json.dumps(document, sort_keys=True), flush=True)
         else:
             print(f"worker {config.worker_id} serving {config.model_name} on {server.url}", flush=True)
+
+    from pipeline.dataplane import attach_data_plane
 
     # The engine first: it takes tens of seconds and blocks the loop while it starts,
     # which must not happen under a live Kafka producer or data-plane client.

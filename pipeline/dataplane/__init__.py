@@ -24,7 +24,7 @@ if TYPE_CHECKING:
         start_embedded,
     )
     from pipeline.dataplane.encoding import RowFormatError
-    from pipeline.dataplane.runtime import open_data_plane
+    from pipeline.dataplane.runtime import attach_data_plane, open_data_plane
     from pipeline.dataplane.transferqueue import CorruptRows, TransferQueueDataPlane
 
 _HOMES = {
@@ -39,6 +39,7 @@ _HOMES = {
     "start_embedded": "embedded",
     "RowFormatError": "encoding",
     "open_data_plane": "runtime",
+    "attach_data_plane": "runtime",
     "CorruptRows": "transferqueue",
     "TransferQueueDataPlane": "transferqueue",
 }
@@ -54,6 +55,7 @@ __all__ = [
     "Endpoint",
     "RowFormatError",
     "TransferQueueDataPlane",
+    "attach_data_plane",
     "embedded_data_plane",
     "open_data_plane",
     "start_embedded",

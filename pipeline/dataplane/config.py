@@ -42,7 +42,7 @@ def add_dataplane_addresses_argument(parser: Any) -> None:
         metavar="FILE",
         help=(
             f"address file the data plane published (`tokentrail dataplane`); default: ${ENV_ADDRESSES_FILE}, "
-            f"else DATA_DIR/{ADDRESSES_FILE_NAME}"
+            f"else ${ENV_DATA_DIR}/{ADDRESSES_FILE_NAME} (.tokentrail when unset)"
         ),
     )
 

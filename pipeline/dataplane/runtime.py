@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from pipeline.dataplane.addresses import DataPlaneAddresses
-from pipeline.dataplane.config import DataPlaneConfig
+from pipeline.dataplane.config import ENV_MODE, DataPlaneConfig
 from pipeline.dataplane.embedded import embedded_data_plane
 from pipeline.dataplane.reattach import ReattachingDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
@@ -64,4 +66,20 @@ async def open_data_plane(
             config.ray_address, namespace=config.ray_namespace, timeout_s=config.timeout_s, **options
         )
     async with plane:
+        yield plane
+
+
+@contextlib.asynccontextmanager
+async def attach_data_plane(
+    addresses_file: Path | None,
+) -> AsyncIterator[TransferQueueDataPlane | ReattachingDataPlane]:
+    """The data plane another process runs (what ``--dataplane-addresses`` names); this
+    client closes on exit. ``addresses_file`` wins; otherwise the ``TOKENTRAIL_DATAPLANE_*``
+    environment decides (attach mode unless it names another one)."""
+    overrides: dict[str, object] = {}
+    if addresses_file is not None:
+        overrides = {"mode": "attach", "addresses_file": addresses_file}
+    elif ENV_MODE not in os.environ:
+        overrides = {"mode": "attach"}
+    async with open_data_plane(DataPlaneConfig.from_env(**overrides)) as plane:
         yield plane

@@ -262,16 +262,14 @@ class Run:
 
     async def _attach(self, stack: contextlib.AsyncExitStack, attach: Attach) -> None:
         """``tokentrail drive``: the cluster's broker, data plane, stages and workers are running."""
-        from pipeline.dataplane import DataPlaneConfig, open_data_plane
+        from pipeline.dataplane import attach_data_plane
 
         self.progress.enter("attaching")
         self.kafka = kafka = self.config.kafka
         await ensure_topics(kafka)
-        overrides: dict[str, object] = {"mode": "attach", "data_dir": self.config.data_dir}
         if attach.dataplane_addresses is not None:
-            overrides["addresses_file"] = attach.dataplane_addresses
             self.dataplane_addresses = str(attach.dataplane_addresses)
-        plane = await stack.enter_async_context(open_data_plane(DataPlaneConfig.from_env(**overrides)))
+        plane = await stack.enter_async_context(attach_data_plane(attach.dataplane_addresses))
         await self._follow(stack, kafka, plane, event_log_identity(kafka, None))
         if attach.worker_url is not None:
             self.worker_url = attach.worker_url

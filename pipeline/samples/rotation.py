@@ -26,7 +26,7 @@ import orjson
 
 from pipeline.samples.archive import sample_record
 from pipeline.samples.export import ExportFormat, export_row, write_parquet
-from stages.ports import Consumed, DataPlane, MissingRows, TopicPartition
+from stages.ports import Consumed, DataPlane, TopicPartition, read_samples
 from topics.records import FinalizedEvent, TrainingSample
 
 log = logging.getLogger(__name__)
@@ -113,17 +113,11 @@ class RotatingArchive:
         self._in_file = 0
 
     async def _fetch(self, keys: list[str]) -> list[TrainingSample]:
-        wanted = list(keys)
-        while wanted:
-            try:
-                found = await self.data_plane.get_samples(wanted)
-                return [found[key] for key in wanted]
-            except MissingRows as missing:
-                gone = set(missing.keys)
-                self.stats.missing += len(gone)
-                log.warning("%d sample(s) no longer in the data plane: not archived", len(gone))
-                wanted = [key for key in wanted if key not in gone]
-        return []
+        found, gone = await read_samples(self.data_plane, keys)
+        if gone:
+            self.stats.missing += len(gone)
+            log.warning("%d sample(s) no longer in the data plane: not archived", len(gone))
+        return [found[key] for key in keys if key in found]
 
     def _append(self, record: dict[str, Any]) -> None:
         if self._in_file == 0:

@@ -38,7 +38,7 @@ from pipeline.kafka.producer import KafkaEventSink
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S, poll_lag
 from pipeline.stagehost.metrics import MeteredHandler, StageMetrics
 from stages.finalize.reader import FinalizedRollout, Group, GroupCollector
-from stages.ports import Consumed, DataPlane, MissingRows, TopicPartition
+from stages.ports import Consumed, DataPlane, TopicPartition, read_samples
 from stages.recent import DEFAULT_REMEMBER, RecentIds
 from stages.trainer.batch import StalenessPolicy, TrainBatch, build_batch
 from topics.records import FinalizedEvent, TrainingSample
@@ -271,16 +271,11 @@ class TrainerFeed:
     async def _fetch(self, keys: list[str]) -> dict[str, TrainingSample]:
         """Every sample that is still there; one that is not was consumed before a crash
         (or lost with the data plane), and is skipped."""
-        wanted = list(keys)
-        while wanted:
-            try:
-                return await self.data_plane.get_samples(wanted)
-            except MissingRows as missing:
-                gone = set(missing.keys)
-                log.warning("trainer feed: %d sample(s) no longer in the data plane, skipped", len(gone))
-                self.metrics.samples.labels("missing").inc(len(gone))
-                wanted = [key for key in wanted if key not in gone]
-        return {}
+        found, gone = await read_samples(self.data_plane, keys)
+        if gone:
+            log.warning("trainer feed: %d sample(s) no longer in the data plane, skipped", len(gone))
+            self.metrics.samples.labels("missing").inc(len(gone))
+        return found
 
     async def _committed(self, wanted: Mapping[TopicPartition, int]) -> None:
         """Wait until the group committed past the acknowledged events it still owns."""
