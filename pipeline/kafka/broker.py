@@ -461,6 +461,7 @@ class EmbeddedBroker:
         code = (
             "import logging, localbucket; "
             "logging.getLogger('localbucket').setLevel(logging.WARNING); "
+            "localbucket.S3Handler.disable_nagle_algorithm = True; "
             "localbucket.main()"
         )
         argv = [sys.executable, "-c", code, str(root), "--host", self.host, "--port", str(port)]
