@@ -1,4 +1,4 @@
-"""``tokentrail bench engine|pipeline|replay|long-horizon``: the benchmarks from the CLI.
+"""``tokentrail bench engine|pipeline|replay|long-horizon|main-job``: the benchmarks from the CLI.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "pipeline": "calls/s, rollouts/s and seal-to-finalized latency through ledger + finalizer",
     "replay": "events/s rebuilding the ledger from the log",
     "long-horizon": "event bytes and ledger memory per call as one rollout grows to 10,000 calls",
+    "main-job": "the main job end to end, memory vs durable broker storage, wall time side by side",
 }
 
 EXAMPLES = """\
@@ -30,6 +31,7 @@ examples:
   tokentrail bench pipeline --instances 1,2 --lengths 16 --json
   tokentrail bench replay --sizes 10000,100000
   tokentrail bench long-horizon --quick --json
+  tokentrail bench main-job --quick --json
 """
 
 

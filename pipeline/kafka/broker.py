@@ -12,9 +12,9 @@ Single-machine runs and tests use tansu, the Apache-2.0 broker binary shipped in
   process records the failure, and ``check()``/``wait()`` surface it.
 
 Two storage modes: ``memory`` (tests, benchmarks) and ``durable``, which runs tansu's
-``s3://`` engine against a ``localbucket`` server (an S3-compatible server keeping
-buckets as folders) rooted in the data directory. Topics, records and committed
-offsets then survive a restart, as long as the cluster id stays the same; it is
+``s3://`` engine against an S3-compatible server keeping buckets as folders
+(``pipeline.objectstore``: localbucket, tuned for the broker) rooted in the data
+directory. Topics, records and committed offsets then survive a restart, as long as the cluster id stays the same; it is
 therefore stored in the data directory on first start.
 """
 
@@ -318,6 +318,7 @@ class EmbeddedBroker:
             try:
                 self._prepare_dirs()
                 env = self._child_env()
+                env.setdefault("RUST_LOG", "warn")  # its errors, such as refused writes, reach its log
                 engine = "memory://tansu/"
                 if self.storage == "durable":
                     engine = f"s3://{BUCKET}/"
@@ -457,14 +458,16 @@ class EmbeddedBroker:
         assert self.data_dir is not None and self._log_dir is not None
         root = self.data_dir / BUCKET_DIR
         port = free_port(self.host)
-        # localbucket logs every request at INFO; only warnings are worth a log file.
-        code = (
-            "import logging, localbucket; "
-            "logging.getLogger('localbucket').setLevel(logging.WARNING); "
-            "localbucket.S3Handler.disable_nagle_algorithm = True; "
-            "localbucket.main()"
-        )
-        argv = [sys.executable, "-c", code, str(root), "--host", self.host, "--port", str(port)]
+        argv = [
+            sys.executable,
+            "-m",
+            "pipeline.objectstore",
+            str(root),
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+        ]
         child = _Child(
             "localbucket",
             argv,

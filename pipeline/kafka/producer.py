@@ -9,17 +9,23 @@ and delivery is at-least-once with idempotent consumers instead (DESIGN §7).
 Size: an event over the codec's limit fails with ``EventTooLarge`` naming it (also when
 a broker with a smaller ``message.max.bytes`` refuses it), while a dead letter is
 trimmed to fit, since it is the last place bad input can go.
+
+Write conflicts: tansu's durable store gives each batch its own object at the offset
+the broker read from the partition's watermark, so two producers writing one partition
+at the same moment can pick the same offset; the loser's batch is refused (nothing of
+it is written) with Kafka's unknown-server error. ``publish`` sends such records again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.errors import MessageSizeTooLargeError, UnknownError
 
 from pipeline.kafka.config import KafkaConfig
 from topics.codec import MAX_EVENT_BYTES, EventTooLarge, encode, fit_dead_letter, record_size
@@ -29,6 +35,10 @@ from topics.records import DeadLetter, Record
 
 REQUEST_OVERHEAD_BYTES = 64 * 1024
 """Room for batch and record framing above the codec's event limit."""
+WRITE_CONFLICT_RETRIES = 8
+WRITE_CONFLICT_BACKOFF_S = 0.005
+
+_Encoded = tuple[Envelope[Record], bytes, bytes, list[tuple[str, bytes]]]
 
 
 class KafkaEventSink:
@@ -60,6 +70,8 @@ class KafkaEventSink:
         }
         self._producer: AIOKafkaProducer | None = None
         self.published = 0
+        self.write_conflicts = 0
+        """Records the broker refused for a concurrent write to their partition, then took."""
 
     async def start(self) -> None:
         if self._producer is not None:
@@ -88,14 +100,29 @@ class KafkaEventSink:
         On failure the first error is raised after all sends settled; some records may
         have been written, which is harmless because event ids are deterministic. An
         event too large to write raises ``EventTooLarge`` before anything is sent.
+        Records refused for a write conflict are sent again, in their order.
         """
         if not records:
             return
-        producer = self._require_producer()
-        encoded: list[tuple[Envelope[Record], bytes, bytes, list[tuple[str, bytes]]]] = []
+        pending: list[_Encoded] = []
         for record in records:
             event = envelope(fit_dead_letter(record) if isinstance(record, DeadLetter) else record)
-            encoded.append((event, *encode(event)))
+            pending.append((event, *encode(event)))
+        for attempt in range(WRITE_CONFLICT_RETRIES + 1):
+            results = await self._send_all(pending)
+            failed = [(item, r) for item, r in zip(pending, results, strict=True) if r is not None]
+            if not failed:
+                break
+            if attempt == WRITE_CONFLICT_RETRIES or not all(_write_conflict(r) for _, r in failed):
+                _raise_first(failed)
+            self.write_conflicts += len(failed)
+            pending = [item for item, _ in failed]
+            await asyncio.sleep(random.uniform(0.0, WRITE_CONFLICT_BACKOFF_S * 2**attempt))  # desynchronize
+        self.published += len(records)
+
+    async def _send_all(self, encoded: Sequence[_Encoded]) -> list[BaseException | None]:
+        """Send in order and wait for every acknowledgement; each record's error or None."""
+        producer = self._require_producer()
         pending: list[asyncio.Future[Any]] = []
         for event, key, value, headers in encoded:
             topic = topic_for(self.names, event.event_type.value)
@@ -106,17 +133,25 @@ class KafkaEventSink:
                 limit = self._settings["max_request_size"]
                 raise _too_large(event, key, value, headers, limit, "producer max_request_size") from exc
         results = await asyncio.gather(*pending, return_exceptions=True)
-        for (event, key, value, headers), result in zip(encoded, results, strict=True):
-            if isinstance(result, MessageSizeTooLargeError):  # a broker whose limit is lower
-                raise _too_large(event, key, value, headers, None, "broker (message.max.bytes)") from result
-            if isinstance(result, BaseException):
-                raise result
-        self.published += len(records)
+        return [result if isinstance(result, BaseException) else None for result in results]
 
     def _require_producer(self) -> AIOKafkaProducer:
         if self._producer is None:
             raise RuntimeError("KafkaEventSink is not started; use 'async with' or await start()")
         return self._producer
+
+
+def _write_conflict(error: BaseException) -> bool:
+    """tansu's durable store refuses a batch written at an offset another producer took
+    at the same moment (a conditional write that failed); it answers an unknown error."""
+    return isinstance(error, UnknownError)
+
+
+def _raise_first(failed: Sequence[tuple[_Encoded, BaseException]]) -> NoReturn:
+    (event, key, value, headers), error = failed[0]
+    if isinstance(error, MessageSizeTooLargeError):  # a broker whose limit is lower
+        raise _too_large(event, key, value, headers, None, "broker (message.max.bytes)") from error
+    raise error
 
 
 def _too_large(
