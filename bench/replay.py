@@ -154,7 +154,7 @@ async def run_async(config: ReplayConfig) -> dict[str, Any]:
         "without_broker": parts,
         "results": results,
         "summary": {
-            "best_events_per_s": best,
+            "events_per_s": best,
             "target_events_per_s": TARGET_EVENTS_PER_S,
             "target_met": best >= TARGET_EVENTS_PER_S,
         },

@@ -7,9 +7,10 @@ the store; its handler gets two changes here, both measured (bench/RESULTS.md):
 * replies go out without Nagle's delay: headers and body are two writes, and the second
   waited for the client's delayed acknowledgement, about 40 ms per request, which
   capped a consumer reading single-record batches at ~30 a second;
-* a listing walks only the folder its prefix names, not the whole bucket: the broker
-  lists one partition's records on every fetch, and a walk of every object of every
-  topic made each fetch slower as the log grew.
+* a listing reads only the folder its prefix names, not the whole bucket, and from an
+  index the server keeps (``FolderIndex``): the broker lists one partition's records on
+  every fetch, and a walk, a stat and an XML element of every object made each fetch
+  slower as the log grew; entries are now rendered once, when written.
 
 Run as ``python -m pipeline.objectstore ROOT --host HOST --port PORT``; the module
 imports nothing of the runtime, so the store starts in a fraction of a second.
@@ -18,19 +19,116 @@ imports nothing of the runtime, so the store starts in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import base64
+import bisect
 import logging
 import os
-from collections.abc import Sequence
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import IO, NamedTuple
+from urllib.parse import unquote, urlsplit
+from xml.sax.saxutils import escape
 
 import localbucket
 
 
+class Entry(NamedTuple):
+    """One object as a listing shows it, its ``<Contents>`` element rendered once."""
+
+    key: str
+    path: Path
+    xml: str
+
+
+class FolderIndex:
+    """The objects under each listed folder, kept exact by the server's own writes.
+
+    The broker lists a partition's records on every fetch; reading the folder and
+    statting each file every time made each fetch cost as much as the log was long.
+    An object written is put into every cached folder above it before the write is
+    acknowledged; a deletion forgets those folders; a listing read from disk while a
+    write was under way is answered but not kept. So a kept folder never misses an
+    acknowledged write. The store is locked to one server (``EmbeddedBroker``), so no
+    write bypasses the index.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[Path, list[Entry]] = {}
+        self._generation: Counter[Path] = Counter()
+        self._writing: Counter[Path] = Counter()
+
+    def entries(self, bucket_dir: Path, folder: str) -> list[Entry]:
+        """Every object under ``bucket_dir/folder``, in S3's byte order of keys."""
+        scope = bucket_dir / folder
+        with self._lock:
+            cached = self._entries.get(scope)
+            generation = self._generation[scope]
+        if cached is not None:
+            return cached
+        fresh = read_entries(bucket_dir, scope)
+        with self._lock:
+            if self._generation[scope] == generation and not self._writing[scope]:
+                self._entries[scope] = fresh
+        return fresh
+
+    @contextmanager
+    def writing(self, path: Path, *, forget: bool) -> Iterator[None]:
+        """Around a request that changes ``path``; ``forget`` drops the folders above it."""
+        folders = list(path.parents)
+        self._mark(folders, 1, forget)
+        try:
+            yield
+        finally:
+            self._mark(folders, -1, False)
+
+    def written(self, bucket_dir: Path, path: Path) -> None:
+        """``path`` was just written: every cached folder above it shows it as it is now."""
+        key = path.relative_to(bucket_dir).as_posix()
+        with self._lock:  # read under the lock, so the last update applied is the newest
+            entry = read_entry(bucket_dir, path)
+            for folder in path.parents:
+                cached = self._entries.get(folder)
+                if cached is not None:
+                    self._entries[folder] = replaced(cached, key, entry)
+
+    def _mark(self, folders: list[Path], step: int, forget: bool) -> None:
+        with self._lock:
+            for folder in folders:
+                self._generation[folder] += 1
+                self._writing[folder] += step
+                if forget:
+                    self._entries.pop(folder, None)
+
+
+INDEX = FolderIndex()
+WRITING_METHODS = frozenset({"PUT", "POST", "DELETE"})
+
+
 class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library ships no types
-    """localbucket's handler with prompt replies and listings scoped to their prefix."""
+    """localbucket's handler with prompt replies and indexed, pre-rendered listings."""
 
     disable_nagle_algorithm = True
+    _listed: dict[str, Entry]
+
+    def _dispatch(self, action: Callable[[str, str], None]) -> None:
+        if self.command not in WRITING_METHODS:
+            super()._dispatch(action)
+            return
+        bucket, _, key = unquote(urlsplit(self.path).path).lstrip("/").partition("/")
+        with INDEX.writing(self.data_root / bucket / key, forget=self.command == "DELETE"):
+            super()._dispatch(action)
+
+    def _write_object(self, bucket: str, key: str, write: Callable[[IO[bytes]], str]) -> str:
+        """Every write of an object; the index shows it before the write is acknowledged."""
+        etag: str = super()._write_object(bucket, key, write)
+        INDEX.written(self.data_root / bucket, self._object_path(bucket, key))
+        return etag
 
     def _list_entries(
         self,
@@ -41,11 +139,18 @@ class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library
         marker_is_prefix: bool,
         max_keys: int,
     ) -> tuple[list[tuple[str, Path]], list[str], bool, str]:
-        """One page of keys and common prefixes after ``marker``, read from the prefix's folder."""
+        """One page of keys and common prefixes after ``marker``, from the prefix's folder."""
         contents: list[tuple[str, Path]] = []
         common_prefixes: list[str] = []
         last_entry = ""
-        for key, path in scoped_keys(bucket_dir, prefix):
+        self._listed = {}
+        folder = prefix.rpartition("/")[0]  # a key under a/b/c lies in folder a/b/
+        if ".." in folder.split("/"):
+            return contents, common_prefixes, False, last_entry
+        for entry in INDEX.entries(bucket_dir, folder):
+            key = entry.key
+            if not key.startswith(prefix):
+                continue
             if marker and (key.encode() <= marker.encode() or (marker_is_prefix and key.startswith(marker))):
                 continue
             cut = key.find(delimiter, len(prefix)) if delimiter else -1
@@ -58,33 +163,92 @@ class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library
                 common_prefixes.append(common)
                 last_entry = "P:" + common
             else:
-                contents.append((key, path))
+                contents.append((key, entry.path))
+                self._listed[key] = entry
                 last_entry = "K:" + key
         return contents, common_prefixes, False, last_entry
 
+    def _list_objects_v2(self, bucket: str) -> None:
+        """The broker's own listing (a prefix, perhaps a start) from pre-rendered entries;
+        any other listing as localbucket answers it."""
+        if set(self.query) - FAST_LISTING:
+            super()._list_objects_v2(bucket)
+            return
+        prefix, start_after = self.query.get("prefix", ""), self.query.get("start-after", "")
+        max_keys = self._max_keys()
+        contents, _, truncated, last_entry = self._list_entries(
+            self._bucket_dir(bucket), prefix, "", start_after, False, max_keys
+        )
+        parts = [
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="{localbucket.S3_NAMESPACE}">',
+            _element("Name", bucket),
+            _element("Prefix", prefix),
+            _element("MaxKeys", str(max_keys)),
+            _element("KeyCount", str(len(contents))),
+            _element("IsTruncated", "true" if truncated else "false"),
+        ]
+        if truncated:  # the token localbucket reads back on the next page
+            parts.append(
+                _element("NextContinuationToken", base64.urlsafe_b64encode(last_entry.encode()).decode())
+            )
+        if start_after:
+            parts.append(_element("StartAfter", start_after))
+        parts += [self._listed[key].xml for key, _ in contents]
+        parts.append("</ListBucketResult>")
+        self._send(HTTPStatus.OK, "".join(parts).encode(), {"Content-Type": "application/xml"})
 
-def scoped_keys(bucket_dir: Path, prefix: str) -> list[tuple[str, Path]]:
-    """Every object key starting with ``prefix``, in S3's byte order, with its file.
 
-    A key under ``a/b/c`` lies in folder ``a/b/``, so only that folder is walked.
-    Files being written (localbucket's temporary names) are not objects yet, and a
-    prefix climbing out of the bucket names nothing.
-    """
-    folder = prefix.rpartition("/")[0]
-    if ".." in folder.split("/"):
-        return []
-    scope = bucket_dir / folder
-    keys: list[tuple[str, Path]] = []
+FAST_LISTING = frozenset({"list-type", "prefix", "start-after", "max-keys"})
+
+
+def read_entries(bucket_dir: Path, scope: Path) -> list[Entry]:
+    """Every object under ``scope``, read from disk; files being written are not objects yet."""
+    entries: list[Entry] = []
     for directory, _, files in os.walk(scope):
         for name in files:
-            if name.startswith(localbucket.TEMP_PREFIX):
-                continue
-            path = Path(directory, name)
-            key = path.relative_to(bucket_dir).as_posix()
-            if key.startswith(prefix):
-                keys.append((key, path))
-    keys.sort(key=lambda item: item[0].encode())
-    return keys
+            if not name.startswith(localbucket.TEMP_PREFIX):
+                entry = read_entry(bucket_dir, Path(directory, name))
+                if entry is not None:
+                    entries.append(entry)
+    entries.sort(key=_byte_order)
+    return entries
+
+
+def read_entry(bucket_dir: Path, path: Path) -> Entry | None:
+    """The object at ``path`` as a listing shows it; None if there is none."""
+    try:
+        stat = path.stat()
+        etag: str = localbucket.object_etag(path)
+    except FileNotFoundError:
+        return None
+    key = path.relative_to(bucket_dir).as_posix()
+    xml = (
+        f"<Contents>{_element('Key', key)}"
+        f"{_element('LastModified', localbucket.iso_timestamp(stat.st_mtime))}"
+        f'<ETag>"{etag}"</ETag>{_element("Size", str(stat.st_size))}'
+        "<StorageClass>STANDARD</StorageClass></Contents>"
+    )
+    return Entry(key, path, xml)
+
+
+def replaced(entries: list[Entry], key: str, entry: Entry | None) -> list[Entry]:
+    """A copy of ``entries`` with ``key``'s entry put in place, or removed when None
+    (a copy: a listing being answered keeps reading the list it got)."""
+    updated = list(entries)
+    at = bisect.bisect_left(updated, key.encode(), key=_byte_order)
+    if at < len(updated) and updated[at].key == key:
+        del updated[at]
+    if entry is not None:
+        updated.insert(at, entry)
+    return updated
+
+
+def _byte_order(entry: Entry) -> bytes:
+    return entry.key.encode()
+
+
+def _element(tag: str, text: str) -> str:
+    return f"<{tag}>{escape(text)}</{tag}>"
 
 
 def serve(root: Path, host: str, port: int) -> None:

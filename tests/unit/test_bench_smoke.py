@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench import ledger_memory
+from bench import ledger_memory, main_job
 from bench.engine import MODES, EngineConfig
 from bench.long_horizon import LongHorizonConfig
 from bench.pipeline import PipelineConfig
@@ -98,6 +98,8 @@ def test_pipeline_smallest_configuration(tmp_path: Path) -> None:
     assert len(result["latency"]["cdf_ms"]) == 101
     assert result["finalized"] == {"accepted": 16 + 6}  # real digests, verified by the finalizer
     assert report["ledger_memory"][0]["bytes_per_open_rollout"] > 0
+    assert report["summary"]["calls_per_s_best"] == result["backlog"]["calls_per_s"]
+    assert report["summary"]["finalize_p99_ms"] == result["latency"]["p99_ms"]
     assert Path(report["plot"]).read_bytes().startswith(PNG)
 
 
@@ -109,6 +111,7 @@ def test_replay_smallest_configuration() -> None:
     report = replay.run(ReplayConfig(sizes=(340,), sample=340))
     (result,) = report["results"]
     assert result["events"] == 340 and result["events_per_s"] > 0
+    assert report["summary"]["events_per_s"] == result["events_per_s"]
     assert result["stored"]["receipt"] == 20
     assert report["without_broker"]["decode_events_per_s"] > 0
     assert report["without_broker"]["ledger_events_per_s"] > 0
@@ -136,6 +139,37 @@ def test_long_horizon_smallest_configuration() -> None:
     assert report["machine"]["cpus"] >= 1
 
 
+def test_main_job_summary_compares_the_median_runs_of_the_largest_size() -> None:
+    def trial(storage: str, rollouts: int, wall_s: float, drive_s: float) -> dict[str, Any]:
+        return {"storage": storage, "rollouts": rollouts, "wall_s": wall_s, "drive_s": drive_s,
+                "accepted": rollouts, "lag": 0}  # fmt: skip
+
+    trials = [
+        trial("memory", 64, 50.0, 10.0),
+        trial("durable", 64, 60.0, 15.0),
+        trial("memory", 256, 80.0, 40.0),
+        trial("durable", 256, 100.0, 50.0),
+        trial("memory", 256, 90.0, 44.0),
+        trial("durable", 256, 96.0, 48.0),
+    ]
+    summary = main_job.summarize(trials, (64, 256))
+    assert summary["largest"] == 256
+    assert summary["durable_over_memory"] == round(98.0 / 85.0, 3)
+    assert summary["durable_over_memory_drive"] == round(49.0 / 42.0, 3)
+    assert summary["sizes"]["64"]["durable_over_memory"] == 1.2
+    assert summary["all_accepted"] and summary["lag_zero"]
+    trials[1] = trial("durable", 64, 60.0, 15.0) | {"accepted": 63}
+    assert not main_job.summarize(trials, (64, 256))["all_accepted"]
+
+
+def test_main_job_names_the_processes_of_the_job() -> None:
+    python = "/venv/bin/python3"
+    assert main_job.process_role([python, "-m", "pipeline.objectstore", "/d/s3"], "python3") == "store"
+    assert main_job.process_role(["/x/bin/tansu", "broker", "--cluster-id", "c"], "tansu") == "broker"
+    assert main_job.process_role([], "VLLM::EngineCore") == "engine"
+    assert main_job.process_role([python, "-m", "pipeline.process.reaper", "1"], "python3") == "reaper"
+
+
 def test_cli_wires_the_benchmarks() -> None:
     parser = cli.build_parser()
     engine = parser.parse_args(["bench", "engine", "--quick", "--latencies", "0,5", "--json"])
@@ -154,3 +188,5 @@ def test_cli_wires_the_benchmarks() -> None:
 
     config = long_horizon.config_from_args(long)
     assert (config.lengths, config.timeout_s) == ((3, 30), 5.0) and callable(long.run)
+    job = parser.parse_args(["bench", "main-job", "--quick", "--trials", "2", "--json"])
+    assert main_job.config_from_args(job) == main_job.MainJobConfig(sizes=(64,), trials=2)

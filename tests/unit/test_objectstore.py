@@ -1,16 +1,18 @@
-"""The durable store's scoped listing answers exactly what localbucket's full walk does."""
+"""The durable store's indexed listing answers exactly what localbucket's full walk does,
+and sees every write the server acknowledged."""
 
 from __future__ import annotations
 
 import http.client
 import threading
+import xml.etree.ElementTree as ET
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import localbucket
 import pytest
 
-from pipeline.objectstore import FastS3Handler, scoped_keys
+from pipeline.objectstore import FastS3Handler
 
 KEYS = [
     "clusters/c1/meta.json",
@@ -62,29 +64,81 @@ def test_listing_matches_the_full_walk(
     marker_is_prefix = bool(delimiter) and marker.endswith(delimiter)
     arguments = (bucket, prefix, delimiter, marker, marker_is_prefix, max_keys)
     expected = localbucket.S3Handler._list_entries(None, *arguments)
-    assert FastS3Handler._list_entries(None, *arguments) == expected
+    for _ in range(2):  # read from disk, then from the index
+        assert handler()._list_entries(*arguments) == expected
 
 
 def test_a_prefix_outside_the_bucket_lists_nothing(bucket: Path) -> None:
     (bucket.parent / "secret.txt").write_bytes(b"no")
-    assert scoped_keys(bucket / "clusters", "../") == []
+    assert handler()._list_entries(bucket / "clusters", "../", "", "", False, 1000)[0] == []
 
 
-def test_the_server_answers_a_prefixed_listing(bucket: Path) -> None:
-    root = bucket.parent
-    FastS3Handler.data_root = root
+def test_a_listing_sees_every_acknowledged_write(bucket: Path) -> None:
+    FastS3Handler.data_root = bucket.parent
     server = ThreadingHTTPServer(("127.0.0.1", 0), FastS3Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=5)
-        prefix = "clusters/c1/topics/t.a/partitions/0000000000/records/"
-        connection.request("GET", f"/{bucket.name}?list-type=2&prefix={prefix}")
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=5)
+    folder = "clusters/c1/topics/t.a/partitions/0000000000/records/"
+
+    def request(method: str, path: str, body: bytes | None = None) -> tuple[int, str]:
+        connection.request(method, f"/{bucket.name}/{path}", body=body)
         reply = connection.getresponse()
-        body = reply.read().decode()
-        connection.close()
+        return reply.status, reply.read().decode()
+
+    try:
+        listings = []
+        for offset in range(2, 6):
+            listings.append(request("GET", f"?list-type=2&prefix={folder}"))
+            assert request("PUT", f"{folder}{offset:020d}.batch", b"records")[0] == 200
+        status, last = request("GET", f"?list-type=2&prefix={folder}")
+        for body in (b"a", b"abcd"):  # an overwrite shows its new size
+            assert request("PUT", f"{folder}{5:020d}.batch", body)[0] == 200
+            overwritten = request("GET", f"?list-type=2&prefix={folder}")[1]
+            assert f"<Size>{len(body)}</Size>" in overwritten
+        assert request("DELETE", f"{folder}{2:020d}.batch")[0] == 204
+        after_delete = request("GET", f"?list-type=2&prefix={folder}")[1]
     finally:
+        connection.close()
         server.shutdown()
         server.server_close()
-    assert reply.status == 200
-    assert body.count("<Key>") == 2 and "00000000000000000001.batch" in body and "watermark" not in body
+    assert status == 200 and all(code == 200 for code, _ in listings)
+    assert [body.count("<Key>") for _, body in listings] == [2, 3, 4, 5]
+    assert last.count("<Key>") == 6 and f"{5:020d}.batch" in last and "watermark" not in last
+    assert after_delete.count("<Key>") == 5 and f"{2:020d}.batch" not in after_delete
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "list-type=2&prefix=clusters/c1/topics/t.a/partitions/0000000000/records/",
+        "list-type=2&prefix=clusters/c1/topics/t.a/partitions/0000000000/records/&max-keys=1",
+        "list-type=2&prefix=clusters/&start-after=clusters/c1/meta.json",
+        "list-type=2&prefix=clusters/c1/topics/&delimiter=/",
+    ],
+)
+def test_the_rendered_listing_is_localbucket_s(bucket: Path, query: str) -> None:
+    answers = []
+    for handler_class in (localbucket.S3Handler, FastS3Handler):
+        handler_class.data_root = bucket.parent
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=5)
+            connection.request("GET", f"/{bucket.name}?{query}")
+            reply = connection.getresponse()
+            answers.append((reply.status, reply.getheader("Content-Type"), canonical(reply.read())))
+            connection.close()
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert answers[0][0] == 200 and ("<Contents>" in answers[0][2] or "<CommonPrefixes>" in answers[0][2])
+    assert answers[1] == answers[0]
+
+
+def canonical(xml: bytes) -> str:
+    return ET.canonicalize(xml.decode(), strip_text=True)
+
+
+def handler() -> FastS3Handler:
+    """A handler outside any request: listings only need the index."""
+    return FastS3Handler.__new__(FastS3Handler)
