@@ -44,6 +44,8 @@ class MainJobConfig:
     sizes: tuple[int, ...] = (64, 256)
     trials: int = 1
     concurrency: int = 16
+    run_args: tuple[str, ...] = ()
+    """More ``tokentrail run`` flags, the same for both storages."""
     timeout_s: float = 1_800.0
 
 
@@ -111,6 +113,7 @@ def run_trial(storage: str, rollouts: int, model_dir: Path, config: MainJobConfi
             "--concurrency", str(config.concurrency),
             "--broker-storage", storage,
             "--json", "--log-format", "json",
+            *config.run_args,
         ]  # fmt: skip
         began = time.monotonic()
         with open(Path(data_dir) / "stderr.log", "wb") as stderr:
@@ -232,6 +235,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=str, help="rollouts per run (default 64,256)")
     parser.add_argument("--trials", type=int, help="runs per size and storage (default 1)")
     parser.add_argument("--concurrency", type=int, help="rollouts in flight (default 16)")
+    parser.add_argument(
+        "--run-args", type=str, help="more tokentrail run flags for both storages, e.g. '--partitions 1'"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> MainJobConfig:
@@ -240,6 +246,7 @@ def config_from_args(args: argparse.Namespace) -> MainJobConfig:
         "sizes": tuple(parse_list(args.sizes)) if args.sizes else None,
         "trials": args.trials,
         "concurrency": args.concurrency,
+        "run_args": tuple(shlex.split(args.run_args)) if args.run_args else None,
     }
     return replace(config, **{k: v for k, v in changes.items() if v is not None})
 

