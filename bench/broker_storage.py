@@ -4,7 +4,9 @@ A worker publishes most events on their own (an admission per call, a seal per
 rollout), so the log holds many batches of one record each. Both storage engines are
 run side by side on the same records: ``--batches`` admissions published one per batch
 by the project's producer over 4 partitions, then one group-less reader reads them all
-from the beginning.
+from the beginning. For durable storage the report adds the store server's CPU per
+batch, written and read back: flat in ``--batches`` when listings cost nothing extra as
+the log grows.
 
     python -m bench.broker_storage --batches 300 --json
 """
@@ -18,7 +20,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import machine, versions
+from bench.common import machine, process_cpu_s, versions
 from bench.events import rollout_events
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker, StorageMode
@@ -32,12 +34,13 @@ PARTITIONS = 4
 READ_LIMIT_S = 60.0
 
 
-async def _measure(bootstrap: str, batches: int) -> dict[str, float]:
+async def _measure(bootstrap: str, batches: int, store_pid: int | None) -> dict[str, float]:
     config = KafkaConfig(
         bootstrap_servers=bootstrap, names=TopicNames(prefix="bench-small", partitions=PARTITIONS)
     )
     await ensure_topics(config)
     admissions = [rollout_events(f"r{number}", 1)[0] for number in range(batches)]
+    store_cpu_before = process_cpu_s(store_pid) if store_pid is not None else None
     began = time.monotonic()
     async with KafkaEventSink(config, linger_ms=0) as sink:
         for admission in admissions:  # one record per request: one batch each
@@ -51,7 +54,11 @@ async def _measure(bootstrap: str, batches: int) -> dict[str, float]:
             fetched = await consumer.getmany(timeout_ms=200, max_records=500)
             read += sum(len(records) for records in fetched.values())
         read_s = time.monotonic() - began
-    return {"produced_per_s": batches / produced_s, "read": read, "read_per_s": read / read_s}
+    numbers = {"produced_per_s": batches / produced_s, "read": read, "read_per_s": read / read_s}
+    store_cpu_after = process_cpu_s(store_pid) if store_pid is not None else None
+    if store_cpu_before is not None and store_cpu_after is not None:
+        numbers["store_cpu_ms_per_batch"] = (store_cpu_after - store_cpu_before) * 1000 / batches
+    return numbers
 
 
 def run(batches: int) -> dict[str, Any]:
@@ -62,7 +69,7 @@ def run(batches: int) -> dict[str, Any]:
             tempfile.TemporaryDirectory() as data_dir,
             EmbeddedBroker(storage=mode, data_dir=data_dir if mode == "durable" else None) as broker,
         ):
-            results[storage] = asyncio.run(_measure(broker.bootstrap, batches))
+            results[storage] = asyncio.run(_measure(broker.bootstrap, batches, broker.bucket_pid))
     ratio = results["memory"]["read_per_s"] / max(results["durable"]["read_per_s"], 1e-9)
     return {"batches": batches, "results": results, "read_ratio_memory_to_durable": ratio}
 
@@ -82,6 +89,11 @@ def main() -> None:
         print(
             f"{storage:8s} produce {numbers['produced_per_s']:8.0f} batches/s   "
             f"read {numbers['read_per_s']:8.0f} records/s ({numbers['read']:.0f} read)"
+            + (
+                f"   store CPU {numbers['store_cpu_ms_per_batch']:.2f} ms/batch"
+                if "store_cpu_ms_per_batch" in numbers
+                else ""
+            )
         )
     print(f"read ratio memory/durable: {report['read_ratio_memory_to_durable']:.0f}x")
 

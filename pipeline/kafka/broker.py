@@ -13,7 +13,7 @@ Single-machine runs and tests use tansu, the Apache-2.0 broker binary shipped in
 
 Two storage modes: ``memory`` (tests, benchmarks) and ``durable``, which runs tansu's
 ``s3://`` engine against an S3-compatible server keeping buckets as folders
-(``pipeline.objectstore``: localbucket, tuned for the broker) rooted in the data
+(``pipeline.kafka.objectstore``: localbucket, tuned for the broker) rooted in the data
 directory. Topics, records and committed offsets then survive a restart, as long as the cluster id stays the same; it is
 therefore stored in the data directory on first start.
 """
@@ -461,7 +461,7 @@ class EmbeddedBroker:
         argv = [
             sys.executable,
             "-m",
-            "pipeline.objectstore",
+            "pipeline.kafka.objectstore",
             str(root),
             "--host",
             self.host,

@@ -12,7 +12,7 @@ from pathlib import Path
 import localbucket
 import pytest
 
-from pipeline.objectstore import FastS3Handler
+from pipeline.kafka.objectstore import FastS3Handler
 
 KEYS = [
     "clusters/c1/meta.json",

@@ -12,8 +12,8 @@ the store; its handler gets two changes here, both measured (bench/RESULTS.md):
   every fetch, and a walk, a stat and an XML element of every object made each fetch
   slower as the log grew; entries are now rendered once, when written.
 
-Run as ``python -m pipeline.objectstore ROOT --host HOST --port PORT``; the module
-imports nothing of the runtime, so the store starts in a fraction of a second.
+``EmbeddedBroker`` runs it as ``python -m pipeline.kafka.objectstore ROOT --host HOST
+--port PORT``.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def serve(root: Path, host: str, port: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.objectstore", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipeline.kafka.objectstore", description=__doc__)
     parser.add_argument("root", type=Path, help="folder holding the buckets")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
