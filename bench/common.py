@@ -7,11 +7,14 @@ run says how much the figures may be off.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import shlex
+import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -80,6 +83,24 @@ def parse_list(text: str, kind: type[int] | type[float] = int) -> list[Any]:
     return [kind(part) for part in text.split(",") if part.strip()]
 
 
+def standalone(
+    name: str,
+    description: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run_args: Callable[[argparse.Namespace, str], int],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """``python -m bench.NAME``: the same options and report as ``tokentrail bench NAME``."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m bench.{name.replace('-', '_')}",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", name, *argv]))
+
+
 def process_cpu_s(pid: int | None = None) -> float | None:
     """CPU seconds (user + system) of process ``pid`` so far, all threads; None if unknown.
 
@@ -112,4 +133,4 @@ def _memory_gib() -> float:
     return round(pages * size / 2**30, 1)
 
 
-__all__ = ["cdf", "emit", "machine", "parse_list", "percentiles", "process_cpu_s", "versions"]
+__all__ = ["cdf", "emit", "machine", "parse_list", "percentiles", "process_cpu_s", "standalone", "versions"]

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import os
 import random
-import shlex
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from bench.common import emit, machine, parse_list, percentiles, process_cpu_s, versions
+from bench.common import emit, machine, parse_list, percentiles, process_cpu_s, standalone, versions
 from bench.planes import PLACEMENTS, Placement, open_plane, with_delay
 from bench.standin_engine import (
     BatchEngine,
@@ -559,14 +558,7 @@ def run_args(args: argparse.Namespace, command: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.engine",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", "engine", *argv]))
+    return standalone("engine", __doc__, add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

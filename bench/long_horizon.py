@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import gc
 import random
-import shlex
 import sys
 import tempfile
 import time
@@ -48,7 +47,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.common import emit, machine, parse_list, versions
+from bench.common import emit, machine, parse_list, standalone, versions
 from bench.pipeline import attacher, members, publish_all, put_rows
 from bench.planes import PLACEMENTS, Placement, open_plane
 from bench.rollouts import Rollout
@@ -531,14 +530,7 @@ def run_args(args: argparse.Namespace, command: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.long_horizon",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", "long-horizon", *argv]))
+    return standalone("long-horizon", __doc__, add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import emit, machine, parse_list, versions
+from bench.common import emit, machine, parse_list, standalone, versions
 
 STORAGES = ("memory", "durable")
 TARGET_RATIO = 1.2
@@ -258,14 +258,7 @@ def run_args(args: argparse.Namespace, command: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.main_job",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", "main-job", *argv]))
+    return standalone("main-job", __doc__, add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import shlex
 import sys
 import time
 import uuid
@@ -38,7 +37,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from bench.common import cdf, emit, machine, parse_list, percentiles, versions
+from bench.common import cdf, emit, machine, parse_list, percentiles, standalone, versions
 from bench.planes import PLACEMENTS, Placement, open_plane
 from bench.rollouts import Rollout, capture_rollouts
 from bench.stage_probes import Finalized, FinalizedTap, Gated, settled
@@ -431,14 +430,7 @@ def run_args(args: argparse.Namespace, command: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.pipeline",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", "pipeline", *argv]))
+    return standalone("pipeline", __doc__, add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

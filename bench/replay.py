@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shlex
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit, machine, parse_list, versions
+from bench.common import emit, machine, parse_list, standalone, versions
 from bench.events import rollout_events
 from topics.records import Record
 
@@ -207,14 +206,7 @@ def run_args(args: argparse.Namespace, command: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.replay",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", "replay", *argv]))
+    return standalone("replay", __doc__, add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

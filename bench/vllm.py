@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.common import emit, machine, percentiles, process_cpu_s, versions
+from bench.common import emit, machine, percentiles, process_cpu_s, standalone, versions
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker
 from stages.client import RolloutClient
@@ -295,12 +294,7 @@ def run_args(args: argparse.Namespace, command: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.vllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", "vllm", *argv]))
+    return standalone("vllm", __doc__, add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":
