@@ -55,6 +55,7 @@ from topics.codec import MAX_EVENT_BYTES, EventTooLarge
 from topics.names import TopicNames
 from topics.records import DeadLetter, ManifestEntry, RolloutReceipt
 
+LETTER_GRACE_S = 5.0
 RUN_DEADLINE_S = 90.0
 GOOD_AFTER = 8  # good rollouts published after all the bad input
 
@@ -98,8 +99,12 @@ async def run_all(config: KafkaConfig, plane: TransferQueueDataPlane) -> Run:
             while time.monotonic() < deadline and not any(t.done() for t in tasks.values()):
                 if expected_outcomes <= run.finalized.keys():
                     complete_at = complete_at or time.monotonic()
-                    # Letters a known gap never writes must not hold the run for long.
-                    if letters_wanted <= run.letters.keys() or time.monotonic() - complete_at > 1.0:
+                    # Letters a known gap never writes must not hold the run for long; a
+                    # loaded machine can take a few seconds for the last recall letter.
+                    if (
+                        letters_wanted <= run.letters.keys()
+                        or time.monotonic() - complete_at > LETTER_GRACE_S
+                    ):
                         break
                 watch.changed.clear()
                 with contextlib.suppress(TimeoutError):

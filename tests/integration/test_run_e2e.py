@@ -186,7 +186,7 @@ def test_sigint_stops_every_child_and_exits_130(tmp_path: Path) -> None:
         time.sleep(2)  # rollouts in flight
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(command_line(child) for child in children)
-        assert "tansu" in names and "localbucket" in names, names
+        assert "tansu" in names and "objectstore" in names, names
         assert len(children) >= 3  # broker, its store, the engine core (at least)
 
         start = time.monotonic()
