@@ -14,8 +14,9 @@ Single-machine runs and tests use tansu, the Apache-2.0 broker binary shipped in
 Two storage modes: ``memory`` (tests, benchmarks) and ``durable``, which runs tansu's
 ``s3://`` engine against an S3-compatible server keeping buckets as folders
 (``pipeline.kafka.objectstore``: localbucket, tuned for the broker) rooted in the data
-directory. Topics, records and committed offsets then survive a restart, as long as the cluster id stays the same; it is
-therefore stored in the data directory on first start.
+directory. Topics, records and committed offsets then survive a restart, as long as
+the cluster id stays the same; it is therefore stored in the data directory on first
+start.
 """
 
 from __future__ import annotations

@@ -44,16 +44,18 @@ _Encoded = tuple[Envelope[Record], bytes, bytes, list[tuple[str, bytes]]]
 class KafkaEventSink:
     """The ``EventSink`` port on an aiokafka producer.
 
-    Records are batched for ``linger_ms`` (the producer groups concurrent publishes),
-    and every ``publish`` awaits its own acknowledgements, so a stage can commit its
-    input offsets right after ``publish`` returns.
+    Every ``publish`` awaits its own acknowledgements, so a stage can commit its input
+    offsets right after ``publish`` returns. Records are sent at once (``linger_ms`` 0):
+    every caller waits for its acknowledgement, so a linger is pure latency, and records
+    published while a request is in flight still go out together in the next one
+    (measured in bench/RESULTS.md, "Main job").
     """
 
     def __init__(
         self,
         config: KafkaConfig,
         *,
-        linger_ms: int = 5,
+        linger_ms: int = 0,
         max_batch_size: int = 256 * 1024,
         max_request_size: int = MAX_EVENT_BYTES + REQUEST_OVERHEAD_BYTES,
         compression_type: str | None = None,
