@@ -13,7 +13,9 @@ the store; its handler gets two changes here, both measured (bench/RESULTS.md):
   slower as the log grew; entries are now rendered once, when written.
 
 ``EmbeddedBroker`` runs it as ``python -m pipeline.kafka.objectstore ROOT --host HOST
---port PORT``.
+--port PORT``. The handler overrides localbucket's own methods, so the project pins its
+version (pyproject.toml); ``tests/unit/test_objectstore.py`` compares every answer with
+localbucket's.
 """
 
 from __future__ import annotations
