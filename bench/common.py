@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 PACKAGES = (
     "torch",
@@ -116,6 +117,17 @@ def process_cpu_s(pid: int | None = None) -> float | None:
         return None
 
 
+def tree_cpu_s(pid: int, *, itself: bool = True) -> float:
+    """CPU seconds of process ``pid``'s descendants, and of ``pid`` too unless ``itself``
+    is False; 0.0 for a process that is gone."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)] if itself else root.children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    return sum(process_cpu_s(process.pid) or 0.0 for process in processes)
+
+
 def _cpu_model() -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
@@ -133,4 +145,14 @@ def _memory_gib() -> float:
     return round(pages * size / 2**30, 1)
 
 
-__all__ = ["cdf", "emit", "machine", "parse_list", "percentiles", "process_cpu_s", "standalone", "versions"]
+__all__ = [
+    "cdf",
+    "emit",
+    "machine",
+    "parse_list",
+    "percentiles",
+    "process_cpu_s",
+    "standalone",
+    "tree_cpu_s",
+    "versions",
+]

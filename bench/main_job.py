@@ -56,7 +56,7 @@ def process_role(command_line: Sequence[str], name: str) -> str:
     """Which part of the job a process is, from its name and command line (the job itself
     is the sampler's root, ``run``)."""
     text = " ".join(command_line)
-    if "localbucket" in text or "pipeline.kafka.objectstore" in text:
+    if "pipeline.kafka.objectstore" in text:
         return "store"
     if name == "tansu" or text.endswith("tansu") or "/tansu " in text:
         return "broker"
@@ -115,22 +115,21 @@ def run_trial(storage: str, rollouts: int, model_dir: Path, config: MainJobConfi
             "--json", "--log-format", "json",
             *config.run_args,
         ]  # fmt: skip
+        out, err = Path(data_dir) / "summary.json", Path(data_dir) / "stderr.log"
         began = time.monotonic()
-        with open(Path(data_dir) / "stderr.log", "wb") as stderr:
-            job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr)
-            sampler = CpuSampler(job.pid)
-            while job.poll() is None:
-                sampler.sample()
-                if time.monotonic() - began > config.timeout_s:
-                    job.kill()
-                time.sleep(SAMPLE_EVERY_S)
-            assert job.stdout is not None
-            out = job.stdout.read()
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            job = subprocess.Popen(argv, stdout=stdout, stderr=stderr)
+        sampler = CpuSampler(job.pid)
+        while job.poll() is None:
+            sampler.sample()
+            if time.monotonic() - began > config.timeout_s:
+                job.kill()
+            time.sleep(SAMPLE_EVERY_S)
         wall_s = time.monotonic() - began
         if job.returncode != 0:
-            tail = (Path(data_dir) / "stderr.log").read_text(errors="replace")[-2000:]
+            tail = err.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"the {storage} main job exited {job.returncode}:\n{tail}")
-        summary = json.loads(out)
+        summary = json.loads(out.read_bytes())
     return {
         "storage": storage,
         "rollouts": rollouts,

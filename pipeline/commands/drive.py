@@ -2,9 +2,10 @@
 
 The operator's ``run``: the broker, data plane, stages and workers (or a gateway) are
 already running; this plays the built-in environment (its generated tasks, or those of
-``--tasks FILE``) against them with the same rollout flags as ``run``, waits for every rollout's finalized event and for the stages'
-lag to reach 0, archives the accepted samples to ``DATA_DIR/samples.jsonl``, and reports
-with the same JSON keys as ``run --json``.
+``--tasks FILE``) against them with the same rollout flags as ``run``, waits for every
+rollout's finalized event and for the stages' lag to reach 0, archives the accepted
+samples to ``DATA_DIR/samples.jsonl``, and reports with the same JSON keys as
+``run --json``.
 """
 
 from __future__ import annotations

@@ -72,8 +72,6 @@ class KafkaEventSink:
         }
         self._producer: AIOKafkaProducer | None = None
         self.published = 0
-        self.write_conflicts = 0
-        """Records the broker refused for a concurrent write to their partition, then took."""
 
     async def start(self) -> None:
         if self._producer is not None:
@@ -117,7 +115,6 @@ class KafkaEventSink:
                 break
             if attempt == WRITE_CONFLICT_RETRIES or not all(_write_conflict(r) for _, r in failed):
                 _raise_first(failed)
-            self.write_conflicts += len(failed)
             pending = [item for item, _ in failed]
             await asyncio.sleep(random.uniform(0.0, WRITE_CONFLICT_BACKOFF_S * 2**attempt))  # desynchronize
         self.published += len(records)
