@@ -133,7 +133,7 @@ class InlineCapture:
         except (DataPlaneError, TimeoutError):
             return failed_coords(admission, WorkerFailure.STAGING_WRITE_FAILED, version)
         self.stats.writes += 1
-        return captured.coords
+        return captured.coords()
 
     def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the capture loop and block this (engine) thread until it is done."""

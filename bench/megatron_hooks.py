@@ -42,7 +42,8 @@ from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics import digest
-from topics.records import CaptureAdmission, StagedCallBody
+from topics.records import CaptureAdmission
+from topics.staging import build_row
 from topics.wire import CAPTURE_FIELD
 
 SIZES = (1_000, 8_000, 32_000)
@@ -121,36 +122,25 @@ async def _timed_stage(
 
 
 def _hashes(call: _Call) -> Callable[[], object]:
-    """The three hashes ``stage`` computes, over prebuilt arrays."""
+    """The three hashes ``stage`` computes, over the arrays it builds them from."""
     prompt = np.asarray(call.prompt, dtype=np.int64)
-    generated = np.asarray(call.generated, dtype=np.int64)
-    carry = prompt.size - call.prefix.size
-    delta = np.concatenate((prompt[call.prefix.size :], generated))
-    everything = np.concatenate((prompt, generated))
-    mask = np.concatenate((np.zeros(carry), np.ones(generated.size)))
-    logprobs = np.concatenate((np.zeros(carry), np.asarray(call.logprobs)))
-    fields: dict[str, Any] = {
-        "rollout_id": "r",
-        "call_id": "c2",
-        "parent_call_id": "c1",
-        "mode": "token_in",
-        "prev_len": call.prefix.size,
-        "delta_len": delta.size,
-        "cum_len": everything.size,
-        "weight_version": 1,
-        "token_ids_delta": delta,
-        "token_mask_delta": mask,
-        "logprobs_delta": logprobs,
-        "extras": None,
-        "extras_digest": "0" * 64,
-        "chain_hash": "0" * 64,
-        "cumulative_hash": "0" * 64,
-    }
+    delta = digest.build_delta(prompt, call.generated, call.logprobs, call.prefix.size)
+    row = build_row(
+        rollout_id="r",
+        call_id="c2",
+        parent_call_id="c1",
+        parent_chain_hash="1" * 64,
+        prefix_ids=call.prefix,
+        delta=delta,
+        weight_version=1,
+    )
+    delta_be = delta.token_ids.astype(">u8")
+    everything = np.concatenate((call.prefix.astype(">u8"), delta_be))
 
     def run() -> None:
-        digest.chain_hash("1" * 64, delta)
+        digest.chain_hash("1" * 64, delta_be)
         digest.cumulative_hash(everything)
-        digest.digest_of_body(StagedCallBody.model_construct(**fields))
+        digest.digest_of_row(row, delta_be, delta.token_mask, delta.logprobs)
 
     return run
 

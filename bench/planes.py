@@ -24,6 +24,7 @@ from typing import Literal
 from stages.memory import MemoryDataPlane
 from stages.ports import DataPlane
 from topics.records import StagedCall, TrainingSample
+from topics.staging import CallRow
 
 Placement = Literal["separate", "embedded", "memory"]
 PLACEMENTS: tuple[Placement, ...] = ("separate", "embedded", "memory")
@@ -64,7 +65,7 @@ class DelayedDataPlane:
         self.calls += 1
         await asyncio.sleep(self.delay_s)
 
-    async def put_calls(self, rows: Sequence[StagedCall]) -> None:
+    async def put_calls(self, rows: Sequence[CallRow]) -> None:
         await self._wait()
         await self.inner.put_calls(rows)
 

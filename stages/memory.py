@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from stages.ports import SAMPLES_PARTITION, STAGING_PARTITION, DataPlaneError, MissingRows
 from topics.events import Envelope, envelope
 from topics.records import Record, StagedCall, TrainingSample
+from topics.staging import CallRow, as_record
 
 
 class MemoryDataPlane:
@@ -26,9 +27,9 @@ class MemoryDataPlane:
         if self.broken:
             raise DataPlaneError("data plane is down")
 
-    async def put_calls(self, rows: Sequence[StagedCall]) -> None:
+    async def put_calls(self, rows: Sequence[CallRow]) -> None:
         self._check()
-        self.calls.update((row.staging_key, row) for row in rows)
+        self.calls.update((row.staging_key, as_record(row)) for row in rows)
 
     async def get_calls(self, keys: Sequence[str]) -> dict[str, StagedCall]:
         self._check()

@@ -10,6 +10,7 @@ from stages.recent import RecentIds
 from topics.codec import RawRecord, raw_record
 from topics.events import Envelope
 from topics.records import Record, StagedCall, TrainingSample
+from topics.staging import CallRow
 
 T = TypeVar("T")
 
@@ -41,7 +42,7 @@ class DataPlane(Protocol):
     verifier can map each corruption to its own failure code.
     """
 
-    async def put_calls(self, rows: Sequence[StagedCall]) -> None: ...
+    async def put_calls(self, rows: Sequence[CallRow]) -> None: ...
 
     async def get_calls(self, keys: Sequence[str]) -> dict[str, StagedCall]: ...
 

@@ -79,13 +79,23 @@ def ids(values: IdsLike, field: str = "token_ids") -> bytes:
     return header + body.tobytes()
 
 
-def f32s(values: FloatsLike, field: str = "values") -> bytes:
+def f32s_parts(values: FloatsLike, field: str = "values") -> tuple[bytes, npt.NDArray[np.float32]]:
+    """``f32s(v)`` as (count header, big-endian float32 body) so callers can hash it without a copy."""
+    if isinstance(values, np.ndarray) and values.dtype == np.float32 and values.ndim == 1:
+        if values.size and not np.isfinite(values).all():
+            raise EncodingError(field, "must be finite (no NaN or Inf)")
+        return U64.pack(values.size), values.astype(">f4")
     array64 = np.asarray(values, dtype=np.float64)
     if array64.ndim != 1:
         raise EncodingError(field, "must be a flat sequence of floats")
     if array64.size and not np.isfinite(array64).all():
         raise EncodingError(field, "must be finite (no NaN or Inf)")
-    return U64.pack(array64.size) + array64.astype(">f4").tobytes()
+    return U64.pack(array64.size), array64.astype(">f4")
+
+
+def f32s(values: FloatsLike, field: str = "values") -> bytes:
+    header, body = f32s_parts(values, field)
+    return header + body.tobytes()
 
 
 def extras(value: Any, field: str = "extras") -> bytes:

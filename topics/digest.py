@@ -8,6 +8,7 @@ SHA-256, lowercase hex, each domain-separated by its own prefix.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +25,8 @@ EXTRAS_DOMAIN = b"nemo-gym-staging-extras-v1"
 CHAIN_DOMAIN = b"nemo-gym-staging-chain-v1"
 PREFIX_DOMAIN = b"nemo-gym-staging-prefix-v2"
 CALL_DOMAIN = b"nemo-gym-staging-call-v2"
+_COUNTS = struct.Struct(">QQQQ")
+"""prev_len, delta_len, cum_len and weight_version, each a big-endian u64."""
 
 
 class InvalidDelta(ValueError):
@@ -114,9 +117,9 @@ class RowIdentity(Protocol):
 
 def digest_of_row(
     row: RowIdentity,
-    token_ids: npt.NDArray[np.int64],
-    token_mask: npt.NDArray[np.float64],
-    logprobs: npt.NDArray[np.float64],
+    token_ids: npt.NDArray[np.integer[Any]],
+    token_mask: npt.NDArray[np.floating[Any]],
+    logprobs: npt.NDArray[np.floating[Any]],
 ) -> str:
     """The call digest from a row's scalar fields and its vectors as arrays (no list round trip)."""
     digest = hashlib.sha256(
@@ -128,18 +131,17 @@ def digest_of_row(
                 canonical.text(row.call_id),
                 canonical.opt_text(row.parent_call_id),
                 canonical.text(row.mode),
-                canonical.u64(row.prev_len),
-                canonical.u64(row.delta_len),
-                canonical.u64(row.cum_len),
-                canonical.u64(row.weight_version),
+                _COUNTS.pack(row.prev_len, row.delta_len, row.cum_len, row.weight_version),
             )
         )
     )
-    header, body = canonical.ids_parts(token_ids, "token_ids_delta")
-    digest.update(canonical.u64(len(header) + body.nbytes) + header)
-    digest.update(body.data)
-    for values, field in ((token_mask, "token_mask_delta"), (logprobs, "logprobs_delta")):
-        digest.update(canonical.blob(canonical.f32s(values, field)))
+    for header, body in (
+        canonical.ids_parts(token_ids, "token_ids_delta"),
+        canonical.f32s_parts(token_mask, "token_mask_delta"),
+        canonical.f32s_parts(logprobs, "logprobs_delta"),
+    ):  # each vector is a blob: its byte length, then its canonical bytes
+        digest.update(canonical.u64(len(header) + body.nbytes) + header)
+        digest.update(body.data)
     digest.update(
         bytes.fromhex(row.extras_digest)
         + b"\x01"
@@ -152,11 +154,15 @@ def digest_of_row(
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """The part of a call's token row that is new relative to its parent, as arrays."""
+    """The part of a call's token row that is new relative to its parent, as arrays.
+
+    Mask and logprobs are float32: exactly the values the data plane stores and the
+    digest encodes, so nothing downstream rounds again.
+    """
 
     token_ids: npt.NDArray[np.int64]
-    token_mask: npt.NDArray[np.float64]
-    logprobs: npt.NDArray[np.float64]
+    token_mask: npt.NDArray[np.float32]
+    logprobs: npt.NDArray[np.float32]
     carry_len: int
 
     @property
@@ -174,28 +180,48 @@ def build_delta(
     """
     if prev_len < 0:
         raise InvalidDelta("prev_len", f"must be >= 0, got {prev_len}")
-    prompt = canonical.ids_array(prompt_ids, "prompt_ids")
-    generated = canonical.ids_array(generated_ids, "generated_ids")
+    prompt = _ids64(prompt_ids, "prompt_ids")
+    generated = _ids64(generated_ids, "generated_ids")
     if prompt.size < prev_len:
         raise InvalidDelta("prompt_ids", f"has {prompt.size} ids, fewer than prev_len {prev_len}")
     if generated.size == 0:
         raise InvalidDelta("generated_ids", "empty generation")
-    if int(max(prompt.max(initial=0), generated.max())) >= 2**63:
-        raise InvalidDelta("generated_ids", "token ids must be below 2**63")
     logprobs = np.asarray(generated_logprobs, dtype=np.float64)
     if logprobs.ndim != 1 or logprobs.size != generated.size:
         raise InvalidDelta(
             "generated_logprobs", f"has {logprobs.size} values for {generated.size} generated ids"
         )
-    if not np.isfinite(logprobs).all():
-        raise InvalidDelta("generated_logprobs", "must be finite (no NaN or Inf)")
     # Rows store logprobs as float32 and the digest encodes float32, so round here once:
-    # the record then equals what the data plane returns.
-    logprobs = logprobs.astype(np.float32).astype(np.float64)
+    # the record then equals what the data plane returns. NaN, Inf and values beyond
+    # float32's range all come out of the rounding non-finite.
+    with np.errstate(over="ignore"):
+        rounded = logprobs.astype(np.float32)
+    if not np.isfinite(rounded).all():
+        raise InvalidDelta("generated_logprobs", "must be finite in float32 (no NaN, Inf or |x| > 3.4e38)")
     carry = prompt.size - prev_len
-    token_ids = np.concatenate((prompt[prev_len:], generated)).astype(np.int64)
-    mask = np.concatenate((np.zeros(carry), np.ones(generated.size)))
-    return Delta(token_ids, mask, np.concatenate((np.zeros(carry), logprobs)), carry)
+    delta = np.empty(carry + generated.size, dtype=np.int64)
+    delta[:carry] = prompt[prev_len:]
+    delta[carry:] = generated
+    mask = np.zeros(delta.size, dtype=np.float32)
+    mask[carry:] = 1.0
+    values = np.zeros(delta.size, dtype=np.float32)
+    values[carry:] = rounded
+    return Delta(delta, mask, values, carry)
+
+
+def _ids64(values: IdsLike, field: str) -> npt.NDArray[np.int64]:
+    """Token ids as native int64 (ids are below 2**63); lists are checked element by element in C."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
+        if values.size and int(values.min()) < 0:
+            raise InvalidDelta(field, "token ids must be non-negative")
+        return values.astype(np.int64, copy=False)
+    try:
+        ids = canonical.ids_array(values, field)
+    except canonical.EncodingError as exc:
+        raise InvalidDelta(field, exc.reason) from None
+    if ids.size and int(ids.max()) >= 2**63:
+        raise InvalidDelta(field, "token ids must be below 2**63")
+    return ids.astype(np.int64)
 
 
 __all__ = [

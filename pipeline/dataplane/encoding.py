@@ -36,12 +36,15 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import orjson
 import torch
 from tensordict import NonTensorStack, TensorDict
 
 from topics import canonical
 from topics.records import CallSpan, StagedCall, TrainingSample
+from topics.staging import CallRow, row_vectors
 
 CALL_FIELDS: tuple[str, ...] = ("token_ids", "token_mask", "logprobs", "counts", "meta")
 SAMPLE_FIELDS: tuple[str, ...] = ("token_ids", "token_mask", "logprobs", "weight_versions", "meta")
@@ -73,8 +76,15 @@ class RowFormatError(ValueError):
 # ---------------------------------------------------------------- encoding
 
 
-def _ints(key: str, field: str, values: Sequence[int]) -> torch.Tensor:
-    """int64 tensor; ``array('q')`` type-checks every element in C (floats, overflow)."""
+def _ints(key: str, field: str, values: Sequence[int] | npt.NDArray[np.int64]) -> torch.Tensor:
+    """int64 tensor; ``array('q')`` type-checks every element of a list in C (floats, overflow).
+
+    An array comes from ``build_row``, already int64: it is wrapped, not copied.
+    """
+    if isinstance(values, np.ndarray):
+        if values.dtype != np.int64 or values.ndim != 1:
+            raise RowFormatError(key, field, f"not a flat int64 array ({values.dtype})")
+        return torch.from_numpy(np.ascontiguousarray(values))
     try:
         packed = array.array("q", values)
     except (TypeError, OverflowError) as exc:
@@ -82,13 +92,19 @@ def _ints(key: str, field: str, values: Sequence[int]) -> torch.Tensor:
     return _from_array(packed, torch.int64)
 
 
-def _floats(key: str, field: str, values: Sequence[float]) -> torch.Tensor:
+def _floats(key: str, field: str, values: Sequence[float] | npt.NDArray[np.float32]) -> torch.Tensor:
     """float32 tensor; values beyond float32's range would become infinities, so refuse them."""
-    try:
-        packed = array.array("f", values)
-    except (TypeError, OverflowError) as exc:
-        raise RowFormatError(key, field, f"not representable as float32 ({exc})") from None
-    tensor = _from_array(packed, torch.float32)
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind != "f" or values.ndim != 1:
+            raise RowFormatError(key, field, f"not a flat float array ({values.dtype})")
+        with np.errstate(over="ignore"):  # an overflow becomes Inf, refused below
+            tensor = torch.from_numpy(values.astype(np.float32, copy=False))
+    else:
+        try:
+            packed = array.array("f", values)
+        except (TypeError, OverflowError) as exc:
+            raise RowFormatError(key, field, f"not representable as float32 ({exc})") from None
+        tensor = _from_array(packed, torch.float32)
     if not bool(torch.isfinite(tensor).all()):
         raise RowFormatError(key, field, "values must be finite in float32 (NaN, Inf or beyond ±3.4e38)")
     return tensor
@@ -126,8 +142,8 @@ def _per_row(parts: list[torch.Tensor]) -> NonTensorStack:
     return NonTensorStack(*parts)
 
 
-def encode_calls(rows: Sequence[StagedCall]) -> TensorDict:
-    """One TensorDict row per call, in the order given."""
+def encode_calls(rows: Sequence[CallRow]) -> TensorDict:
+    """One TensorDict row per call, in the order given; a ``StagedRow``'s arrays are used as they are."""
     if not rows:
         raise ValueError("encode_calls: no rows")
     ids: list[torch.Tensor] = []
@@ -137,9 +153,10 @@ def encode_calls(rows: Sequence[StagedCall]) -> TensorDict:
     counts: list[torch.Tensor] = []
     for row in rows:
         key = row.staging_key
-        ids.append(_ints(key, "token_ids", row.token_ids_delta))
-        masks.append(_floats(key, "token_mask", row.token_mask_delta))
-        logprobs.append(_floats(key, "logprobs", row.logprobs_delta))
+        row_ids, row_mask, row_logprobs = row_vectors(row)
+        ids.append(_ints(key, "token_ids", row_ids))
+        masks.append(_floats(key, "token_mask", row_mask))
+        logprobs.append(_floats(key, "logprobs", row_logprobs))
         counts.append(_ints(key, "counts", [row.prev_len, row.delta_len, row.cum_len, row.weight_version]))
         _check_extras(key, row.extras)
         metas.append(

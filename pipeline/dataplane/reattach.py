@@ -28,6 +28,7 @@ from pipeline.dataplane.addresses import AddressesError, DataPlaneAddresses
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
 from stages.ports import DataPlane, DataPlaneError, MissingRows
 from topics.records import StagedCall, TrainingSample
+from topics.staging import CallRow
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class ReattachingDataPlane:
 
     # ------------------------------------------------------------ the DataPlane port
 
-    async def put_calls(self, rows: Sequence[StagedCall]) -> None:
+    async def put_calls(self, rows: Sequence[CallRow]) -> None:
         await self._call(lambda plane: plane.put_calls(rows))
 
     async def get_calls(self, keys: Sequence[str]) -> dict[str, StagedCall]:

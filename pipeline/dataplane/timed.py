@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from stages.ports import DataPlane, MissingRows
 from topics.records import StagedCall, TrainingSample
+from topics.staging import CallRow
 
 T = TypeVar("T")
 
@@ -41,7 +42,7 @@ class TimedDataPlane:
         finally:
             self.observe(operation, outcome, time.perf_counter() - start)
 
-    async def put_calls(self, rows: Sequence[StagedCall]) -> None:
+    async def put_calls(self, rows: Sequence[CallRow]) -> None:
         await self._timed("put_calls", self.inner.put_calls(rows))
 
     async def get_calls(self, keys: Sequence[str]) -> dict[str, StagedCall]:

@@ -45,6 +45,7 @@ from stages.ports import (
     MissingRows,
 )
 from topics.records import StagedCall, TrainingSample
+from topics.staging import CallRow
 
 T = TypeVar("T")
 Decode = Callable[[Sequence[str], TensorDict], list[Any]]
@@ -188,7 +189,7 @@ class TransferQueueDataPlane:
 
     # ------------------------------------------------------------ the DataPlane port
 
-    async def put_calls(self, rows: Sequence[StagedCall]) -> None:
+    async def put_calls(self, rows: Sequence[CallRow]) -> None:
         if not rows:
             return
         data = codec.encode_calls(rows)

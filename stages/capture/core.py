@@ -23,8 +23,8 @@ from stages.capture.writer import PendingCall, StagingWriter
 from topics.canonical import EncodingError, FloatsLike, IdsLike
 from topics.digest import InvalidDelta, build_delta
 from topics.failures import WorkerFailure
-from topics.records import EVENT_SCHEMA_VERSION, CaptureAdmission, CommitCoords, StagedCall, staging_key
-from topics.staging import staging_row
+from topics.records import EVENT_SCHEMA_VERSION, CaptureAdmission, CommitCoords, staging_key
+from topics.staging import StagedRow, build_row
 
 
 class AckPolicy(StrEnum):
@@ -114,14 +114,15 @@ class CaptureCore:
     ) -> Completion:
         """Cache a built row for children on this worker and queue it for staging (event loop only)."""
         row = captured.row
-        self.cache.put(ChainLink(row.staging_key, captured.delta_ids, row.chain_hash, row.cum_len))
+        coords = captured.coords()
+        self.cache.put(ChainLink(row.staging_key, row.token_ids, row.chain_hash, row.cum_len))
         done = self._future()
-        if not self.writer.submit(PendingCall(captured.coords, row, response_id, done)):
+        if not self.writer.submit(PendingCall(coords, row, response_id, done)):
             self.cache.discard(row.staging_key)
             return self.fail(
                 prepared, WorkerFailure.STAGING_WRITE_FAILED, row.weight_version, response_id, row
             )
-        return Completion(captured.coords, done)
+        return Completion(coords, done)
 
     def fail(
         self,
@@ -129,7 +130,7 @@ class CaptureCore:
         code: WorkerFailure,
         weight_version: int,
         response_id: str | None = None,
-        row: StagedCall | None = None,
+        row: StagedRow | None = None,
     ) -> Completion:
         """Report a served call whose capture failed; the driver still gets coords."""
         coords = failed_coords(prepared.admission, code, weight_version, row)
@@ -152,11 +153,41 @@ _EMPTY: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 
 @dataclass(frozen=True, slots=True)
 class CapturedRow:
-    """A finished call's row and coords, built but not yet staged."""
+    """A finished call's row (arrays), built but not yet staged, and its staging chain.
 
-    row: StagedCall
-    delta_ids: npt.NDArray[np.int64]
-    coords: CommitCoords
+    Its coords exist first as a plain JSON document (what a reply carries, built without
+    pydantic inside the engine step); ``coords`` makes the record on the capture loop.
+    """
+
+    row: StagedRow
+    staging_chain: list[str]
+
+    def coords_document(self) -> dict[str, Any]:
+        """``coords().model_dump(mode="json")``, written out directly (tested equal)."""
+        row = self.row
+        return {
+            "schema_version": EVENT_SCHEMA_VERSION,
+            "rollout_id": row.rollout_id,
+            "call_id": row.call_id,
+            "parent_call_id": row.parent_call_id,
+            "mode": row.mode,
+            "prev_len": row.prev_len,
+            "delta_len": row.delta_len,
+            "cum_len": row.cum_len,
+            "weight_version": row.weight_version,
+            "staging_key": self.staging_chain[-1],
+            "chain_hash": row.chain_hash,
+            "cumulative_hash": row.cumulative_hash,
+            "digest": row.digest,
+            "extras_digest": row.extras_digest,
+            "disposition": "staged",
+            "failure_reason": None,
+            "staging_chain": self.staging_chain,
+        }
+
+    def coords(self) -> CommitCoords:
+        """The record, built without re-validation: every field was checked or computed here."""
+        return CommitCoords.model_construct(**self.coords_document())
 
 
 def capture_row(
@@ -181,7 +212,7 @@ def capture_row(
         )
     try:
         delta = build_delta(prompt_ids, generated_ids, generated_logprobs, admission.prev_len)
-        row = staging_row(
+        row = build_row(
             rollout_id=admission.rollout_id,
             call_id=admission.call_id,
             parent_call_id=admission.parent_call_id,
@@ -193,11 +224,11 @@ def capture_row(
         )
     except (InvalidDelta, EncodingError, ValueError) as exc:
         raise CaptureFailure(WorkerFailure.INVALID_DELTA, str(exc)) from None
-    return CapturedRow(row, delta.token_ids, _coords(admission, row))
+    return CapturedRow(row, [*(admission.staging_chain or []), row.staging_key])
 
 
 def failed_coords(
-    admission: CaptureAdmission, code: WorkerFailure, weight_version: int, row: StagedCall | None = None
+    admission: CaptureAdmission, code: WorkerFailure, weight_version: int, row: StagedRow | None = None
 ) -> CommitCoords:
     """Coords of a served call whose capture failed (with the row's lengths when one was built)."""
     key = staging_key(admission.rollout_id, admission.call_id)
@@ -226,29 +257,6 @@ def starts_with(prompt_ids: IdsLike, prefix: npt.NDArray[np.int64]) -> bool:
     except (TypeError, ValueError, OverflowError):
         return False
     return bool(np.array_equal(head, prefix))
-
-
-def _coords(admission: CaptureAdmission, row: StagedCall) -> CommitCoords:
-    """Coords of a row just built from a validated admission: built without re-validation."""
-    key = row.staging_key
-    return CommitCoords.model_construct(
-        schema_version=EVENT_SCHEMA_VERSION,
-        rollout_id=row.rollout_id,
-        call_id=row.call_id,
-        parent_call_id=row.parent_call_id,
-        mode=row.mode,
-        prev_len=row.prev_len,
-        delta_len=row.delta_len,
-        cum_len=row.cum_len,
-        weight_version=row.weight_version,
-        staging_key=key,
-        staging_chain=[*(admission.staging_chain or []), key],
-        chain_hash=row.chain_hash,
-        cumulative_hash=row.cumulative_hash,
-        digest=row.digest,
-        extras_digest=row.extras_digest,
-        disposition="staged",
-    )
 
 
 __all__ = [

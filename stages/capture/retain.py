@@ -19,14 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stages.recent import RecentIds
-from topics.records import StagedCall
+from topics.staging import CallRow
 
 DEFAULT_BUDGET_BYTES = 256 * 2**20
 ROW_OVERHEAD_BYTES = 1024
 """Identity, hashes and object headers of a row, beyond its token vectors."""
 
 
-def row_bytes(row: StagedCall) -> int:
+def row_bytes(row: CallRow) -> int:
     """What a row costs to keep: 8 bytes an id, 4 a mask entry, 4 a logprob, plus overhead."""
     return ROW_OVERHEAD_BYTES + 16 * row.delta_len
 
@@ -51,11 +51,11 @@ class RetainedRows:
             raise ValueError(f"budget_bytes: must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.stats = RetainedStats()
-        self._rows: OrderedDict[str, StagedCall] = OrderedDict()
+        self._rows: OrderedDict[str, CallRow] = OrderedDict()
         self._by_rollout: dict[str, set[str]] = {}
         self._finalized = RecentIds()
 
-    def add(self, rows: Sequence[StagedCall]) -> list[str]:
+    def add(self, rows: Sequence[CallRow]) -> list[str]:
         """Hold rows just written; returns the keys of those whose rollout is finalized
         already (late: the caller deletes them, nobody else will)."""
         late: list[str] = []
@@ -87,7 +87,7 @@ class RetainedRows:
         self.stats.held = len(self._rows)
         return keys
 
-    def held(self) -> list[StagedCall]:
+    def held(self) -> list[CallRow]:
         """Every row still held, oldest first."""
         return list(self._rows.values())
 

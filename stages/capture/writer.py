@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from stages.capture.retain import RetainedRows
 from stages.ports import DataPlane, DataPlaneError, DataPlaneTimeout, EventSink
 from topics.failures import WorkerFailure
-from topics.records import CommitCoords, StagedCall, StagedEvent
+from topics.records import CommitCoords, StagedEvent
+from topics.staging import CallRow
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class PendingCall:
     """One call on its way out: its row (None when capture already failed) and coords."""
 
     coords: CommitCoords
-    row: StagedCall | None
+    row: CallRow | None
     response_id: str | None = None
     done: asyncio.Future[CommitCoords] | None = None
 

@@ -49,6 +49,7 @@ from stages.client import RolloutClient
 from stages.ports import DataPlane
 from topics.names import TopicNames
 from topics.records import CommitCoords, StagedCall, TrainingSample
+from topics.staging import CallRow
 
 DIE_AFTER_REPLY = False
 DIE_AFTER_PUT = False
@@ -74,7 +75,7 @@ class DyingDataPlane:
     def __init__(self, inner: DataPlane) -> None:
         self.inner = inner
 
-    async def put_calls(self, rows: Sequence[StagedCall]) -> None:
+    async def put_calls(self, rows: Sequence[CallRow]) -> None:
         await self.inner.put_calls(rows)
         if DIE_AFTER_PUT:
             _die()

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from pipeline.dataplane.transferqueue import CorruptRows, TransferQueueDataPlane
 from stages.ports import DataPlaneError, DataPlaneTimeout, MissingRows
 from topics import digest
 from topics.records import CallSpan, StagedCall, TrainingSample
-from topics.staging import staging_row
+from topics.staging import StagedRow, staging_row
 
 pytestmark = pytest.mark.dataplane
 
@@ -70,6 +71,17 @@ def build_rollout(
         prefix = np.concatenate((prompt, new_ids))
         parent = call
     return calls
+
+
+def as_arrays(call: StagedCall) -> StagedRow:
+    """The row as the capture path hands it to the data plane: its vectors as arrays."""
+    fields = call.model_dump(exclude={"token_ids_delta", "token_mask_delta", "logprobs_delta"})
+    return StagedRow(
+        **fields,
+        token_ids=np.asarray(call.token_ids_delta, dtype=np.int64),
+        token_mask=np.asarray(call.token_mask_delta, dtype=np.float32),
+        logprobs=np.asarray(call.logprobs_delta, dtype=np.float32),
+    )
 
 
 def build_sample(rollout_id: str, calls: Sequence[StagedCall], reward: float | None) -> TrainingSample:
@@ -200,8 +212,9 @@ async def test_thousand_calls_round_trip_bit_exact(
         calls += build_rollout(rng, f"{prefix}.{r}", rng.integers(100, 8001, 4).tolist(), extras=extras)
     assert len(calls) == 1000
     by_key = {call.staging_key: call for call in calls}
-    for start in range(0, len(calls), 32):
-        await plane.put_calls(calls[start : start + 32])
+    for start in range(0, len(calls), 32):  # every other batch as arrays, as capture writes them
+        batch = calls[start : start + 32]
+        await plane.put_calls([as_arrays(call) for call in batch] if start % 64 else batch)
     assert set(by_key) <= set(await plane.list_keys("staging"))
 
     order = list(by_key)
@@ -374,6 +387,10 @@ def test_codec_names_the_key_and_field_of_a_malformed_row(rng: np.random.Generat
         assert info.value.field == field and (info.value.key in (key, None)), str(info.value)
     with pytest.raises(codec.RowFormatError, match=r"logprobs.*finite"):
         codec.encode_calls([StagedCall.model_construct(**{**dict(call), "logprobs_delta": [-1e39] * 50})])
+    with pytest.raises(codec.RowFormatError, match=r"logprobs.*finite"):
+        codec.encode_calls([replace(as_arrays(call), logprobs=np.full(50, -np.inf, dtype=np.float32))])
+    with pytest.raises(codec.RowFormatError, match=r"token_ids.*int64"):
+        codec.encode_calls([replace(as_arrays(call), token_ids=np.zeros(50, dtype=np.uint64))])
     with pytest.raises(codec.RowFormatError, match=r"token_ids.*int64"):
         codec.encode_calls([StagedCall.model_construct(**{**dict(call), "token_ids_delta": [2**64] * 50})])
 

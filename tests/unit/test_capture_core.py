@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from stages.capture.cache import ChainCache, ChainLink
-from stages.capture.core import AckPolicy, CaptureCore
+from stages.capture.core import AckPolicy, CaptureCore, PreparedCall, capture_row
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics import digest
-from topics.records import CommitCoords, StagedEvent
+from topics.records import CommitCoords, StagedCall, StagedEvent
 from topics.wire import strip_token_fields
 
 
@@ -215,7 +215,9 @@ def test_full_queue_fails_call_without_blocking() -> None:
     run(go())
 
 
-@pytest.mark.parametrize("generated, logprobs", [([], []), ([3], [float("nan")]), ([-3], [-1.0])])
+@pytest.mark.parametrize(
+    "generated, logprobs", [([], []), ([3], [float("nan")]), ([-3], [-1.0]), ([3], [-1e39])]
+)
 def test_invalid_delta_is_capture_failed(generated: list[int], logprobs: list[float]) -> None:
     async def go() -> None:
         data_plane, sink = MemoryDataPlane(), RecordingSink()
@@ -225,6 +227,39 @@ def test_invalid_delta_is_capture_failed(generated: list[int], logprobs: list[fl
         assert coords.failure_reason == "invalid_delta"
 
     run(go())
+
+
+@pytest.mark.parametrize("extras", [None, {"weight_version_spans": [[0, 1], [1, 2]]}])
+def test_captured_coords_document_is_what_pydantic_would_dump(extras: dict[str, Any] | None) -> None:
+    """The hook writes the reply's coords without pydantic; they must be the record's dump."""
+    admission = RolloutClient(RecordingSink()).admit("r1")
+    root = capture_row(
+        PreparedCall(admission, np.zeros(0, dtype=np.int64), None),
+        [1, 2],
+        [3, 4],
+        [-0.5, -0.25],
+        weight_version=1,
+    )
+    prepared = PreparedCall(
+        RolloutClient(RecordingSink()).admit("r1", root.coords()), root.row.token_ids, root.row.chain_hash
+    )
+    child = capture_row(
+        prepared,
+        np.array([1, 2, 3, 4, 9]),
+        np.array([7, 8]),
+        np.array([-1.5, -2.0]),
+        weight_version=2,
+        extras=extras,
+    )
+    for captured in (root, child):
+        document = captured.coords_document()
+        validated = CommitCoords.model_validate(document, strict=False)
+        assert validated.model_dump(mode="json") == document
+        assert captured.coords() == validated
+        row = captured.row.record()
+        assert StagedCall.model_validate(row.model_dump()) == row  # the arrays make a valid row
+        assert digest.call_digest(row.model_dump(exclude={"digest"})) == row.digest
+    assert child.coords().staging_chain == ["r1/" + root.row.call_id, "r1/" + child.row.call_id]
 
 
 def test_prompt_not_starting_with_prefix_is_splice_failure() -> None:

@@ -89,9 +89,27 @@ class _Work:
     weight_version: int
     extras: dict[str, Any] | None
     code: WorkerFailure | None
-    coords: CommitCoords
+    failed: CommitCoords | None
+    """The coords of a call whose capture failed (None when ``captured``)."""
     response_id: str | None
     detail: str | None = None
+
+    @property
+    def staging_key(self) -> str:
+        return self.prepared.admission.staging_key
+
+    def reply(self) -> dict[str, Any]:
+        """The coords as the reply carries them; a captured call's without pydantic."""
+        if self.captured is not None:
+            return self.captured.coords_document()
+        assert self.failed is not None, "a work item is captured or failed"
+        return self.failed.model_dump(mode="json")
+
+    def coords(self) -> CommitCoords:
+        if self.captured is not None:
+            return self.captured.coords()
+        assert self.failed is not None, "a work item is captured or failed"
+        return self.failed
 
 
 class MegatronPayloadStager:
@@ -219,7 +237,7 @@ class MegatronPayloadStager:
             )
         except CaptureFailure as exc:
             return _failed_work(prepared, exc.code, version, response_id, exc.detail)
-        return _Work(prepared, captured, version, extras, None, captured.coords, response_id)
+        return _Work(prepared, captured, version, extras, None, None, response_id)
 
     def _hand_off(self, work: _Work) -> dict[str, Any]:
         try:
@@ -238,7 +256,7 @@ class MegatronPayloadStager:
             self._handed += 1
         except HandoffClosed as exc:
             self.stats.refused += 1
-            log.error("capture loop is not running; %s is not staged: %s", work.coords.staging_key, exc)
+            log.error("capture loop is not running; %s is not staged: %s", work.staging_key, exc)
             work = _failed_work(
                 work.prepared,
                 WorkerFailure.STAGING_WRITE_FAILED,
@@ -248,7 +266,7 @@ class MegatronPayloadStager:
             )
         if work.code is not None:
             self.stats.failed[work.code.value] += 1
-        metadata: dict[str, Any] = {COORDS_FIELD: work.coords.model_dump(mode="json")}
+        metadata: dict[str, Any] = {COORDS_FIELD: work.reply()}
         if work.code is not None:
             metadata[FAILURE_FIELD] = {"code": work.code.value, "detail": work.detail}
         return metadata
@@ -276,14 +294,15 @@ class MegatronPayloadStager:
                 completion = self.core.submit(work.prepared, work.captured, work.response_id)
         except Exception:
             self.stats.errors += 1
-            log.exception("capture core failed on %s", work.coords.staging_key)
+            log.exception("capture core failed on %s", work.staging_key)
             return
-        if completion.coords != work.coords:
+        replied = work.coords()
+        if completion.coords != replied:
             self.stats.superseded += 1
             log.warning(
                 "%s: reply coords superseded (%s -> %s)",
-                work.coords.staging_key,
-                work.coords.disposition,
+                work.staging_key,
+                replied.disposition,
                 completion.coords.failure_reason or completion.coords.disposition,
             )
 
