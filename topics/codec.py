@@ -69,11 +69,10 @@ class EventTooLarge(ValueError):
 
 def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]]) -> int:
     """Bytes of a record's key, value and headers (what the event limit bounds)."""
-    return (
-        len(key or b"")
-        + len(value or b"")
-        + sum(len(name.encode("utf-8", "surrogatepass")) + len(raw) for name, raw in headers)
-    )
+    size = len(key or b"") + len(value or b"")
+    for name, raw in headers:  # a plain loop: this runs for every record read
+        size += len(raw) + (len(name) if name.isascii() else len(name.encode("utf-8", "surrogatepass")))
+    return size
 
 
 def encode_payload(payload: Record) -> bytes:
@@ -103,14 +102,28 @@ def encode_record(payload: Record) -> tuple[bytes, bytes, Headers]:
     return encode(envelope(payload))
 
 
-def _header(headers: Sequence[tuple[str, bytes]], name: str) -> str:
-    for key, value in headers:
-        if key == name:
-            try:
-                return value.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DecodeError(f"header {name}", "not UTF-8") from None
-    raise DecodeError(f"header {name}", "missing")
+def _envelope_headers(headers: Sequence[tuple[str, bytes]]) -> dict[str, bytes]:
+    """The type, schema and event-id headers (the first of each name), found in one pass."""
+    found: dict[str, bytes] = {}
+    for name, value in headers:
+        if name in _ENVELOPE_HEADERS and name not in found:
+            found[name] = value
+    return found
+
+
+def _header(found: dict[str, bytes], name: str) -> str:
+    raw = found.get(name)
+    if raw is None:
+        raise DecodeError(f"header {name}", "missing")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DecodeError(f"header {name}", "not UTF-8") from None
+
+
+_ENVELOPE_HEADERS = (HEADER_TYPE, HEADER_SCHEMA, HEADER_EVENT_ID)
+_EVENT_TYPES = {kind.value: kind for kind in EventType}
+_READABLE_SCHEMAS = frozenset(str(version) for version in READABLE_EVENT_SCHEMAS)
 
 
 def decode_payload(event_type: EventType, value: bytes) -> Record:
@@ -161,13 +174,13 @@ def decode(
         parts = {"value": value_size, "key": key_size, "headers": size - key_size - value_size}
         largest = max(parts, key=parts.__getitem__)  # the part that made it too big
         raise DecodeError(largest, f"record is {size} bytes, over the {max_bytes}-byte event limit")
-    type_name = _header(headers, HEADER_TYPE)
-    try:
-        event_type = EventType(type_name)
-    except ValueError:
-        raise DecodeError(f"header {HEADER_TYPE}", f"unknown event type {type_name!r}") from None
-    schema = _header(headers, HEADER_SCHEMA)
-    if schema not in {str(version) for version in READABLE_EVENT_SCHEMAS}:
+    found = _envelope_headers(headers)
+    type_name = _header(found, HEADER_TYPE)
+    event_type = _EVENT_TYPES.get(type_name)
+    if event_type is None:
+        raise DecodeError(f"header {HEADER_TYPE}", f"unknown event type {type_name!r}")
+    schema = _header(found, HEADER_SCHEMA)
+    if schema not in _READABLE_SCHEMAS:
         raise DecodeError(
             f"header {HEADER_SCHEMA}",
             f"unsupported schema version {schema!r}; this reader knows {READABLE_EVENT_SCHEMAS}",
@@ -178,7 +191,7 @@ def decode(
     event = envelope(payload)
     if event.event_type != event_type:
         raise DecodeError(f"header {HEADER_TYPE}", f"says {type_name}, payload is {event.event_type}")
-    event_id = _header(headers, HEADER_EVENT_ID)
+    event_id = _header(found, HEADER_EVENT_ID)
     if event_id != event.event_id:
         raise DecodeError(f"header {HEADER_EVENT_ID}", f"{event_id!r} != expected {event.event_id!r}")
     if key is None:  # a keyless record lands on a random partition, away from its rollout

@@ -14,7 +14,7 @@ read into the schema-4 record, so a cluster upgrades one process at a time).
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, TypeVar
 
 import numpy as np
 from pydantic import (
@@ -91,6 +91,28 @@ def sample_key(rollout_id: str, leaf_call_id: str | None = None) -> str:
     """The data-plane key of a sample: the rollout id for the one terminal sample, else
     the rollout id and the chain's leaf (``@`` is in no id, so keys never collide)."""
     return rollout_id if leaf_call_id is None else f"{rollout_id}@{leaf_call_id}"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def assemble(model: type[M], values: dict[str, Any]) -> M:
+    """A record from values already checked, every field given and nothing else.
+
+    The same record ``model_construct`` builds (tested equal), at a quarter of its cost:
+    the ledger joins validated records and the capture path copies them, once per call.
+    ``values`` becomes the record's own, so pass a dict nobody else keeps.
+    """
+    names = model.__pydantic_fields__.keys()
+    if values.keys() != names:
+        missing, unknown = sorted(names - values.keys()), sorted(values.keys() - names)
+        raise ValueError(f"{model.__name__}: missing fields {missing}, unknown fields {unknown}")
+    record = model.__new__(model)
+    object.__setattr__(record, "__dict__", values)
+    object.__setattr__(record, "__pydantic_fields_set__", set(values))
+    object.__setattr__(record, "__pydantic_extra__", None)
+    object.__setattr__(record, "__pydantic_private__", None)
+    return record
 
 
 class Record(BaseModel):
@@ -399,7 +421,9 @@ class CommitCoords(CallCoords):
 
     def call_coords(self) -> CallCoords:
         """The coords without the chain, as the staged event carries them (no re-validation)."""
-        return CallCoords.model_construct(**{name: getattr(self, name) for name in CallCoords.model_fields})
+        return assemble(
+            CallCoords, {name: value for name, value in self.__dict__.items() if name != "staging_chain"}
+        )
 
 
 class StagedEvent(EventRecord):
@@ -488,14 +512,17 @@ class ManifestEntry(BaseModel):
     def of(cls, record: CallRecord) -> ManifestEntry:
         """The entry of a committed (validated, ``staged``) call record."""
         assert record.chain_hash is not None and record.digest is not None  # staged: both set
-        return cls.model_construct(
-            call_id=record.call_id,
-            parent_call_id=record.parent_call_id,
-            mode=record.mode,
-            prev_len=record.prev_len,
-            delta_len=record.delta_len,
-            chain_hash=record.chain_hash,
-            digest=record.digest,
+        return assemble(
+            cls,
+            {
+                "call_id": record.call_id,
+                "parent_call_id": record.parent_call_id,
+                "mode": record.mode,
+                "prev_len": record.prev_len,
+                "delta_len": record.delta_len,
+                "chain_hash": record.chain_hash,
+                "digest": record.digest,
+            },
         )
 
 

@@ -26,6 +26,7 @@ from topics.records import (
     ROW_SCHEMA_VERSION,
     Mode,
     StagedCall,
+    assemble,
     check_weight_spans,
     staging_key,
 )
@@ -66,24 +67,27 @@ class StagedRow:
 
     def record(self) -> StagedCall:
         """The pydantic row (lists), built without re-validation: the arrays were checked."""
-        return StagedCall.model_construct(
-            schema_version=self.schema_version,
-            rollout_id=self.rollout_id,
-            call_id=self.call_id,
-            parent_call_id=self.parent_call_id,
-            mode=self.mode,
-            prev_len=self.prev_len,
-            delta_len=self.delta_len,
-            cum_len=self.cum_len,
-            weight_version=self.weight_version,
-            token_ids_delta=self.token_ids.tolist(),
-            token_mask_delta=self.token_mask.tolist(),
-            logprobs_delta=self.logprobs.tolist(),
-            extras=self.extras,
-            extras_digest=self.extras_digest,
-            chain_hash=self.chain_hash,
-            cumulative_hash=self.cumulative_hash,
-            digest=self.digest,
+        return assemble(
+            StagedCall,
+            {
+                "schema_version": self.schema_version,
+                "rollout_id": self.rollout_id,
+                "call_id": self.call_id,
+                "parent_call_id": self.parent_call_id,
+                "mode": self.mode,
+                "prev_len": self.prev_len,
+                "delta_len": self.delta_len,
+                "cum_len": self.cum_len,
+                "weight_version": self.weight_version,
+                "token_ids_delta": self.token_ids.tolist(),
+                "token_mask_delta": self.token_mask.tolist(),
+                "logprobs_delta": self.logprobs.tolist(),
+                "extras": self.extras,
+                "extras_digest": self.extras_digest,
+                "chain_hash": self.chain_hash,
+                "cumulative_hash": self.cumulative_hash,
+                "digest": self.digest,
+            },
         )
 
 

@@ -23,7 +23,7 @@ from stages.capture.writer import PendingCall, StagingWriter
 from topics.canonical import EncodingError, FloatsLike, IdsLike
 from topics.digest import InvalidDelta, build_delta
 from topics.failures import WorkerFailure
-from topics.records import EVENT_SCHEMA_VERSION, CaptureAdmission, CommitCoords, staging_key
+from topics.records import EVENT_SCHEMA_VERSION, CaptureAdmission, CommitCoords, assemble, staging_key
 from topics.staging import StagedRow, build_row
 
 
@@ -187,7 +187,7 @@ class CapturedRow:
 
     def coords(self) -> CommitCoords:
         """The record, built without re-validation: every field was checked or computed here."""
-        return CommitCoords.model_construct(**self.coords_document())
+        return assemble(CommitCoords, self.coords_document())
 
 
 def capture_row(

@@ -22,6 +22,7 @@ from topics.records import (
     RolloutReceipt,
     RolloutSeal,
     StagedEvent,
+    assemble,
     chain_fingerprints,
 )
 
@@ -115,12 +116,15 @@ class OpenRollout:
             return self._fail(admission, LedgerFailure.COORDS_MISMATCH, mismatch)
         # Both halves were validated on decode and checked against each other above,
         # so the joined record is built without validating it a third time.
-        record = CallRecord.model_construct(
-            **dict(coords),
-            response_id=staged.response_id,
-            logical_call_id=admission.logical_call_id,
-            admitted_at=admission.admitted_at,
-            staged_at=staged.staged_at,
+        record = assemble(
+            CallRecord,
+            {
+                **coords.__dict__,
+                "response_id": staged.response_id,
+                "logical_call_id": admission.logical_call_id,
+                "admitted_at": admission.admitted_at,
+                "staged_at": staged.staged_at,
+            },
         )
         self.committed[call_id] = record
         return record

@@ -7,18 +7,21 @@ from typing import Any
 
 import orjson
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from topics import digest
 from topics.codec import encode_payload
 from topics.records import (
+    CallRecord,
     CaptureAdmission,
     CommitCoords,
     FinalizedEvent,
+    ManifestEntry,
     RolloutReceipt,
     RolloutSeal,
     StagedCall,
     TrainingSample,
+    assemble,
 )
 from topics.staging import staging_row
 
@@ -334,3 +337,54 @@ def test_sample_spans_cover_tokens() -> None:
         "spans",
     )
     rejects(TrainingSample, {**base, "weight_versions": [0]}, "weight_versions")
+
+
+def test_assemble_builds_what_model_construct_builds() -> None:
+    """``assemble`` skips pydantic's per-field walk; the record must be the same in every way."""
+    staged = staging_row(
+        rollout_id="r1",
+        call_id="c0",
+        parent_call_id=None,
+        parent_chain_hash=None,
+        prefix_ids=[],
+        delta=digest.build_delta([1, 2, 3], [7, 8], [-0.5, -0.25], 0),
+        weight_version=1,
+    )
+    coords = {
+        "rollout_id": "r1",
+        "call_id": "c0",
+        "mode": "text",
+        "prev_len": 0,
+        "delta_len": staged.delta_len,
+        "cum_len": staged.cum_len,
+        "weight_version": 1,
+        "staging_key": "r1/c0",
+        "chain_hash": staged.chain_hash,
+        "cumulative_hash": staged.cumulative_hash,
+        "digest": staged.digest,
+        "extras_digest": staged.extras_digest,
+        "disposition": "staged",
+    }
+    record = CallRecord.model_validate(
+        {**coords, "admitted_at": 1.0, "staged_at": 2.0, "schema_version": 4}, strict=False
+    )
+    cases: list[tuple[type[BaseModel], BaseModel]] = [
+        (CallRecord, record),
+        (ManifestEntry, ManifestEntry.of(record)),
+        (StagedCall, staged),
+        (CommitCoords, CommitCoords.model_validate({**coords, "staging_chain": ["r1/c0"]}, strict=False)),
+    ]
+    for model, validated in cases:
+        values = validated.model_dump()
+        built = assemble(model, dict(values))
+        constructed = model.model_construct(**values)
+        assert built == constructed == validated
+        assert built.model_fields_set == constructed.model_fields_set
+        assert built.model_dump_json() == validated.model_dump_json()
+        assert model.model_validate_json(built.model_dump_json()) == validated
+        with pytest.raises(ValidationError):  # still frozen
+            built.__setattr__(next(iter(values)), None)
+        with pytest.raises(ValueError, match=r"missing fields \['call_id'\]"):
+            assemble(model, {k: v for k, v in values.items() if k != "call_id"})
+        with pytest.raises(ValueError, match=r"unknown fields \['surprise'\]"):
+            assemble(model, {**values, "surprise": 1})

@@ -58,7 +58,7 @@ def test_the_writer_holds_what_it_staged_deletes_late_rows_and_stages_again() ->
         writer.retained.release("done")  # finalized before its last row is written
         writer.start()
         for late_or_not in (captured("r", "c0"), captured("done", "c9")):
-            assert writer.submit(PendingCall(late_or_not.coords, late_or_not.row))
+            assert writer.submit(PendingCall(late_or_not.coords(), late_or_not.row))
         await writer.stop()
         assert await writer.restage(restarted) == 1
         return plane, restarted, writer
