@@ -51,10 +51,14 @@ TARGET_P99_MS = 250.0  # DESIGN §9, finalize latency after seal
 def _bench_groups() -> Any:
     """Group timings for members that share one busy event loop: heartbeats run on that
     loop, so a 1 s session (the tests' setting) expires whenever the loop is busy for a
-    second, and each expiry is a rebalance in the middle of the measurement."""
+    second, and each expiry is a rebalance in the middle of the measurement. The broker
+    is the embedded memory one, so the merge margin is the run's on it."""
     from pipeline.kafka.consumer import ConsumerTuning
+    from pipeline.run.services import MEMORY_LOG_MARGIN_MS
 
-    return ConsumerTuning(session_timeout_ms=6_000, heartbeat_interval_ms=1_000)
+    return ConsumerTuning(
+        session_timeout_ms=6_000, heartbeat_interval_ms=1_000, idle_margin_ms=MEMORY_LOG_MARGIN_MS
+    )
 
 
 @dataclass(frozen=True, slots=True)

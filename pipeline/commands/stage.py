@@ -143,6 +143,21 @@ def add_parser(subparsers: Any) -> None:
         default=tuning.heartbeat_interval_ms,
         help="consumer group heartbeat interval (default %(default)s)",
     )
+    parser.add_argument(
+        "--fetch-wait-ms",
+        type=int,
+        default=tuning.fetch_wait_ms,
+        help="how long the broker may hold an empty fetch: latency per hop vs idle CPU (default %(default)s)",
+    )
+    parser.add_argument(
+        "--merge-margin-ms",
+        type=int,
+        default=tuning.idle_margin_ms,
+        help=(
+            "ledger: how long after its timestamp a record may reach the log (the log-time merge's margin); "
+            "each event waits about this long while a partition is idle (default %(default)s)"
+        ),
+    )
     add_metrics_arguments(parser)
     add_log_format_argument(parser)
     parser.set_defaults(run=run)
@@ -262,7 +277,11 @@ async def _serve_stage(
 ) -> None:
     spec = STAGES[args.name]
     tuning = replace(
-        DEFAULT_TUNING, session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_ms
+        DEFAULT_TUNING,
+        session_timeout_ms=args.session_timeout_ms,
+        heartbeat_interval_ms=args.heartbeat_ms,
+        fetch_wait_ms=args.fetch_wait_ms,
+        idle_margin_ms=args.merge_margin_ms,
     )
     ledger = LedgerConfig(seal_grace_s=args.seal_grace, max_open_s=args.max_open)
     settings = StageSettings(

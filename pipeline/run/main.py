@@ -63,6 +63,7 @@ from pipeline.run.services import (
     ensure_model,
     event_log,
     event_log_identity,
+    run_groups,
     running_stages,
     serving_gateway,
     serving_worker,
@@ -245,7 +246,9 @@ class Run:
 
         progress.enter("starting the stages")
         ledger = LedgerConfig(seal_grace_s=config.seal_grace_s, max_open_s=config.max_open_s)
-        await stack.enter_async_context(running_stages(kafka, sink, plane, ledger, on_failure=shutdown.fail))
+        await stack.enter_async_context(
+            running_stages(kafka, sink, plane, ledger, on_failure=shutdown.fail, tuning=run_groups(broker))
+        )
 
         progress.enter("starting the worker")
         server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.gateway.main import GatewayConfig, gateway
@@ -33,6 +34,19 @@ log = logging.getLogger(__name__)
 # One process hosts the engine's frontend and both stages: a group session of 3 s
 # tolerates short event-loop stalls, and tansu's join pause (half of it) stays short.
 RUN_GROUPS = ConsumerTuning(session_timeout_ms=3_000, heartbeat_interval_ms=500)
+MEMORY_LOG_MARGIN_MS = 100
+"""The log-time merge's margin on the embedded memory broker: there a record reaches the
+log within 76 ms of its timestamp (publish-to-acknowledgement p99.9 70 ms, max 76, over a
+64-rollout main job); durable storage takes up to about 330 ms, so it keeps the default."""
+
+
+def run_groups(broker: EmbeddedBroker | None) -> ConsumerTuning:
+    """The run's group timings: the merge margin is as short as the log allows (DESIGN §7.2)."""
+    if broker is not None and broker.storage == "memory":
+        return replace(RUN_GROUPS, idle_margin_ms=MEMORY_LOG_MARGIN_MS)
+    return RUN_GROUPS
+
+
 STAGE_STOP_TIMEOUT_S = 30.0
 LOOPBACK = "127.0.0.1"
 
