@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from topics.canonical import EncodingError
-from topics.digest import chain_hash, cumulative_hash, digest_of_body, extras_digest
+from topics.digest import chain_hash, cumulative_hash, digest_of_row, extras_digest
 from topics.failures import FinalizerFailure
 from topics.records import (
     EXTRAS_WEIGHT_SPANS,
@@ -27,7 +26,6 @@ from topics.records import (
     RolloutReceipt,
     SampleChain,
     StagedCall,
-    StagedCallBody,
     TrainingSample,
     check_weight_spans,
     staging_key,
@@ -99,8 +97,7 @@ def linearize(
         _check_lengths(record, row, length)
         mask = np.asarray(row.token_mask_delta, dtype=np.float64)
         carry = _check_mask(row.staging_key, mask)
-        _check_digest(record, row)
-        delta = np.asarray(row.token_ids_delta, dtype=np.int64)
+        delta, row_logprobs = _check_digest(record, row, mask)
         parent_hash = chain_hash(parent_hash, delta)
         if parent_hash != row.chain_hash or parent_hash != record.chain_hash:
             raise Rejected(
@@ -108,7 +105,7 @@ def linearize(
             )
         ids.append(delta)
         masks.append(mask)
-        logprobs.append(np.asarray(row.logprobs_delta, dtype=np.float64))
+        logprobs.append(row_logprobs)
         versions.append(_token_versions(row, carry))
         spans.append(
             CallSpan(call_id=row.call_id, start=length, carry_len=carry, gen_len=row.delta_len - carry)
@@ -189,17 +186,23 @@ def _check_mask(key: str, mask: npt.NDArray[np.float64]) -> int:
     return carry
 
 
-def _check_digest(record: ManifestEntry, row: StagedCall) -> None:
-    fields: dict[str, Any] = {name: getattr(row, name) for name in StagedCallBody.model_fields}
+def _check_digest(
+    record: ManifestEntry, row: StagedCall, mask: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """The row's digest recomputed from its vectors, converted once: returns its ids and
+    logprobs as arrays for the checks and the sample that follow."""
     try:
-        recomputed = digest_of_body(StagedCallBody.model_construct(**fields))
+        ids = np.asarray(row.token_ids_delta, dtype=np.int64)
+        logprobs = np.asarray(row.logprobs_delta, dtype=np.float64)
+        recomputed = digest_of_row(row, ids, mask, logprobs)
         extras_ok = extras_digest(row.extras) == row.extras_digest
-    except (EncodingError, ValueError, TypeError) as exc:
+    except (EncodingError, ValueError, TypeError, OverflowError) as exc:
         raise Rejected(
             FinalizerFailure.DIGEST_MISMATCH, f"{row.staging_key}: cannot be encoded ({exc})"
         ) from None
     if recomputed != row.digest or recomputed != record.digest or not extras_ok:
         raise Rejected(FinalizerFailure.DIGEST_MISMATCH, f"{row.staging_key}: digest does not recompute")
+    return ids, logprobs
 
 
 def _token_versions(row: StagedCall, carry: int) -> npt.NDArray[np.int64]:
