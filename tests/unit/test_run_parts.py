@@ -19,12 +19,14 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
 from pipeline.run.archiver import SampleArchiver
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs
 from pipeline.run.driver import SealTrackingClient, play_jobs
 from pipeline.run.finalized_watch import FinalizedWatcher
 from pipeline.run.journal import INTERRUPTED, RunJournal, close_dead_runs, dead_runs
+from pipeline.run.services import MEMORY_LOG_MARGIN_MS, RUN_GROUPS, run_groups
 from pipeline.samples.archive import SampleArchive, read_archive, sample_record
 from pipeline.samples.export import export_row, write_jsonl, write_parquet
 from stages.client import RolloutClient
@@ -282,3 +284,13 @@ def test_a_killed_run_is_finished_by_the_next_one_on_the_same_log(tmp_path: Path
     alive.sealed(jobs[4].rollout_id)
     alive.close()
     assert not alive.path.exists()  # everything it started was sealed
+
+
+def test_the_merge_margin_is_short_only_where_the_log_is_fast(tmp_path: Path) -> None:
+    """The memory broker logs a record within 100 ms of its stamp; durable storage and an
+    external cluster keep the margin that covers their slower writes (DESIGN §7.2)."""
+    memory = run_groups(EmbeddedBroker(storage="memory"))
+    durable = run_groups(EmbeddedBroker(storage="durable", data_dir=tmp_path))
+    assert memory.idle_margin_ms == MEMORY_LOG_MARGIN_MS < durable.idle_margin_ms
+    assert durable == run_groups(None) == RUN_GROUPS
+    assert memory.fetch_wait_ms == RUN_GROUPS.fetch_wait_ms
