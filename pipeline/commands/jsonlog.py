@@ -70,6 +70,13 @@ def configure_logging(log_format: LogFormat = "json", level: int = logging.INFO)
     logging.Formatter.converter = time.gmtime
 
 
+def configured_format() -> Literal["json", "text"]:
+    """The format this process logs in (``configure_logging``), for a child process that
+    writes into the same log."""
+    handlers = logging.getLogger().handlers
+    return "json" if any(isinstance(handler.formatter, JsonLines) for handler in handlers) else "text"
+
+
 def vllm_logging(log_format: LogFormat, level: str = "WARNING") -> None:
     """Make vLLM log in our format, in the engine processes too: vLLM reads a logging
     config file named by the environment in every process that imports it."""

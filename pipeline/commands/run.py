@@ -95,6 +95,15 @@ def add_parser(subparsers: Any) -> None:
         help="embedded TransferQueue in this process, or TransferQueue on a Ray cluster (default: %(default)s)",
     )
     services.add_argument("--ray-address", help="Ray cluster address for --dataplane-mode ray (e.g. auto)")
+    services.add_argument(
+        "--stages",
+        choices=("processes", "inline"),
+        default=defaults.stages,
+        help=(
+            "the ledger and finalizer as `tokentrail stage` child processes, a core each, or as tasks "
+            "in this process (default: %(default)s)"
+        ),
+    )
     add_kafka_arguments(parser)
     parser.add_argument(
         "--agent",
@@ -248,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
             broker_storage=args.broker_storage,
             dataplane_mode=args.dataplane_mode,
             ray_address=args.ray_address,
+            stages=args.stages,
             agent=args.agent,
             seal_grace_s=args.seal_grace,
             max_open_s=args.max_open,
@@ -263,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and not (args.model / "config.json").is_file():
         print(f"tokentrail run: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
-    guard_descendants(config.data_dir, role="run")  # broker, engine: none outlives this process
+    guard_descendants(config.data_dir, role="run")  # broker, engine, stages: none outlives this process
     return execute_and_report(config, as_json=args.json)
 
 

@@ -44,7 +44,9 @@ examples:
 
 With --metrics-port the stage serves /metrics (Prometheus), /healthz (503 once the
 consumer loop stalls for --stall-after seconds) and /readyz (200 once the group
-assigned this member its partitions).
+assigned this member its partitions). With --ready-fd the stage writes one line to
+that inherited file descriptor once its group first assigned it, and closes it: how
+`tokentrail run` knows that its stage processes are serving.
 
 Run several instances with the same --group to split partitions between them.
 SIGTERM/SIGINT finish the in-flight batch, commit, and leave the group. A broker that
@@ -158,6 +160,12 @@ def add_parser(subparsers: Any) -> None:
             "each event waits about this long while a partition is idle (default %(default)s)"
         ),
     )
+    parser.add_argument(
+        "--ready-fd",
+        type=int,
+        metavar="FD",
+        help="write one line to this inherited file descriptor once the group first assigned this member",
+    )
     add_metrics_arguments(parser)
     add_log_format_argument(parser)
     parser.set_defaults(run=run)
@@ -242,15 +250,46 @@ async def _serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    ready = ReadyNotice(args.ready_fd)
     try:
-        await _serve_through_outages(args, config, metrics, stop)
+        await _serve_through_outages(args, config, metrics, stop, ready)
     finally:
+        ready.close()
         if server is not None:
             server.stop()
 
 
+class ReadyNotice:
+    """``--ready-fd``: one line to the parent once the group first assigned this member.
+
+    Only the first assignment is announced: a parent waits for it once, and a stage
+    started again after an outage is the same member to it."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+        if fd is not None:
+            os.set_inheritable(fd, False)  # for this process only, not for anything it starts
+
+    async def announce_when(self, started: asyncio.Event) -> None:
+        await started.wait()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):  # the parent stopped listening: nothing to tell
+                os.write(self.fd, b"ready\n")
+            self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
 async def _serve_through_outages(
-    args: argparse.Namespace, config: KafkaConfig, metrics: StageMetrics, stop: asyncio.Event
+    args: argparse.Namespace,
+    config: KafkaConfig,
+    metrics: StageMetrics,
+    stop: asyncio.Event,
+    ready: ReadyNotice,
 ) -> None:
     """Serve the stage; when the broker cannot be reached, start it again in this process
     once the broker answers (backing off), as a restart would: from the committed offsets,
@@ -260,7 +299,7 @@ async def _serve_through_outages(
         started = asyncio.get_running_loop().time()
         try:
             await ensure_topics(config)
-            await _serve_stage(args, config, metrics, stop)
+            await _serve_stage(args, config, metrics, stop, ready)
             return
         except BROKER_UNREACHABLE as exc:
             metrics.health.set_ready(False)
@@ -273,7 +312,11 @@ async def _serve_through_outages(
 
 
 async def _serve_stage(
-    args: argparse.Namespace, config: KafkaConfig, metrics: StageMetrics, stop: asyncio.Event
+    args: argparse.Namespace,
+    config: KafkaConfig,
+    metrics: StageMetrics,
+    stop: asyncio.Event,
+    ready: ReadyNotice,
 ) -> None:
     spec = STAGES[args.name]
     tuning = replace(
@@ -307,6 +350,9 @@ async def _serve_stage(
                 **({"addresses_file": args.dataplane_addresses} if args.dataplane_addresses else {}),
             )
             plane = metrics.data_plane(await stack.enter_async_context(open_data_plane(plane_config)))
+        started = asyncio.Event()
+        announce = asyncio.create_task(ready.announce_when(started), name="ready-notice")
+        stack.callback(announce.cancel)
         await serve_stage(
             spec.build(sink, plane, settings),
             spec,
@@ -317,4 +363,5 @@ async def _serve_stage(
             tuning=tuning,
             metrics=metrics,
             lag_interval_s=args.lag_interval,
+            started=started,
         )

@@ -166,3 +166,34 @@ def config_from_args(args: argparse.Namespace) -> KafkaConfig:
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
     )
+
+
+def kafka_arguments(config: KafkaConfig) -> list[str]:
+    """The flags of ``add_kafka_arguments`` that give ``config`` back to a child process
+    (``config_from_args`` of them); the SASL password travels in ``kafka_environment``."""
+    argv = [
+        "--bootstrap", config.bootstrap,
+        "--client-id", config.client_id,
+        "--topic-prefix", config.names.prefix,
+        "--partitions", str(config.names.partitions),
+        "--security-protocol", config.security_protocol,
+    ]  # fmt: skip
+    optional = {
+        "--sasl-mechanism": config.sasl_mechanism,
+        "--sasl-username": config.sasl_plain_username,
+        "--ssl-cafile": config.ssl_cafile,
+        "--ssl-certfile": config.ssl_certfile,
+        "--ssl-keyfile": config.ssl_keyfile,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, value]
+    return argv
+
+
+def kafka_environment(config: KafkaConfig) -> dict[str, str]:
+    """The environment a child needs besides ``kafka_arguments``: the SASL password,
+    never on a command line where any user can read it."""
+    if config.sasl_plain_password is None:
+        return {}
+    return {SASL_PASSWORD_ENV: config.sasl_plain_password}

@@ -26,6 +26,7 @@ TINY_MODEL_DIR_NAME = "tiny-model"
 
 
 AgentKind = Literal["driver", "sdk"]
+StageHosting = Literal["processes", "inline"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,9 @@ class RunConfig:
     agent: AgentKind = "driver"
     """``driver``: the built-in driver builds admissions; ``sdk``: a plain OpenAI-SDK agent
     plays through the gateway, which builds them."""
+    stages: StageHosting = "processes"
+    """``processes``: the ledger and finalizer as ``tokentrail stage`` child processes (a
+    core each); ``inline``: both as tasks on this process's event loop."""
     run_id: str | None = None
     attach: Attach | None = None
     """``tokentrail drive``: play against services already running instead of starting them."""

@@ -1,4 +1,4 @@
-"""``tokentrail run``: the whole pipeline in one process, end to end, then a clean stop.
+"""``tokentrail run``: the whole pipeline from one command, end to end, then a clean stop.
 
 Order of start (each part stops in reverse, through one ``AsyncExitStack``):
 
@@ -11,7 +11,10 @@ Order of start (each part stops in reverse, through one ``AsyncExitStack``):
 4. the data plane (embedded TransferQueue, addresses in ``DATA_DIR/dataplane.json``,
    or TransferQueue on Ray), the event producer, the lag probe;
 5. the ledger and finalizer stages (consumer groups that resume from their committed
-   offsets, so a second run on the same data directory continues the log);
+   offsets, so a second run on the same data directory continues the log): by default
+   ``tokentrail stage`` child processes, attached to the broker and to the data plane's
+   address file, and waited for until their groups assigned them partitions
+   (``--stages processes``); or tasks in this process (``--stages inline``);
 6. the follower of ``tokentrail.finalized`` for this run's rollouts and the archiver
    that copies each accepted sample to ``DATA_DIR/samples.jsonl``;
 7. the capture worker on a free loopback port, and the rollout driver playing the
@@ -60,6 +63,7 @@ from pipeline.run.report import RunProgress, RunStatus, RunSummary, outcome_tota
 from pipeline.run.sdk_agent import SdkAgent
 from pipeline.run.services import (
     RunSetupError,
+    data_plane_flags,
     ensure_model,
     event_log,
     event_log_identity,
@@ -67,6 +71,7 @@ from pipeline.run.services import (
     running_stages,
     serving_gateway,
     serving_worker,
+    stage_children,
     start_engine,
 )
 from pipeline.run.training import ClosedLoop
@@ -246,9 +251,19 @@ class Run:
 
         progress.enter("starting the stages")
         ledger = LedgerConfig(seal_grace_s=config.seal_grace_s, max_open_s=config.max_open_s)
-        await stack.enter_async_context(
-            running_stages(kafka, sink, plane, ledger, on_failure=shutdown.fail, tuning=run_groups(broker))
-        )
+        tuning = run_groups(broker)
+        if config.stages == "inline":
+            await stack.enter_async_context(
+                running_stages(kafka, sink, plane, ledger, on_failure=shutdown.fail, tuning=tuning)
+            )
+        else:
+            flags = data_plane_flags(config, plane_config.addresses_path)
+            await stack.enter_async_context(
+                stage_children(
+                    kafka, flags, ledger, on_failure=shutdown.fail, stop=shutdown.event, tuning=tuning
+                )
+            )
+        shutdown.check()
 
         progress.enter("starting the worker")
         server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))
@@ -560,6 +575,7 @@ class Run:
             closed_interrupted=self.closed_interrupted,
             train_steps=[s.as_json() for s in self.training.steps] if self.training is not None else None,
             dataplane_samples_left=self.samples_left,
+            stages=config.stages if config.attach is None else None,
         )
 
 

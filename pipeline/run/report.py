@@ -110,6 +110,8 @@ class RunSummary:
     """``--train-steps``: one object per step (``pipeline.run.training.TrainStep``)."""
     dataplane_samples_left: int | None = None
     """``--train-steps``: samples still in the data plane at the end (0: all consumed)."""
+    stages: str | None = None
+    """How the run hosted its stages (``processes`` or ``inline``); None: the cluster's (drive)."""
 
     @property
     def exit_code(self) -> int:
@@ -164,6 +166,7 @@ class RunSummary:
             "signal": None if self.signal is None else signal.Signals(self.signal).name,
             "error": self.error,
             "closed_interrupted": self.closed_interrupted,
+            **({"stages": self.stages} if self.stages is not None else {}),
             **(
                 {"train_steps": self.train_steps, "dataplane_samples_left": self.dataplane_samples_left}
                 if self.train_steps is not None

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from pipeline.gateway.main import GatewayConfig, gateway
 from pipeline.kafka.broker import EmbeddedBroker
-from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.config import KafkaConfig, kafka_environment
 from pipeline.kafka.consumer import ConsumerTuning
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.run.config import RunConfig
+from pipeline.stagehost.processes import StageOptions, StageProcess, stage_command, stage_processes
 from pipeline.stagehost.runner import serve_stage
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
@@ -31,8 +32,9 @@ from stages.specs import STAGES, StageSettings, staging_ttl
 
 log = logging.getLogger(__name__)
 
-# One process hosts the engine's frontend and both stages: a group session of 3 s
-# tolerates short event-loop stalls, and tansu's join pause (half of it) stays short.
+# One process hosts the engine's frontend (and, with --stages inline, both stages): a group
+# session of 3 s tolerates short event-loop stalls, and tansu's join pause (half of it)
+# stays short. Stage processes get the same timings.
 RUN_GROUPS = ConsumerTuning(session_timeout_ms=3_000, heartbeat_interval_ms=500)
 MEMORY_LOG_MARGIN_MS = 100
 """The log-time merge's margin on the embedded memory broker: there a record reaches the
@@ -152,6 +154,42 @@ async def running_stages(
             with contextlib.suppress(BaseException):
                 await task
         log.info("stages stopped and committed")
+
+
+@contextlib.asynccontextmanager
+async def stage_children(
+    kafka: KafkaConfig,
+    data_plane: tuple[str, ...],
+    ledger_config: LedgerConfig,
+    *,
+    on_failure: Callable[[str], None],
+    stop: asyncio.Event,
+    tuning: ConsumerTuning = RUN_GROUPS,
+) -> AsyncIterator[dict[str, StageProcess]]:
+    """``--stages processes``: every stage as a ``tokentrail stage`` child with the settings
+    ``running_stages`` gives it in process; yields once each child's group assigned it
+    (or ``stop`` was set). A child that exits on its own calls ``on_failure``; on exit each
+    gets SIGTERM (finish the batch, commit, leave the group), SIGKILL after the same
+    timeout as an in-process stage."""
+    options = StageOptions(ledger=ledger_config, tuning=tuning, data_plane=data_plane)
+    commands = {name: stage_command(name, kafka, options) for name in STAGES}
+    async with stage_processes(
+        commands,
+        on_failure=on_failure,
+        stop=stop,
+        stop_timeout_s=STAGE_STOP_TIMEOUT_S,
+        env=kafka_environment(kafka),
+    ) as children:
+        yield children
+
+
+def data_plane_flags(config: RunConfig, addresses_file: Path) -> tuple[str, ...]:
+    """How a stage process reaches the run's data plane: the embedded one through the
+    address file it published, TransferQueue on Ray as the run does."""
+    if config.dataplane_mode == "embedded":
+        return ("--dataplane-mode", "attach", "--dataplane-addresses", str(addresses_file))
+    ray = ("--ray-address", config.ray_address) if config.ray_address else ()
+    return ("--dataplane-mode", "ray", *ray)
 
 
 @contextlib.asynccontextmanager

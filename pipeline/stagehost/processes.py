@@ -1,0 +1,238 @@
+"""Stages as child processes: ``tokentrail stage NAME`` started by this process.
+
+A stage in a process of its own has an interpreter (a core) of its own instead of
+sharing one event loop with everything else. The parent starts each child with
+``--ready-fd`` and waits for that line (the child's group assigned it partitions), so
+"ready" means serving, not "started a while ago". A child that exits on its own is
+reported to ``on_failure``; on exit each child gets SIGTERM (it finishes its batch,
+commits and leaves its group) and, after ``stop_timeout_s``, SIGKILL.
+
+The children run in sessions of their own, so a terminal's Ctrl-C reaches the parent
+only and the parent stops them in its own order. Whoever starts them calls
+``pipeline.process.guard.guard_descendants`` first: a SIGKILL of the parent then takes
+them along (they carry its marker and are among its noted descendants).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from pipeline.commands.jsonlog import configured_format
+from pipeline.kafka.config import KafkaConfig, kafka_arguments
+from pipeline.kafka.consumer import ConsumerTuning
+from stages.ledger.stage import LedgerConfig
+from stages.specs import STAGES, staging_ttl
+
+log = logging.getLogger(__name__)
+
+CLI_MODULE = "pipeline.cli"
+"""The module behind the ``tokentrail`` console script: a child runs ``python -m`` it."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageOptions:
+    """What a stage child is told besides its Kafka config: the settings an in-process
+    stage gets (``pipeline.run.services.running_stages``), as ``tokentrail stage`` flags."""
+
+    ledger: LedgerConfig
+    tuning: ConsumerTuning
+    data_plane: tuple[str, ...] = ()
+    """Flags naming the data plane (``--dataplane-mode ...``), for a stage that reads rows."""
+    group: str | None = None
+    """None: the stage's own group."""
+
+
+def stage_command(name: str, kafka: KafkaConfig, options: StageOptions) -> list[str]:
+    """The command line of ``tokentrail stage NAME`` with ``options``, in this interpreter."""
+    spec = STAGES[name]
+    ledger, tuning = options.ledger, options.tuning
+    argv = [
+        sys.executable, "-m", CLI_MODULE, "stage", name, *kafka_arguments(kafka),
+        "--seal-grace", repr(ledger.seal_grace_s),
+        "--max-open", repr(ledger.max_open_s),
+        "--staging-ttl", repr(staging_ttl(ledger)),
+        "--session-timeout-ms", str(tuning.session_timeout_ms),
+        "--heartbeat-ms", str(tuning.heartbeat_interval_ms),
+        "--fetch-wait-ms", str(tuning.fetch_wait_ms),
+        "--merge-margin-ms", str(tuning.idle_margin_ms),
+        "--log-format", configured_format(),
+    ]  # fmt: skip
+    if options.group is not None:
+        argv += ["--group", options.group]
+    if spec.uses_data_plane:
+        argv += options.data_plane
+    return argv
+
+
+class StageProcess:
+    """One ``tokentrail stage`` child: started, waited for until ready, stopped."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], *, env: Mapping[str, str], stderr: IO[str] | None = None
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.stderr = stderr
+        self.process: asyncio.subprocess.Process | None = None
+        self._ready_fd: int | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "not started"
+        return self.process.pid
+
+    async def start(self) -> None:
+        read, write = os.pipe()
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.argv,
+                "--ready-fd",
+                str(write),
+                pass_fds=(write,),
+                env=self.env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=self.stderr,
+                start_new_session=True,  # stopped by this process, in its order, not by a terminal
+            )
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        self._ready_fd = read
+        log.info("stage %s started as process %d", self.name, self.process.pid)
+
+    async def ready(self) -> bool:
+        """Until the child says it is ready (True) or exits first (False)."""
+        assert self.process is not None and self._ready_fd is not None, "not started"
+        line = asyncio.create_task(_read_line(self._ready_fd))
+        exited = asyncio.create_task(self.process.wait())
+        try:
+            await asyncio.wait({line, exited}, return_when=asyncio.FIRST_COMPLETED)
+            return line.done() and line.exception() is None and bool(line.result())
+        finally:
+            for task in (line, exited):
+                task.cancel()
+            os.close(self._ready_fd)
+            self._ready_fd = None
+
+    async def exited(self) -> int:
+        assert self.process is not None, "not started"
+        return await self.process.wait()
+
+    async def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code (None: never started)."""
+        process = self.process
+        if process is None:
+            return None
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), timeout_s)
+            except TimeoutError:
+                log.warning("stage %s did not stop in %.0fs; killing it", self.name, timeout_s)
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+        return await process.wait()
+
+
+async def _read_line(fd: int) -> bytes:
+    """What the child writes to its readiness pipe (b"" once it closed it unwritten)."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[bytes] = loop.create_future()
+
+    def readable() -> None:
+        if not received.done():
+            try:
+                received.set_result(os.read(fd, 64))
+            except OSError as exc:
+                received.set_exception(exc)
+
+    loop.add_reader(fd, readable)
+    try:
+        return await received
+    finally:
+        loop.remove_reader(fd)
+
+
+@contextlib.asynccontextmanager
+async def stage_processes(
+    commands: Mapping[str, Sequence[str]],
+    *,
+    on_failure: Callable[[str], None],
+    stop: asyncio.Event,
+    stop_timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    stderr: IO[str] | None = None,
+) -> AsyncIterator[dict[str, StageProcess]]:
+    """Start a child per command and wait until every one is ready (or ``stop`` is set);
+    a child that exits on its own, before or after it was ready, calls ``on_failure``
+    (once); on exit every child is stopped."""
+    environment = {**os.environ, **(env or {})}
+    children = {
+        name: StageProcess(name, argv, env=environment, stderr=stderr) for name, argv in commands.items()
+    }
+    stopping = False
+    reported: set[str] = set()
+
+    def report(child: StageProcess, code: int) -> None:
+        if not stopping and child.name not in reported:
+            reported.add(child.name)
+            on_failure(f"stage {child.name} stopped (process {child.pid}, exit code {code})")
+
+    def watch(child: StageProcess) -> Callable[[asyncio.Task[int]], None]:
+        def done(task: asyncio.Task[int]) -> None:
+            if not task.cancelled():
+                report(child, task.result())
+
+        return done
+
+    watchers: list[asyncio.Task[int]] = []
+    try:
+        for child in children.values():
+            await child.start()
+            watcher = asyncio.create_task(child.exited(), name=f"stage-{child.name}-exit")
+            watcher.add_done_callback(watch(child))
+            watchers.append(watcher)
+        for child in await _all_ready(list(children.values()), stop):
+            report(child, await child.exited())
+        yield children
+    finally:
+        stopping = True
+        codes = await asyncio.gather(*(child.stop(stop_timeout_s) for child in children.values()))
+        for watcher in watchers:
+            watcher.cancel()
+        log.info("stage processes stopped: %s", dict(zip(children, codes, strict=True)))
+
+
+async def _all_ready(children: list[StageProcess], stop: asyncio.Event) -> list[StageProcess]:
+    """Until every child is ready, one exits first, or ``stop`` is set; returns those
+    that exited before they were ready."""
+    waiting = {asyncio.create_task(child.ready()): child for child in children}
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        while waiting and not stop.is_set():
+            done, _ = await asyncio.wait({*waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            exited = [waiting[task] for task in done if task in waiting and not task.result()]
+            if exited:
+                return exited
+            for task in done - {stopped}:
+                del waiting[task]
+        if not waiting:
+            log.info("stage processes ready: %s", ", ".join(child.name for child in children))
+        return []
+    finally:
+        stopped.cancel()
+        for task in waiting:
+            task.cancel()
