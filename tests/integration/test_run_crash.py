@@ -2,7 +2,7 @@
 
 Three runs on one data directory are SIGKILLed (while the vLLM engine starts, while the
 driver plays, while the run waits for its outcomes); after each, nothing the run started
-may be left after 10 s. A fourth run on the same directory must then end ``completed``
+(its stage processes included) may be left after 10 s. A fourth run on the same directory must then end ``completed``
 with lag 0 without waiting for ``--max-open``, having sealed what the killed runs left
 open; every rollout the killed runs admitted gets exactly one outcome, and those they
 left open are rejected ``interrupted``.
@@ -70,19 +70,30 @@ def _says(line: str, phase: str) -> bool:
     return isinstance(entry, dict) and str(entry.get("msg", "")).endswith(f": {phase}")
 
 
-def kill_and_check_nothing_is_left(run: subprocess.Popen[str], data_dir: Path) -> None:
+def kill_and_check_nothing_is_left(run: subprocess.Popen[str], data_dir: Path) -> set[str]:
+    """SIGKILL the run; returns the stages it ran as processes (all gone, with the rest)."""
     marker = json.loads((data_dir / "processes-run.json").read_text())["marker"]
     started = psutil.Process(run.pid).children(recursive=True)
+    stages = {name for name in ("ledger", "finalizer") if any(is_stage(p, name) for p in started)}
     run.send_signal(signal.SIGKILL)
     run.wait()
     deadline = time.monotonic() + GONE_WITHIN_S
     while time.monotonic() < deadline:
         left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] + owned(marker)
         if not left:
-            return
+            return stages
         time.sleep(0.2)
     names = sorted({f"{p.pid}:{p.name()}" for p in left if p.is_running()})
     raise AssertionError(f"{len(names)} process(es) outlived the killed run by {GONE_WITHIN_S}s: {names}")
+
+
+def is_stage(process: psutil.Process, name: str) -> bool:
+    """Whether ``process`` is a ``tokentrail stage NAME`` child (False once it is gone)."""
+    try:
+        argv = process.cmdline()
+    except psutil.Error:
+        return False
+    return "stage" in argv and argv[argv.index("stage") + 1 : argv.index("stage") + 2] == [name]
 
 
 def journal_of(data_dir: Path) -> dict[str, dict[str, Any]]:
@@ -128,7 +139,9 @@ def test_killed_runs_leave_nothing_and_the_next_run_finishes_them(tmp_path: Path
                 wait_for_phase(log_path, phase, run)
                 if phase == "driving rollouts":
                     time.sleep(1.5)  # calls in flight
-                kill_and_check_nothing_is_left(run, data_dir)
+                stages = kill_and_check_nothing_is_left(run, data_dir)
+                if phase != "starting the vLLM engine":  # the stages were running, as processes
+                    assert stages == {"ledger", "finalizer"}, stages
             finally:
                 if run.poll() is None:
                     run.kill()

@@ -2,10 +2,12 @@
 
 Each run starts the durable tansu broker, the embedded TransferQueue, a vLLM CPU engine
 on the tiny model, both stages and the driver, so every test here costs about a minute
-of engine start-up. The first test runs twice on one data directory (the second run
-must continue the same log and finalize only its own rollouts); the second plays through
-a gateway with an SDK agent and trains the policy on its samples (``--train-steps``);
-the third interrupts a run with SIGINT and checks that nothing it started is left running.
+of engine start-up. The first test runs twice on one data directory, with stage processes
+and then with the stages in process (the second run must continue the same log and
+finalize only its own rollouts); the second plays through a gateway with an SDK agent and
+trains the policy on its samples (``--train-steps``); the third interrupts a run with
+SIGINT and checks that nothing it started is left running; the fourth kills a stage
+process and checks that the run reports it as its failure.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def test_two_runs_on_one_data_dir_finalize_each_rollout_once(tmp_path: Path) -> 
     data_dir = tmp_path / "tt"
     first = run_small(data_dir, tmp_path / "run1.log")
     check_summary(first, data_dir)
+    assert first["stages"] == "processes"
     samples = export(data_dir)
     assert len(samples) == first["accepted"]
     for sample in samples:
@@ -105,8 +108,9 @@ def test_two_runs_on_one_data_dir_finalize_each_rollout_once(tmp_path: Path) -> 
     groups = Counter(s["group_id"] for s in samples)
     assert len(groups) <= 2 and all(count <= 2 for count in groups.values())
 
-    second = run_small(data_dir, tmp_path / "run2.log")
+    second = run_small(data_dir, tmp_path / "run2.log", "--stages", "inline")  # the same groups, in process
     check_summary(second, data_dir)
+    assert second["stages"] == "inline"
     assert second["run_id"] != first["run_id"]
 
     # The archive itself, not the (deduplicating) export: every rollout once.
@@ -187,7 +191,8 @@ def test_sigint_stops_every_child_and_exits_130(tmp_path: Path) -> None:
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(command_line(child) for child in children)
         assert "tansu" in names and "objectstore" in names, names
-        assert len(children) >= 3  # broker, its store, the engine core (at least)
+        assert "stage ledger" in names and "stage finalizer" in names, names
+        assert len(children) >= 5  # broker, its store, the engine core, two stages (at least)
 
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -212,6 +217,39 @@ def test_sigint_stops_every_child_and_exits_130(tmp_path: Path) -> None:
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT"
     assert summary["finalized"] + summary["missing"] == 64
     assert not (data_dir / "dataplane.json").exists()  # the owner removed its address file
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_process_that_dies_fails_the_run(tmp_path: Path) -> None:
+    """A stage child that exits on its own stops the run as a failure, as a stage task
+    that stops does with ``--stages inline``; the other stage and every part still stop."""
+    data_dir = tmp_path / "tt"
+    log = tmp_path / "run.log"
+    argv = ["run", "--json", *SMALL, "--broker-storage", "memory", "--data-dir", str(data_dir)]
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=err
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while b": starting the worker" not in log.read_bytes():  # the stages are ready
+            assert proc.poll() is None, f"run exited early ({proc.returncode}):\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "the run did not get its stages ready in time"
+            time.sleep(0.2)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        (finalizer,) = [child for child in children if "stage finalizer" in command_line(child)]
+        finalizer.kill()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, log.read_text()[-4000:]
+    summary = json.loads(out)
+    assert summary["status"] == "failed", summary
+    assert f"stage finalizer stopped (process {finalizer.pid}, exit code -9)" in summary["error"], summary
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [(p.pid, command_line(p)) for p in alive]
 
 
 def command_line(process: psutil.Process) -> str:
