@@ -1,13 +1,19 @@
 """Pipeline throughput and finalize latency: ledger + finalizer on the embedded broker.
 
-The stages are the real ones (``LedgerStage``, ``FinalizerStage``) served by
-``pipeline.stagehost.runner.serve_stage`` as in-process consumer-group members, on an
-embedded tansu broker (memory engine) and the real TransferQueue. The rows are real
-(``bench.rollouts``): the finalizer fetches, verifies every digest and chain hash,
-writes the samples and deletes the rows, as in production.
+The stages are the real ones (``LedgerStage``, ``FinalizerStage``) on an embedded tansu
+broker (memory engine) and the real TransferQueue, hosted two ways (``--modes``):
 
-For each number of stage instances (that many ledger and finalizer members in the two
-groups, each with its own producer and data-plane client) and each rollout length:
+- ``inline``: served by ``pipeline.stagehost.runner.serve_stage`` as consumer-group
+  members in this process, sharing its interpreter (``tokentrail run --stages inline``);
+- ``processes``: each member a ``tokentrail stage`` child process attached to the data
+  plane's address file (``bench.stage_processes``; ``tokentrail run``'s default), so the
+  ledger and the finalizer each have an interpreter, and a core, of their own.
+
+The rows are real (``bench.rollouts``): the finalizer fetches, verifies every digest and
+chain hash, writes the samples and deletes the rows, as in production.
+
+For each mode, number of stage instances (that many ledger and finalizer members in the
+two groups, each with its own producer and data-plane client) and rollout length:
 
 1. throughput: the rows are staged and a backlog of rollouts (admissions, staged
    events, seals) is published while the stages are held at a gate; the groups settle,
@@ -17,11 +23,13 @@ groups, each with its own producer and data-plane client) and each rollout lengt
    one pacing interval after its rollout's call events, with ``sealed_at`` set when it
    is published; seal-to-finalized latency is ``FinalizedEvent.finalized_at − sealed_at``.
 
-All members run in one process, so they share one interpreter: more instances measure
-partitioning and batching overhead, not more CPU. The ledger's memory per open rollout
-is measured separately (``bench.ledger_memory``).
+Inline, all members share one interpreter: more instances measure partitioning and
+batching overhead, not more CPU. Each result gives the CPU seconds of every process
+over its two phases (``cpu_s``: this process, with the data plane and the publisher, and
+in ``processes`` mode each member). The ledger's memory per open rollout is measured
+separately (``bench.ledger_memory``).
 
-    tokentrail bench pipeline [--quick] [--json] [--plot bench/pipeline_latency_cdf.png]
+    tokentrail bench pipeline [--quick] [--json] [--modes inline,processes] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -35,9 +43,9 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
-from bench.common import cdf, emit, machine, parse_list, percentiles, standalone, versions
+from bench.common import cdf, emit, machine, parse_list, percentiles, process_cpu_s, standalone, versions
 from bench.planes import PLACEMENTS, Placement, open_plane
 from bench.rollouts import Rollout, capture_rollouts
 from bench.stage_probes import Finalized, FinalizedTap, Gated, settled
@@ -46,6 +54,7 @@ from topics.records import Record
 
 TARGET_CALLS_PER_S = 2_000  # DESIGN §9, through ledger + finalizer on one 2-core machine
 TARGET_P99_MS = 250.0  # DESIGN §9, finalize latency after seal
+MODES = ("inline", "processes")
 
 
 def _bench_groups() -> Any:
@@ -75,6 +84,13 @@ class PipelineConfig:
     placement: Placement = "embedded"
     memory_rollouts: int = 1000
     quiet_s: float = 2.0
+    modes: tuple[str, ...] = ("inline",)
+
+    def __post_init__(self) -> None:
+        if not self.modes or not set(self.modes) <= set(MODES):
+            raise ValueError(f"modes: some of {MODES}, got {self.modes}")
+        if "processes" in self.modes and self.placement == "memory":
+            raise ValueError("modes: stage processes attach to TransferQueue, not to a memory data plane")
 
     def rollouts(self, length: int) -> tuple[int, int]:
         """Rollouts in the backlog and in the paced phase, for rollouts of ``length`` calls."""
@@ -108,17 +124,55 @@ async def publish_all(sink: Any, events: Sequence[Record], *, chunk: int = 2000,
     await asyncio.gather(*(lane(i) for i in range(lanes)))
 
 
+class Hosting(Protocol):
+    """The stage members of one configuration, however hosted: the gate and what they report."""
+
+    async def settled(self) -> None: ...
+
+    def hold(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def cpu_s(self) -> dict[str, float]: ...
+
+    def duplicates(self) -> dict[str, int | None]: ...
+
+    def revocations(self) -> int | None: ...
+
+
 @dataclass(slots=True)
 class Members:
-    """The running stage members of one configuration."""
+    """The running in-process stage members of one configuration."""
 
     gate: asyncio.Event
     stop: asyncio.Event
     started: list[asyncio.Event]
-    revocations: list[float]
+    revoked: list[float]
     tasks: list[asyncio.Task[Any]]
     ledgers: list[Any]
     finalizers: list[Any]
+    quiet_s: float = 2.0
+
+    async def settled(self) -> None:
+        await settled(self.started, self.revoked, quiet_s=self.quiet_s)
+
+    def hold(self) -> None:
+        """The gate is closed from the start."""
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def cpu_s(self) -> dict[str, float]:
+        return {}
+
+    def duplicates(self) -> dict[str, int | None]:
+        return {
+            "ledger": sum(ledger.gauges().duplicates for ledger in self.ledgers),
+            "finalizer": sum(f.gauges().duplicates for f in self.finalizers),
+        }
+
+    def revocations(self) -> int | None:
+        return len(self.revoked)
 
 
 @contextlib.asynccontextmanager
@@ -128,13 +182,14 @@ async def members(
     attach: Callable[[], Any],
     finalized: dict[str, Finalized],
     tag: str,
+    quiet_s: float = 2.0,
 ) -> AsyncIterator[Members]:
     """``count`` ledger and ``count`` finalizer members, gated; stopped (and committed) on exit."""
     from pipeline.kafka.producer import KafkaEventSink
     from pipeline.stagehost.runner import serve_stage
     from stages.specs import FINALIZER, LEDGER
 
-    running = Members(asyncio.Event(), asyncio.Event(), [], [], [], [], [])
+    running = Members(asyncio.Event(), asyncio.Event(), [], [], [], [], [], quiet_s)
     async with contextlib.AsyncExitStack() as stack:
         for index in range(count):
             for spec in (LEDGER, FINALIZER):
@@ -148,7 +203,7 @@ async def members(
                     running.finalizers.append(stage)
                 started = asyncio.Event()
                 running.started.append(started)
-                gated = Gated(stage, running.gate, running.revocations)
+                gated = Gated(stage, running.gate, running.revoked)
                 running.tasks.append(
                     asyncio.create_task(
                         serve_stage(
@@ -209,6 +264,7 @@ async def measure(
     seed_plane: DataPlane,
     attach: Callable[[], Any],
     config: PipelineConfig,
+    mode: str,
     count: int,
     backlog: Sequence[Rollout],
     later: Sequence[Rollout],
@@ -226,14 +282,18 @@ async def measure(
     length = backlog[0].calls
     async with (
         KafkaEventSink(kafka, linger_ms=20) as publisher,
-        members(kafka, count, attach, finalized, tag) as run,
+        hosted(mode, kafka, count, seed_plane, attach, finalized, tag, config) as run,
     ):
-        await settled(run.started, run.revocations, quiet_s=config.quiet_s)
+        await run.settled()
+        run.hold()
+        held = time.monotonic()
         # Seals after every call event, as a driver seals only once its admissions are acknowledged.
         await publish_all(publisher, [e for r in backlog for e in r.events])
         await publish_all(publisher, [r.seal for r in backlog])
+        held_s = time.monotonic() - held
+        cpu_before = {"bench": process_cpu_s() or 0.0, **run.cpu_s()}
         start = time.time()
-        run.gate.set()
+        run.release()
         await wait_for(finalized, [r.rollout_id for r in backlog], timeout_s=600)
         seconds = max(finalized[r.rollout_id].acked_at for r in backlog) - start
         calls = sum(r.calls for r in backlog)
@@ -241,9 +301,9 @@ async def measure(
         offered = config.load * rollouts_per_s
         sealed = await paced(publisher, later, offered)
         await wait_for(finalized, [r.rollout_id for r in later], timeout_s=600)
-        ledger_duplicates = sum(ledger.gauges().duplicates for ledger in run.ledgers)
-        finalizer_duplicates = sum(f.gauges().duplicates for f in run.finalizers)
-        rebalances = len(run.revocations)
+        cpu_after = {"bench": process_cpu_s() or 0.0, **run.cpu_s()}
+        duplicates = run.duplicates()
+        rebalances = run.revocations()
     latencies = [(finalized[r].event.finalized_at - at) * 1e3 for r, at in sealed.items()]
     statuses = Counter(
         f.event.status if f.event.status == "accepted" else str(f.event.rejection_reason)
@@ -251,6 +311,7 @@ async def measure(
     )
     await _clean(seed_plane, [*backlog, *later])
     return {
+        "mode": mode,
         "instances": count,
         "calls_per_rollout": length,
         "backlog": {
@@ -269,9 +330,38 @@ async def measure(
             "cdf_ms": [round(v, 2) for v in cdf(latencies)],
         },
         "finalized": dict(statuses),
-        "duplicates": {"ledger": ledger_duplicates, "finalizer": finalizer_duplicates},
+        "duplicates": duplicates,
         "revocations": rebalances,
+        "held_s": round(held_s, 2),
+        "cpu_s": {name: round(cpu_after[name] - cpu_before[name], 2) for name in cpu_after},
     }
+
+
+@contextlib.asynccontextmanager
+async def hosted(
+    mode: str,
+    kafka: Any,
+    count: int,
+    plane: DataPlane,
+    attach: Callable[[], Any],
+    finalized: dict[str, Finalized],
+    tag: str,
+    config: PipelineConfig,
+) -> AsyncIterator[Hosting]:
+    """The members of one configuration, in this process or as stage processes."""
+    if mode == "inline":
+        async with members(kafka, count, attach, finalized, tag, config.quiet_s) as running:
+            yield running
+        return
+    from bench.stage_processes import process_members
+
+    addresses = getattr(plane, "addresses", None)
+    if addresses is None:
+        raise ValueError(f"placement {config.placement}: stage processes need TransferQueue's addresses")
+    async with process_members(
+        kafka, count, addresses, finalized, tag, tuning=_bench_groups(), quiet_s=config.quiet_s
+    ) as running:
+        yield running
 
 
 async def _clean(plane: DataPlane, rollouts: Sequence[Rollout]) -> None:
@@ -318,6 +408,10 @@ async def run_async(config: PipelineConfig) -> dict[str, Any]:
         ]
         fixtures[length] = (made[:backlog_n], laters)
     results: list[dict[str, Any]] = []
+    if "processes" in config.modes:
+        from pipeline.process.guard import guard_descendants
+
+        guard_descendants()  # the stage processes die with this one, also on SIGKILL
     broker = EmbeddedBroker(storage="memory")
     await asyncio.to_thread(broker.start)
     try:
@@ -325,14 +419,22 @@ async def run_async(config: PipelineConfig) -> dict[str, Any]:
             for length in config.lengths:
                 backlog, laters = fixtures[length]
                 for count, later in zip(config.instances, laters, strict=True):
-                    results.append(
-                        await measure(broker, plane, attacher(plane), config, count, backlog, later)
-                    )
+                    for mode in config.modes:  # side by side: the same rollouts, one after the other
+                        results.append(
+                            await measure(broker, plane, attacher(plane), config, mode, count, backlog, later)
+                        )
     finally:
         await asyncio.to_thread(broker.stop)
     memory = [await ledger_memory.measure(config.memory_rollouts, n) for n in config.lengths]
     best = max(r["backlog"]["calls_per_s"] for r in results)
     worst_p99 = max(r["latency"]["p99_ms"] for r in results)
+    by_mode = {
+        mode: {
+            "calls_per_s_best": max(r["backlog"]["calls_per_s"] for r in results if r["mode"] == mode),
+            "finalize_p99_ms": max(r["latency"]["p99_ms"] for r in results if r["mode"] == mode),
+        }
+        for mode in config.modes
+    }
     return {
         "benchmark": "pipeline",
         "config": asdict(config),
@@ -347,6 +449,7 @@ async def run_async(config: PipelineConfig) -> dict[str, Any]:
             "finalize_p99_ms": worst_p99,
             "target_p99_ms": TARGET_P99_MS,
             "latency_target_met": worst_p99 < TARGET_P99_MS,
+            "by_mode": by_mode,
         },
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -368,14 +471,17 @@ def run(
 
 def render(report: dict[str, Any]) -> str:
     lines = [
-        "| instances | calls/rollout | calls/s | rollouts/s | offered calls/s | seal→finalized p50 ms | p99 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | instances | calls/rollout | calls/s | rollouts/s | offered calls/s | seal→finalized p50 ms "
+        "| p99 ms | CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["results"]:
         b, lat = r["backlog"], r["latency"]
+        cpu = ", ".join(f"{name} {seconds:.1f}" for name, seconds in r["cpu_s"].items())
         lines.append(
-            f"| {r['instances']} | {r['calls_per_rollout']} | {b['calls_per_s']:,.0f} | {b['rollouts_per_s']:,.1f} | "
-            f"{lat['offered_calls_per_s']:,.0f} | {lat['p50_ms']:.0f} | {lat['p99_ms']:.0f} |"
+            f"| {r['mode']} | {r['instances']} | {r['calls_per_rollout']} | {b['calls_per_s']:,.0f} | "
+            f"{b['rollouts_per_s']:,.1f} | {lat['offered_calls_per_s']:,.0f} | {lat['p50_ms']:.0f} | "
+            f"{lat['p99_ms']:.0f} | {cpu} |"
         )
     lines += ["", "| calls/rollout | bytes per open rollout | per open call | growth per finished rollout |"]
     lines.append("|---:|---:|---:|---:|")
@@ -385,6 +491,10 @@ def render(report: dict[str, Any]) -> str:
             f"{m['growth_bytes_per_finished_rollout']} |"
         )
     s = report["summary"]
+    for mode, best in s["by_mode"].items():
+        lines.append(
+            f"{mode}: best {best['calls_per_s_best']:,.0f} calls/s, worst p99 {best['finalize_p99_ms']:.0f} ms"
+        )
     lines.append(
         f"best {s['calls_per_s_best']:,.0f} calls/s (target {s['target_calls_per_s']:,}); "
         f"worst p99 {s['finalize_p99_ms']:.0f} ms (target < {s['target_p99_ms']:.0f})"
@@ -411,6 +521,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load", type=float, help=f"paced rate as a fraction of throughput (default {default.load})"
     )
     parser.add_argument("--placement", choices=PLACEMENTS, help="where TransferQueue runs (default embedded)")
+    parser.add_argument(
+        "--modes",
+        type=str,
+        help=(
+            "how the stages are hosted: inline (members in this process), processes (tokentrail stage "
+            "children, a core each), or both side by side: inline,processes (default inline)"
+        ),
+    )
     parser.add_argument("--plot", help="write the seal-to-finalized latency CDFs to this PNG")
 
 
@@ -423,6 +541,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
         "latency_calls": args.latency_calls,
         "load": args.load,
         "placement": args.placement,
+        "modes": tuple(args.modes.split(",")) if args.modes else None,
     }
     return replace(config, **{k: v for k, v in changes.items() if v is not None})
 

@@ -53,7 +53,7 @@ def engine_throughput(report: dict[str, Any], path: str | Path) -> Path:
 
 
 def latency_cdf(report: dict[str, Any], path: str | Path) -> Path:
-    """One panel per rollout length: seal-to-finalized CDF per number of stage instances."""
+    """One panel per rollout length: seal-to-finalized CDF per mode and number of stage instances."""
     plt = _pyplot()
     results = report["results"]
     lengths = sorted({r["calls_per_rollout"] for r in results})
@@ -61,14 +61,16 @@ def latency_cdf(report: dict[str, Any], path: str | Path) -> Path:
     target = report.get("summary", {}).get("target_p99_ms")
     for ax, length in zip(axes[0], lengths, strict=True):
         for r in sorted(
-            (r for r in results if r["calls_per_rollout"] == length), key=lambda r: r["instances"]
+            (r for r in results if r["calls_per_rollout"] == length),
+            key=lambda r: (r.get("mode", "inline"), r["instances"]),
         ):
             points = r["latency"]["cdf_ms"]
             if not points:
                 continue
             levels = [i / (len(points) - 1) for i in range(len(points))]
             offered = r["latency"]["offered_calls_per_s"]
-            ax.plot(points, levels, label=f"{r['instances']} instance(s), {offered:,.0f} calls/s")
+            label = f"{r.get('mode', 'inline')}, {r['instances']} instance(s), {offered:,.0f} calls/s"
+            ax.plot(points, levels, label=label)
         if target is not None:
             ax.axvline(
                 target, color="tab:red", linestyle="--", linewidth=1, label=f"target p99 {target:g} ms"

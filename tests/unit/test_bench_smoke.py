@@ -76,7 +76,7 @@ def test_ledger_memory_reports_positive_bytes_per_open_rollout() -> None:
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.dataplane
-def test_pipeline_smallest_configuration(tmp_path: Path) -> None:
+def test_pipeline_smallest_configuration_inline_and_as_processes(tmp_path: Path) -> None:
     from bench import pipeline
 
     config = PipelineConfig(
@@ -87,20 +87,39 @@ def test_pipeline_smallest_configuration(tmp_path: Path) -> None:
         min_latency_rollouts=6,
         memory_rollouts=20,
         quiet_s=0.5,
+        modes=("inline", "processes"),
     )
     report = pipeline.run(config, plot=tmp_path / "cdf.png")
-    (result,) = report["results"]
-    assert result["instances"] == 1 and result["calls_per_rollout"] == 2
-    assert result["backlog"]["calls"] == 32 and result["backlog"]["calls_per_s"] > 0
-    assert (
-        result["latency"]["rollouts"] == 6 and result["latency"]["p99_ms"] >= result["latency"]["p50_ms"] > 0
-    )
-    assert len(result["latency"]["cdf_ms"]) == 101
-    assert result["finalized"] == {"accepted": 16 + 6}  # real digests, verified by the finalizer
+    inline, processes = report["results"]
+    assert (inline["mode"], processes["mode"]) == ("inline", "processes")
+    for result in (inline, processes):
+        assert result["instances"] == 1 and result["calls_per_rollout"] == 2
+        assert result["backlog"]["calls"] == 32 and result["backlog"]["calls_per_s"] > 0
+        latency = result["latency"]
+        assert latency["rollouts"] == 6 and latency["p99_ms"] >= latency["p50_ms"] > 0
+        assert len(latency["cdf_ms"]) == 101
+        assert result["finalized"] == {"accepted": 16 + 6}  # real digests, verified by the finalizer
+        assert result["cpu_s"]["bench"] > 0
+    assert inline["duplicates"] == {"ledger": 0, "finalizer": 0} and inline["revocations"] is not None
+    # Each stage its own process: both did the work, and their CPU is counted apart.
+    assert set(processes["cpu_s"]) == {"bench", "ledger-0", "finalizer-0"}
+    assert processes["cpu_s"]["ledger-0"] > 0 and processes["cpu_s"]["finalizer-0"] > 0
     assert report["ledger_memory"][0]["bytes_per_open_rollout"] > 0
-    assert report["summary"]["calls_per_s_best"] == result["backlog"]["calls_per_s"]
-    assert report["summary"]["finalize_p99_ms"] == result["latency"]["p99_ms"]
+    best = max(inline["backlog"]["calls_per_s"], processes["backlog"]["calls_per_s"])
+    assert report["summary"]["calls_per_s_best"] == best
+    assert report["summary"]["finalize_p99_ms"] == max(
+        inline["latency"]["p99_ms"], processes["latency"]["p99_ms"]
+    )
+    by_mode = report["summary"]["by_mode"]
+    assert by_mode["processes"]["calls_per_s_best"] == processes["backlog"]["calls_per_s"]
     assert Path(report["plot"]).read_bytes().startswith(PNG)
+
+
+def test_pipeline_processes_need_transferqueue() -> None:
+    with pytest.raises(ValueError, match="memory data plane"):
+        PipelineConfig(placement="memory", modes=("processes",))
+    with pytest.raises(ValueError, match="modes"):
+        PipelineConfig(modes=("threads",))
 
 
 @pytest.mark.slow
@@ -181,6 +200,9 @@ def test_cli_wires_the_benchmarks() -> None:
     assert engine_bench.config_from_args(engine).latencies_ms == (0.0, 5.0)
     piped = parser.parse_args(["bench", "pipeline", "--instances", "1,2", "--lengths", "4"])
     assert pipeline_bench.config_from_args(piped).instances == (1, 2)
+    assert pipeline_bench.config_from_args(piped).modes == ("inline",)
+    both = parser.parse_args(["bench", "pipeline", "--quick", "--modes", "inline,processes"])
+    assert pipeline_bench.config_from_args(both).modes == ("inline", "processes")
     replayed = parser.parse_args(["bench", "replay", "--sizes", "1000"])
     assert replay_bench.config_from_args(replayed).sizes == (1000,)
     long = parser.parse_args(["bench", "long-horizon", "--quick", "--lengths", "3,30", "--timeout", "5"])
