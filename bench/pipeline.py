@@ -24,9 +24,9 @@ two groups, each with its own producer and data-plane client) and rollout length
    is published; seal-to-finalized latency is ``FinalizedEvent.finalized_at − sealed_at``.
 
 Inline, all members share one interpreter: more instances measure partitioning and
-batching overhead, not more CPU. Each result gives the CPU seconds of every process
-over its two phases (``cpu_s``: this process, with the data plane and the publisher, and
-in ``processes`` mode each member). The ledger's memory per open rollout is measured
+batching overhead, not more CPU. Each result gives the CPU seconds every process spent
+while the backlog was worked off (``cpu_s``: this process, with the data plane and the
+publisher; the broker; in ``processes`` mode each member), against ``backlog.seconds``. The ledger's memory per open rollout is measured
 separately (``bench.ledger_memory``).
 
     tokentrail bench pipeline [--quick] [--json] [--modes inline,processes] [--plot FILE.png]
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 import time
 import uuid
@@ -45,7 +46,17 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
-from bench.common import cdf, emit, machine, parse_list, percentiles, process_cpu_s, standalone, versions
+from bench.common import (
+    cdf,
+    emit,
+    machine,
+    parse_list,
+    percentiles,
+    process_cpu_s,
+    standalone,
+    tree_cpu_s,
+    versions,
+)
 from bench.planes import PLACEMENTS, Placement, open_plane
 from bench.rollouts import Rollout, capture_rollouts
 from bench.stage_probes import Finalized, FinalizedTap, Gated, settled
@@ -291,17 +302,17 @@ async def measure(
         await publish_all(publisher, [e for r in backlog for e in r.events])
         await publish_all(publisher, [r.seal for r in backlog])
         held_s = time.monotonic() - held
-        cpu_before = {"bench": process_cpu_s() or 0.0, **run.cpu_s()}
+        cpu_before = _cpu(run)
         start = time.time()
         run.release()
         await wait_for(finalized, [r.rollout_id for r in backlog], timeout_s=600)
+        cpu_after = _cpu(run)
         seconds = max(finalized[r.rollout_id].acked_at for r in backlog) - start
         calls = sum(r.calls for r in backlog)
         rollouts_per_s = len(backlog) / seconds
         offered = config.load * rollouts_per_s
         sealed = await paced(publisher, later, offered)
         await wait_for(finalized, [r.rollout_id for r in later], timeout_s=600)
-        cpu_after = {"bench": process_cpu_s() or 0.0, **run.cpu_s()}
         duplicates = run.duplicates()
         rebalances = run.revocations()
     latencies = [(finalized[r].event.finalized_at - at) * 1e3 for r, at in sealed.items()]
@@ -335,6 +346,14 @@ async def measure(
         "held_s": round(held_s, 2),
         "cpu_s": {name: round(cpu_after[name] - cpu_before[name], 2) for name in cpu_after},
     }
+
+
+def _cpu(run: Hosting) -> dict[str, float]:
+    """CPU seconds so far: this process (the data plane, the publisher, inline the stages),
+    its other children (the broker; the guard's reaper idles) and each member process."""
+    members = run.cpu_s()
+    children = tree_cpu_s(os.getpid(), itself=False) - sum(members.values())
+    return {"bench": process_cpu_s() or 0.0, "broker": children, **members}
 
 
 @contextlib.asynccontextmanager
