@@ -263,7 +263,7 @@ class Run:
                     kafka, flags, ledger, on_failure=shutdown.fail, stop=shutdown.event, tuning=tuning
                 )
             )
-        shutdown.check()
+            shutdown.check()  # a child that exited, or a signal, while they were getting ready
 
         progress.enter("starting the worker")
         server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))

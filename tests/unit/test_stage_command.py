@@ -1,0 +1,78 @@
+"""What a run tells its stage processes: the command line of ``tokentrail stage``, parsed
+back by the real parser, carries every setting an in-process stage gets."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from pipeline import cli
+from pipeline.kafka.config import KafkaConfig, config_from_args, kafka_environment
+from pipeline.run.config import RunConfig
+from pipeline.run.services import RUN_GROUPS, data_plane_flags
+from pipeline.stagehost.processes import CLI_MODULE, StageOptions, stage_command
+from stages.ledger.stage import LedgerConfig
+from stages.specs import staging_ttl
+from topics.names import TopicNames
+
+SECURE = KafkaConfig(
+    bootstrap_servers="kafka-1:9093,kafka-2:9093",
+    client_id="tt-run",
+    names=TopicNames(prefix="exp7", partitions=8),
+    security_protocol="SASL_SSL",
+    sasl_mechanism="SCRAM-SHA-512",
+    sasl_plain_username="trainer",
+    sasl_plain_password="s3cret",
+    ssl_cafile="/etc/ca.pem",
+)
+
+
+def parsed(argv: list[str]) -> argparse.Namespace:
+    assert argv[:3] == [sys.executable, "-m", CLI_MODULE]
+    return cli.build_parser().parse_args(argv[3:])
+
+
+def test_the_stage_command_carries_the_runs_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger = LedgerConfig(seal_grace_s=2.5, max_open_s=120.0)
+    plane = ("--dataplane-mode", "attach", "--dataplane-addresses", "/data/dataplane.json")
+    options = StageOptions(ledger=ledger, tuning=RUN_GROUPS, data_plane=plane)
+    for name in ("ledger", "finalizer"):
+        argv = stage_command(name, SECURE, options)
+        assert "s3cret" not in " ".join(argv)  # the password travels in the environment
+        args = parsed(argv)
+        assert args.name == name
+        assert (args.seal_grace, args.max_open, args.staging_ttl) == (2.5, 120.0, staging_ttl(ledger))
+        assert (args.session_timeout_ms, args.heartbeat_ms) == (3_000, 500)
+        assert args.group is None  # the stage's own group, as in process
+        monkeypatch.setenv(args.sasl_password_env, kafka_environment(SECURE)[args.sasl_password_env])
+        assert config_from_args(args) == SECURE
+    finalizer = parsed(stage_command("finalizer", SECURE, options))
+    assert (finalizer.dataplane_mode, str(finalizer.dataplane_addresses)) == (
+        "attach",
+        "/data/dataplane.json",
+    )
+    assert "--dataplane-addresses" not in stage_command("ledger", SECURE, options)
+
+
+def test_a_group_is_passed_when_given() -> None:
+    options = StageOptions(ledger=LedgerConfig(), tuning=RUN_GROUPS, group="tokentrail-ledger-b1")
+    assert parsed(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options)).group == (
+        "tokentrail-ledger-b1"
+    )
+
+
+def test_the_stage_processes_reach_the_runs_data_plane() -> None:
+    embedded = data_plane_flags(RunConfig(), RunConfig().data_dir / "dataplane.json")
+    assert embedded == ("--dataplane-mode", "attach", "--dataplane-addresses", ".tokentrail/dataplane.json")
+    assert data_plane_flags(RunConfig(dataplane_mode="ray", ray_address="auto"), RunConfig().data_dir) == (
+        "--dataplane-mode",
+        "ray",
+        "--ray-address",
+        "auto",
+    )
+    assert data_plane_flags(RunConfig(dataplane_mode="ray"), RunConfig().data_dir) == (
+        "--dataplane-mode",
+        "ray",
+    )
