@@ -26,8 +26,9 @@ two groups, each with its own producer and data-plane client) and rollout length
 Inline, all members share one interpreter: more instances measure partitioning and
 batching overhead, not more CPU. Each result gives the CPU seconds every process spent
 while the backlog was worked off (``cpu_s``: this process, with the data plane and the
-publisher; the broker; in ``processes`` mode each member), against ``backlog.seconds``. The ledger's memory per open rollout is measured
-separately (``bench.ledger_memory``).
+publisher; the broker; in ``processes`` mode each member), to read against
+``backlog.seconds``. The ledger's memory per open rollout is measured separately
+(``bench.ledger_memory``).
 
     tokentrail bench pipeline [--quick] [--json] [--modes inline,processes] [--plot FILE.png]
 """
