@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import pytest
 
 from pipeline import cli
+from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig, config_from_args, kafka_environment
 from pipeline.run.config import RunConfig
-from pipeline.run.services import RUN_GROUPS, data_plane_flags
+from pipeline.run.services import RUN_GROUPS, data_plane_flags, run_groups
 from pipeline.stagehost.processes import CLI_MODULE, StageOptions, stage_command
 from stages.ledger.stage import LedgerConfig
 from stages.specs import staging_ttl
@@ -37,7 +39,8 @@ def parsed(argv: list[str]) -> argparse.Namespace:
 def test_the_stage_command_carries_the_runs_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     ledger = LedgerConfig(seal_grace_s=2.5, max_open_s=120.0)
     plane = ("--dataplane-mode", "attach", "--dataplane-addresses", "/data/dataplane.json")
-    options = StageOptions(ledger=ledger, tuning=RUN_GROUPS, data_plane=plane)
+    tuning = replace(RUN_GROUPS, fetch_wait_ms=40, idle_margin_ms=120)
+    options = StageOptions(ledger=ledger, tuning=tuning, data_plane=plane)
     for name in ("ledger", "finalizer"):
         argv = stage_command(name, SECURE, options)
         assert "s3cret" not in " ".join(argv)  # the password travels in the environment
@@ -45,6 +48,7 @@ def test_the_stage_command_carries_the_runs_settings(monkeypatch: pytest.MonkeyP
         assert args.name == name
         assert (args.seal_grace, args.max_open, args.staging_ttl) == (2.5, 120.0, staging_ttl(ledger))
         assert (args.session_timeout_ms, args.heartbeat_ms) == (3_000, 500)
+        assert (args.fetch_wait_ms, args.merge_margin_ms) == (40, 120)
         assert args.group is None  # the stage's own group, as in process
         monkeypatch.setenv(args.sasl_password_env, kafka_environment(SECURE)[args.sasl_password_env])
         assert config_from_args(args) == SECURE
@@ -54,6 +58,13 @@ def test_the_stage_command_carries_the_runs_settings(monkeypatch: pytest.MonkeyP
         "/data/dataplane.json",
     )
     assert "--dataplane-addresses" not in stage_command("ledger", SECURE, options)
+
+
+def test_the_memory_brokers_short_merge_margin_reaches_the_stage_processes() -> None:
+    tuning = run_groups(EmbeddedBroker(storage="memory"))  # not started: only its storage counts
+    options = StageOptions(ledger=LedgerConfig(), tuning=tuning)
+    args = parsed(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options))
+    assert args.merge_margin_ms == tuning.idle_margin_ms < RUN_GROUPS.idle_margin_ms
 
 
 def test_a_group_is_passed_when_given() -> None:
