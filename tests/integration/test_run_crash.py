@@ -35,7 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.m
 
 REPO = Path(__file__).resolve().parents[2]
 KILLED = ["--rollouts", "8", "--group-size", "2", "--turns", "3", "--concurrency", "2", "--max-tokens", "24"]
-FINAL = ["--rollouts", "2", "--group-size", "2", "--turns", "2", "--max-tokens", "16"]
+FINAL = ["--rollouts", "2", "--group-size", "2", "--turns", "2", "--max-tokens", "16", "--stages", "inline"]
+"""The run that finishes what the killed ones left: its stages in process (the killed runs
+had theirs as processes), which also checks that either hosting continues the same log."""
 GONE_WITHIN_S = 10.0
 
 

@@ -132,8 +132,10 @@ def test_an_sdk_agent_trains_the_policy_through_the_gateway(tmp_path: Path) -> N
     ``--train-steps`` closes the loop: rollouts -> samples -> a GRPO step -> new weights in
     the worker, twice."""
     data_dir = tmp_path / "tt"
-    summary = run_small(
-        data_dir, tmp_path / "run.log", "--agent", "sdk", "--train-steps", "2", "--broker-storage", "memory"
+    summary = run_small(  # stages in process: the stage processes are covered by the other runs
+        data_dir,
+        tmp_path / "run.log",
+        *("--agent", "sdk", "--train-steps", "2", "--broker-storage", "memory", "--stages", "inline"),
     )
     assert summary["status"] == "completed" and summary["lag"] == 0, summary
     assert summary["agent"] == "sdk" and summary["gateway_url"].startswith("http://127.0.0.1:")
