@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -115,6 +116,27 @@ def process_cpu_s(pid: int | None = None) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each thread of process ``pid``, summed by thread name with its
+    digits dropped (a pool counts as one); {} for a process that is gone. Threads that
+    ended are not counted."""
+    totals: dict[str, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return totals
+    for task in tasks:
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        key = re.sub(r"\d+", "#", name)
+        totals[key] = totals.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return totals
 
 
 def tree_cpu_s(pid: int, *, itself: bool = True) -> float:

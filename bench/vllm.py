@@ -34,7 +34,16 @@ from typing import Any
 
 import httpx
 
-from bench.common import emit, machine, percentiles, process_cpu_s, standalone, tree_cpu_s, versions
+from bench.common import (
+    emit,
+    machine,
+    percentiles,
+    process_cpu_s,
+    standalone,
+    thread_cpu_s,
+    tree_cpu_s,
+    versions,
+)
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker
 from stages.client import RolloutClient
@@ -126,12 +135,17 @@ async def load(url: str, model: str, config: VllmBenchConfig, capture: bool, req
 def trial(
     url: str, model: str, config: VllmBenchConfig, capture: bool, processes: Processes
 ) -> dict[str, Any]:
-    before = processes.cpu_s()
+    before, threads_before = processes.cpu_s(), thread_cpu_s(processes.worker)
     result = asyncio.run(load(url, model, config, capture, config.requests))
-    after = processes.cpu_s()
+    after, threads_after = processes.cpu_s(), thread_cpu_s(processes.worker)
     result["cpu_ms_per_call"] = {
         role: round((after[role] - before[role]) * 1000 / config.requests, 2) for role in before
     }
+    per_thread = {
+        name: round((seconds - threads_before.get(name, 0.0)) * 1000 / config.requests, 2)
+        for name, seconds in threads_after.items()
+    }
+    result["worker_threads_ms_per_call"] = {name: ms for name, ms in per_thread.items() if ms > 0}
     return result
 
 

@@ -6,6 +6,10 @@ bench/RESULTS.md, measured side by side, not in assertions on a shared machine.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +17,7 @@ from typing import Any
 import pytest
 
 from bench import ledger_memory, main_job
+from bench.common import thread_cpu_s
 from bench.engine import MODES, EngineConfig
 from bench.long_horizon import LongHorizonConfig
 from bench.pipeline import PipelineConfig
@@ -212,3 +217,33 @@ def test_cli_wires_the_benchmarks() -> None:
     assert (config.lengths, config.timeout_s) == ((3, 30), 5.0) and callable(long.run)
     job = parser.parse_args(["bench", "main-job", "--quick", "--trials", "2", "--json"])
     assert main_job.config_from_args(job) == main_job.MainJobConfig(sizes=(64,), trials=2)
+
+
+def test_thread_cpu_is_read_per_thread_name() -> None:
+    """``bench vllm`` splits the worker's CPU by thread: a busy thread shows up under its
+    name, and a pool of threads named alike is one entry."""
+    libc = ctypes.CDLL(None)
+    done, started = threading.Event(), threading.Barrier(5)  # four threads and this one
+
+    def run_as(name: str, busy_s: float) -> None:
+        libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME: Python 3.11 leaves the process's
+        end = time.thread_time() + busy_s
+        while time.thread_time() < end:
+            pass
+        started.wait()
+        done.wait()
+
+    threads = [threading.Thread(target=run_as, args=("spinner", 0.2))]
+    threads += [threading.Thread(target=run_as, args=(f"pool-{i}", 0.0)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        started.wait()
+        seen = thread_cpu_s(os.getpid())
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
+    assert seen["spinner"] >= 0.15, seen
+    assert "pool-#" in seen and not any(name.startswith("pool-") and name != "pool-#" for name in seen), seen
+    assert thread_cpu_s(2**22 + 1) == {}  # no such process
