@@ -3,16 +3,19 @@
 A new user's load test: one ``tokentrail worker`` (vLLM CPU engine, tiny model) per ack
 policy, an embedded broker and a ``tokentrail dataplane``, and an HTTP load of
 ``--requests`` chat completions of exactly ``--tokens`` tokens each (``ignore_eos``),
-``--concurrency`` at a time. Capture is off for a plain request and on for one carrying
-an admission (``ng_capture``); the two alternate trial by trial on the same worker, so
-a change in the machine's load hits both. Per trial: generated tokens/s, request
-latency p50/p99, and CPU seconds per call of each process (the worker's API server,
-which also runs capture, its engine core, the broker, the data plane).
+``--concurrency`` at a time. Each round is three trials on the same worker, so a change
+in the machine's load hits all three: ``off`` (a plain request), ``logprobs`` (the same
+asking for the sampled token's logprob, as an RL client without capture would) and
+``on`` (carrying an admission, ``ng_capture``; capture asks vLLM for that logprob
+itself). Per trial: generated tokens/s, request latency p50/p99, CPU seconds per call of
+each process (the worker's API server, which also runs capture, its engine core, the
+broker, the data plane) and of each thread of the API server, by name.
 
     tokentrail bench vllm [--quick] [--json] [--requests 96] [--tokens 32] [--trials 3]
 
 ``summary.capture_over_off_median`` is the median on/off tokens/s ratio over every
-pair; ``summary.by_ack`` has the same per ack policy.
+round; ``summary.by_ack`` has the same per ack policy;
+``summary.capture_over_logprobs_median`` divides by the trial asking for logprobs.
 """
 
 from __future__ import annotations
@@ -84,7 +87,12 @@ class Processes:
         }
 
 
-def request_body(number: int, tokens: int, capture: bool, model: str) -> dict[str, Any]:
+MODES = ("off", "logprobs", "on")
+"""Per round of trials: a plain request; the same asking for the sampled token's logprob
+(what an RL client without capture asks vLLM for); with capture (which needs that logprob)."""
+
+
+def request_body(number: int, tokens: int, mode: str, model: str) -> dict[str, Any]:
     """One chat completion of exactly ``tokens`` tokens; with capture, a root admission rides along."""
     body: dict[str, Any] = {
         "model": model,
@@ -95,7 +103,9 @@ def request_body(number: int, tokens: int, capture: bool, model: str) -> dict[st
         "temperature": 1.0,
         "seed": number,
     }
-    if not capture:
+    if mode == "logprobs":
+        return {**body, "logprobs": True, "top_logprobs": 0}
+    if mode == "off":
         return body
     rollout = f"bench-{uuid.uuid4().hex[:12]}"
     admission = CaptureAdmission(
@@ -104,7 +114,7 @@ def request_body(number: int, tokens: int, capture: bool, model: str) -> dict[st
     return RolloutClient.request_body(body, admission)
 
 
-async def load(url: str, model: str, config: VllmBenchConfig, capture: bool, requests: int) -> dict[str, Any]:
+async def load(url: str, model: str, config: VllmBenchConfig, mode: str, requests: int) -> dict[str, Any]:
     """``requests`` completions, ``concurrency`` at a time; tokens/s and latencies."""
     gate = asyncio.Semaphore(config.concurrency)
     latencies: list[float] = []
@@ -113,7 +123,7 @@ async def load(url: str, model: str, config: VllmBenchConfig, capture: bool, req
 
         async def one(number: int) -> None:
             nonlocal tokens
-            body = request_body(number, config.tokens, capture, model)
+            body = request_body(number, config.tokens, mode, model)
             async with gate:
                 began = time.perf_counter()
                 reply = await http.post("/v1/chat/completions", json=body)
@@ -132,11 +142,9 @@ async def load(url: str, model: str, config: VllmBenchConfig, capture: bool, req
     }
 
 
-def trial(
-    url: str, model: str, config: VllmBenchConfig, capture: bool, processes: Processes
-) -> dict[str, Any]:
+def trial(url: str, model: str, config: VllmBenchConfig, mode: str, processes: Processes) -> dict[str, Any]:
     before, threads_before = processes.cpu_s(), thread_cpu_s(processes.worker)
-    result = asyncio.run(load(url, model, config, capture, config.requests))
+    result = asyncio.run(load(url, model, config, mode, config.requests))
     after, threads_after = processes.cpu_s(), thread_cpu_s(processes.worker)
     result["cpu_ms_per_call"] = {
         role: round((after[role] - before[role]) * 1000 / config.requests, 2) for role in before
@@ -180,16 +188,20 @@ def _first_document(process: subprocess.Popen[bytes]) -> dict[str, Any]:
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
-    """On/off tokens/s ratio of each pair (a trial with capture and the one before it)."""
+    """Tokens/s of capture on over off, and over off asking for logprobs, round by round."""
     ratios: dict[str, list[float]] = {}
+    over_logprobs: list[float] = []
     for ack in sorted({t["ack"] for t in trials}):
-        runs = [t for t in trials if t["ack"] == ack]
-        offs = [t for t in runs if not t["capture"]]
-        ons = [t for t in runs if t["capture"]]
-        ratios[ack] = [on["tokens_per_s"] / off["tokens_per_s"] for off, on in zip(offs, ons, strict=True)]
+        rounds: dict[int, dict[str, float]] = {}
+        for t in trials:
+            if t["ack"] == ack:
+                rounds.setdefault(t["round"], {})[t["mode"]] = t["tokens_per_s"]
+        ratios[ack] = [speeds["on"] / speeds["off"] for speeds in rounds.values()]
+        over_logprobs += [speeds["on"] / speeds["logprobs"] for speeds in rounds.values()]
     every = [r for values in ratios.values() for r in values]
     return {
         "capture_over_off_median": round(statistics.median(every), 3),
+        "capture_over_logprobs_median": round(statistics.median(over_logprobs), 3),
         "by_ack": {ack: round(statistics.median(values), 3) for ack, values in ratios.items()},
         "ratios": {ack: [round(r, 3) for r in values] for ack, values in ratios.items()},
         "target": TARGET_RATIO,
@@ -220,11 +232,11 @@ def run(config: VllmBenchConfig | None = None, *, command: str | None = None) ->
                 with started(argv, root / f"worker-{ack}.log") as (worker, ready):
                     url, model = ready["url"], ready["model"]
                     processes = Processes(worker=worker.pid, broker=broker.pid, dataplane=plane.pid)
-                    asyncio.run(load(url, model, config, True, config.warmup))  # compile, fill caches
-                    for _ in range(config.trials):
-                        for capture in (False, True):
-                            result = trial(url, model, config, capture, processes)
-                            trials.append({"ack": ack, "capture": capture, **result})
+                    asyncio.run(load(url, model, config, "on", config.warmup))  # compile, fill caches
+                    for number in range(config.trials):
+                        for mode in MODES:
+                            result = trial(url, model, config, mode, processes)
+                            trials.append({"ack": ack, "round": number, "mode": mode, **result})
     report: dict[str, Any] = {
         "benchmark": "vllm",
         "config": asdict(config),
@@ -241,20 +253,21 @@ def run(config: VllmBenchConfig | None = None, *, command: str | None = None) ->
 
 def render(report: dict[str, Any]) -> str:
     lines = [
-        "| ack | capture | tokens/s | latency p50 / p99 ms | CPU ms per call: worker · engine · broker · data plane |",
+        "| ack | mode | tokens/s | latency p50 / p99 ms | CPU ms per call: worker · engine · broker · data plane |",
         "|---|---|---:|---:|---|",
     ]
     for t in report["trials"]:
         cpu = t["cpu_ms_per_call"]
         lines.append(
-            f"| {t['ack']} | {'on' if t['capture'] else 'off'} | {t['tokens_per_s']:.0f} "
+            f"| {t['ack']} | {t['mode']} | {t['tokens_per_s']:.0f} "
             f"| {t['latency_ms']['p50']:.0f} / {t['latency_ms']['p99']:.0f} "
             f"| {cpu['worker']:.1f} · {cpu['engine_core']:.1f} · {cpu['broker']:.1f} · {cpu['dataplane']:.1f} |"
         )
     s = report["summary"]
     by_ack = ", ".join(f"{ack} {ratio:.2f}" for ack, ratio in s["by_ack"].items())
     lines.append(
-        f"capture on / off, median: {s['capture_over_off_median']:.2f} ({by_ack}; target >= {s['target']})"
+        f"capture on / off, median: {s['capture_over_off_median']:.2f} ({by_ack}; target >= {s['target']}); "
+        f"on / off asking for logprobs: {s['capture_over_logprobs_median']:.2f}"
     )
     return "\n".join(lines)
 
@@ -266,7 +279,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, help="requests per trial (default 96)")
     parser.add_argument("--tokens", type=int, help="generated tokens per request (default 32)")
     parser.add_argument("--concurrency", type=int, help="requests in flight (default 16)")
-    parser.add_argument("--trials", type=int, help="off/on pairs per ack policy (default 3)")
+    parser.add_argument("--trials", type=int, help="rounds (off, logprobs, on) per ack policy (default 3)")
     parser.add_argument("--acks", type=str, help="ack policies, comma separated (default staged,enqueued)")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from bench import ledger_memory, main_job
+from bench import ledger_memory, main_job, vllm
 from bench.common import thread_cpu_s
 from bench.engine import MODES, EngineConfig
 from bench.long_horizon import LongHorizonConfig
@@ -247,3 +247,22 @@ def test_thread_cpu_is_read_per_thread_name() -> None:
     assert seen["spinner"] >= 0.15, seen
     assert "pool-#" in seen and not any(name.startswith("pool-") and name != "pool-#" for name in seen), seen
     assert thread_cpu_s(2**22 + 1) == {}  # no such process
+
+
+def test_vllm_summary_pairs_each_round_by_mode() -> None:
+    """Ratios divide trials of one round and ack policy, never across rounds."""
+    speeds = {
+        ("staged", 0): (100.0, 90.0, 81.0),
+        ("staged", 1): (200.0, 100.0, 50.0),
+        ("enqueued", 0): (10.0, 10.0, 9.0),
+    }
+    trials = [
+        {"ack": ack, "round": number, "mode": mode, "tokens_per_s": speed}
+        for (ack, number), values in speeds.items()
+        for mode, speed in zip(vllm.MODES, values, strict=True)
+    ]
+    summary = vllm.summarize(trials)
+    assert summary["ratios"] == {"enqueued": [0.9], "staged": [0.81, 0.25]}
+    assert summary["by_ack"] == {"enqueued": 0.9, "staged": 0.53}
+    assert summary["capture_over_off_median"] == 0.81
+    assert summary["capture_over_logprobs_median"] == 0.9  # 0.9, 0.5, 0.9
