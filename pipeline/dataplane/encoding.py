@@ -1,4 +1,5 @@
-"""Row encoding: ``StagedCall`` and ``TrainingSample`` to TransferQueue fields and back.
+"""Row encoding: ``StagedCall`` (or the capture path's ``StagedRow`` arrays) and
+``TrainingSample`` to TransferQueue fields and back.
 
 Every field has one fixed dtype, so a reader can tell a foreign or corrupted row from
 a good one instead of letting TransferQueue silently cast it:
