@@ -45,10 +45,6 @@ def opt_text(value: str | None) -> bytes:
     return b"\x00" if value is None else b"\x01" + text(value)
 
 
-def blob(data: bytes) -> bytes:
-    return U64.pack(len(data)) + data
-
-
 def ids_array(values: IdsLike, field: str = "token_ids") -> npt.NDArray[np.uint64]:
     """Token ids as a big-endian u64 array; negative ids and floats are rejected.
 
@@ -81,16 +77,13 @@ def ids(values: IdsLike, field: str = "token_ids") -> bytes:
 
 def f32s_parts(values: FloatsLike, field: str = "values") -> tuple[bytes, npt.NDArray[np.float32]]:
     """``f32s(v)`` as (count header, big-endian float32 body) so callers can hash it without a copy."""
-    if isinstance(values, np.ndarray) and values.dtype == np.float32 and values.ndim == 1:
-        if values.size and not np.isfinite(values).all():
-            raise EncodingError(field, "must be finite (no NaN or Inf)")
-        return U64.pack(values.size), values.astype(">f4")
-    array64 = np.asarray(values, dtype=np.float64)
-    if array64.ndim != 1:
+    is_float32 = isinstance(values, np.ndarray) and values.dtype == np.float32
+    array = np.asarray(values, dtype=np.float32 if is_float32 else np.float64)  # no copy for float32
+    if array.ndim != 1:
         raise EncodingError(field, "must be a flat sequence of floats")
-    if array64.size and not np.isfinite(array64).all():
+    if array.size and not np.isfinite(array).all():
         raise EncodingError(field, "must be finite (no NaN or Inf)")
-    return U64.pack(array64.size), array64.astype(">f4")
+    return U64.pack(array.size), array.astype(">f4")
 
 
 def f32s(values: FloatsLike, field: str = "values") -> bytes:

@@ -105,12 +105,6 @@ class _Work:
         assert self.failed is not None, "a work item is captured or failed"
         return self.failed.model_dump(mode="json")
 
-    def coords(self) -> CommitCoords:
-        if self.captured is not None:
-            return self.captured.coords()
-        assert self.failed is not None, "a work item is captured or failed"
-        return self.failed
-
 
 class MegatronPayloadStager:
     """The engine's ``payload_stager``: coords now, the row through the background writer.
@@ -296,13 +290,14 @@ class MegatronPayloadStager:
             self.stats.errors += 1
             log.exception("capture core failed on %s", work.staging_key)
             return
-        replied = work.coords()
-        if completion.coords != replied:
+        # The reply said staged (no code) or failed with ``work.code``; only the writer
+        # refusing the row changes that, so the codes tell it without a second record.
+        if completion.coords.failure_reason != work.code:
             self.stats.superseded += 1
             log.warning(
                 "%s: reply coords superseded (%s -> %s)",
                 work.staging_key,
-                replied.disposition,
+                work.code or "staged",
                 completion.coords.failure_reason or completion.coords.disposition,
             )
 
