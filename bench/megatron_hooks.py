@@ -135,12 +135,13 @@ def _hashes(call: _Call) -> Callable[[], object]:
         weight_version=1,
     )
     delta_be = delta.token_ids.astype(">u8")
-    everything = np.concatenate((call.prefix.astype(">u8"), delta_be))
+    prefix_be = call.prefix.astype(">u8")
+    mask_be, logprobs_be = delta.token_mask.astype(">f4"), delta.logprobs.astype(">f4")
 
     def run() -> None:
         digest.chain_hash("1" * 64, delta_be)
-        digest.cumulative_hash(everything)
-        digest.digest_of_row(row, delta_be, delta.token_mask, delta.logprobs)
+        digest.cumulative_hash_of_parts(prefix_be, delta_be)
+        digest.digest_of_canonical(row, delta_be, mask_be, logprobs_be)
 
     return run
 

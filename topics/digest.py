@@ -27,6 +27,9 @@ PREFIX_DOMAIN = b"nemo-gym-staging-prefix-v2"
 CALL_DOMAIN = b"nemo-gym-staging-call-v2"
 _COUNTS = struct.Struct(">QQQQ")
 """prev_len, delta_len, cum_len and weight_version, each a big-endian u64."""
+_BLOB_HEADER = struct.Struct(">QQ")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""A vector's blob length (its count header included), then its count."""
 
 
 class InvalidDelta(ValueError):
@@ -55,9 +58,16 @@ def chain_hash(parent_chain_hash: str | None, token_ids_delta: IdsLike) -> str:
 
 def cumulative_hash(token_ids: IdsLike) -> str:
     """Hash of every token id of the conversation through this call."""
-    header, body = canonical.ids_parts(token_ids, "token_ids")
-    digest = hashlib.sha256(PREFIX_DOMAIN + header)
-    digest.update(body.data)
+    return cumulative_hash_of_parts(canonical.ids_array(token_ids, "token_ids"))
+
+
+def cumulative_hash_of_parts(*parts: npt.NDArray[np.uint64]) -> str:
+    """``cumulative_hash`` of the parts' ids one after the other, each already a big-endian
+    u64 array (``canonical.ids_array``): a child hashes its parent's ids and its delta
+    without joining them into one array first."""
+    digest = hashlib.sha256(PREFIX_DOMAIN + canonical.u64(sum(part.size for part in parts)))
+    for part in parts:
+        digest.update(part.data)
     return digest.hexdigest()
 
 
@@ -122,6 +132,21 @@ def digest_of_row(
     logprobs: npt.NDArray[np.floating[Any]],
 ) -> str:
     """The call digest from a row's scalar fields and its vectors as arrays (no list round trip)."""
+    ids_body = canonical.ids_array(token_ids, "token_ids_delta")
+    _, mask_body = canonical.f32s_parts(token_mask, "token_mask_delta")
+    _, logprobs_body = canonical.f32s_parts(logprobs, "logprobs_delta")
+    return digest_of_canonical(row, ids_body, mask_body, logprobs_body)
+
+
+def digest_of_canonical(
+    row: RowIdentity,
+    token_ids: npt.NDArray[np.uint64],
+    token_mask: npt.NDArray[np.float32],
+    logprobs: npt.NDArray[np.float32],
+) -> str:
+    """The call digest from vectors already in canonical form: big-endian u64 ids and
+    big-endian float32 (``>f4``), finite. The capture path builds them that way and so
+    skips ``digest_of_row``'s conversions and checks."""
     digest = hashlib.sha256(
         b"".join(
             (
@@ -135,12 +160,9 @@ def digest_of_row(
             )
         )
     )
-    for header, body in (
-        canonical.ids_parts(token_ids, "token_ids_delta"),
-        canonical.f32s_parts(token_mask, "token_mask_delta"),
-        canonical.f32s_parts(logprobs, "logprobs_delta"),
-    ):  # each vector is a blob: its byte length, then its canonical bytes
-        digest.update(canonical.u64(len(header) + body.nbytes) + header)
+    for body in (token_ids, token_mask, logprobs):
+        # Each vector is a blob: its byte length, then its canonical bytes (count, values).
+        digest.update(_BLOB_HEADER.pack(8 + body.nbytes, body.size))
         digest.update(body.data)
     digest.update(
         bytes.fromhex(row.extras_digest)
@@ -192,12 +214,11 @@ def build_delta(
             "generated_logprobs", f"has {logprobs.size} values for {generated.size} generated ids"
         )
     # Rows store logprobs as float32 and the digest encodes float32, so round here once:
-    # the record then equals what the data plane returns. NaN, Inf and values beyond
-    # float32's range all come out of the rounding non-finite.
-    with np.errstate(over="ignore"):
-        rounded = logprobs.astype(np.float32)
-    if not np.isfinite(rounded).all():
+    # the record then equals what the data plane returns. The bound refuses NaN and Inf
+    # too (they compare false), and leaves the rounding nothing to overflow.
+    if not (np.abs(logprobs) <= _FLOAT32_MAX).all():
         raise InvalidDelta("generated_logprobs", "must be finite in float32 (no NaN, Inf or |x| > 3.4e38)")
+    rounded = logprobs.astype(np.float32)
     carry = prompt.size - prev_len
     delta = np.empty(carry + generated.size, dtype=np.int64)
     delta[:carry] = prompt[prev_len:]
@@ -234,7 +255,9 @@ __all__ = [
     "call_digest",
     "chain_hash",
     "cumulative_hash",
+    "cumulative_hash_of_parts",
     "digest_of_body",
+    "digest_of_canonical",
     "digest_of_row",
     "extras_digest",
 ]

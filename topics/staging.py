@@ -157,18 +157,17 @@ def build_row(
         extras=extras,
         extras_digest=_NO_EXTRAS_DIGEST if extras is None else digest.extras_digest(extras),
         chain_hash=digest.chain_hash(parent_chain_hash, delta_be),
-        cumulative_hash=digest.cumulative_hash(_concat(prefix_ids, delta_be)),
+        cumulative_hash=digest.cumulative_hash_of_parts(
+            canonical.ids_array(prefix_ids, "prefix_ids"), delta_be
+        ),
     )
-    row.digest = digest.digest_of_row(row, delta_be, delta.token_mask, delta.logprobs)
+    # build_delta is the only maker of a Delta: its mask and logprobs are finite float32.
+    row.digest = digest.digest_of_canonical(
+        row, delta_be, delta.token_mask.astype(">f4"), delta.logprobs.astype(">f4")
+    )
     return row
 
 
 def staging_row(**fields: Any) -> StagedCall:
     """``build_row`` as the pydantic ``StagedCall`` (tests, tools and benchmarks that want records)."""
     return build_row(**fields).record()
-
-
-def _concat(prefix_ids: IdsLike, delta_be: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    if len(prefix_ids) == 0:
-        return delta_be
-    return np.concatenate((canonical.ids_array(prefix_ids, "prefix_ids"), delta_be))

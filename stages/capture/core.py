@@ -256,7 +256,7 @@ def starts_with(prompt_ids: IdsLike, prefix: npt.NDArray[np.int64]) -> bool:
         head = np.asarray(prompt_ids[: prefix.size], dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
         return False
-    return bool(np.array_equal(head, prefix))
+    return head.tobytes() == prefix.tobytes()  # both int64: equal bytes, equal ids
 
 
 __all__ = [

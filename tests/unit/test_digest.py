@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from topics import digest
+from topics import canonical, digest
 from topics.canonical import EncodingError
-from topics.staging import staging_row
+from topics.staging import build_row, staging_row
 
 # --- an independent, loop-based reference of the byte layout --------------------------
 
@@ -271,6 +271,45 @@ def test_ids_encoding_matches_reference(ids: list[int]) -> None:
         == hashlib.sha256(b"nemo-gym-staging-prefix-v2" + ref_ids(ids)).hexdigest()
     )
     assert digest.cumulative_hash(np.asarray(ids, dtype=np.int64)) == digest.cumulative_hash(ids)
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=2**63 - 1), max_size=100),
+    st.lists(st.integers(min_value=0, max_value=2**63 - 1), max_size=100),
+)
+def test_cumulative_hash_of_parts_is_the_hash_of_the_joined_ids(prefix: list[int], delta: list[int]) -> None:
+    parts = (canonical.ids_array(prefix), canonical.ids_array(delta))
+    assert digest.cumulative_hash_of_parts(*parts) == digest.cumulative_hash(prefix + delta)
+
+
+@given(st.lists(st.floats(-1e6, 0.0, width=32), min_size=1, max_size=60), st.integers(0, 30))
+def test_digest_of_canonical_equals_digest_of_row(logprobs: list[float], carry: int) -> None:
+    prompt = list(range(100, 100 + carry + 3))
+    delta = digest.build_delta(prompt, list(range(len(logprobs))), logprobs, 3)
+    row = build_row(
+        rollout_id="r",
+        call_id="c",
+        parent_call_id=None,
+        parent_chain_hash=None,
+        prefix_ids=[],
+        delta=delta,
+        weight_version=2,
+    )
+    assert row.digest == digest.digest_of_row(row, delta.token_ids, delta.token_mask, delta.logprobs)
+    assert row.digest == digest.call_digest(row.record().model_dump(exclude={"digest"}))
+
+
+@pytest.mark.parametrize(
+    ("value", "accepted"),
+    [(float(np.finfo(np.float32).max), True), (-3.5e38, False), (1e39, False), (-math.inf, False)],
+)
+def test_build_delta_bounds_logprobs_to_float32(value: float, accepted: bool) -> None:
+    if accepted:
+        assert digest.build_delta([1], [3], [value], 0).logprobs[-1] == np.float32(value)
+        return
+    with pytest.raises(digest.InvalidDelta, match="finite in float32") as info:
+        digest.build_delta([1], [3], [value], 0)
+    assert info.value.field == "generated_logprobs"
 
 
 @pytest.mark.parametrize("bad", [[1, -1], [1.5], [1, 2.0], ["3"]])

@@ -260,7 +260,7 @@ def _read_record(requests: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def _get(source: Any, name: str) -> Any:
-    if isinstance(source, Mapping):
+    if type(source) is dict or isinstance(source, Mapping):  # a dict skips the ABC check
         return source.get(name)
     return getattr(source, name, None)
 
