@@ -23,9 +23,9 @@ the float32 rounding of the value written (the digest of DESIGN §4.3 encodes th
 float32 too, so a row's digest is unchanged by the round trip). A logprob that does
 not fit in float32 is refused on write rather than stored as infinity.
 
-Decoding builds records with ``model_construct`` from correctly typed Python values and
-does *not* re-run the §4.2 rules, so a verifier downstream can map each corruption to
-its own failure code. What it does check is structure: every field present, with its
+Decoding builds records with ``assemble`` (the record ``model_construct`` builds, for
+less) from correctly typed Python values and does *not* re-run the §4.2 rules, so a
+verifier downstream can map each corruption to its own failure code. What it does check is structure: every field present, with its
 dtype and rank, and a ``meta`` document with the expected keys and JSON types. A row
 that fails is reported by ``RowFormatError`` naming the key and the field.
 """
@@ -44,7 +44,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from topics import canonical
-from topics.records import CallSpan, StagedCall, TrainingSample
+from topics.records import CallSpan, StagedCall, TrainingSample, assemble
 from topics.staging import CallRow, row_vectors
 
 CALL_FIELDS: tuple[str, ...] = ("token_ids", "token_mask", "logprobs", "counts", "meta")
@@ -312,24 +312,27 @@ def decode_calls(keys: Sequence[str], data: TensorDict) -> list[StagedCall]:
             )
         document = _document(key, metas[i])
         rows.append(
-            StagedCall.model_construct(
-                schema_version=_take(key, document, "schema_version", (int,)),
-                rollout_id=_take(key, document, "rollout_id", _STR),
-                call_id=_take(key, document, "call_id", _STR),
-                parent_call_id=_take(key, document, "parent_call_id", _OPT_STR),
-                mode=_take(key, document, "mode", _STR),
-                prev_len=count[0],
-                delta_len=count[1],
-                cum_len=count[2],
-                weight_version=count[3],
-                token_ids_delta=ids[i].tolist(),
-                token_mask_delta=masks[i].tolist(),
-                logprobs_delta=logprobs[i].tolist(),
-                extras=_take(key, document, "extras", (dict, type(None))),
-                extras_digest=_take(key, document, "extras_digest", _STR),
-                chain_hash=_take(key, document, "chain_hash", _STR),
-                cumulative_hash=_take(key, document, "cumulative_hash", _STR),
-                digest=_take(key, document, "digest", _STR),
+            assemble(
+                StagedCall,
+                {
+                    "schema_version": _take(key, document, "schema_version", (int,)),
+                    "rollout_id": _take(key, document, "rollout_id", _STR),
+                    "call_id": _take(key, document, "call_id", _STR),
+                    "parent_call_id": _take(key, document, "parent_call_id", _OPT_STR),
+                    "mode": _take(key, document, "mode", _STR),
+                    "prev_len": count[0],
+                    "delta_len": count[1],
+                    "cum_len": count[2],
+                    "weight_version": count[3],
+                    "token_ids_delta": ids[i].tolist(),
+                    "token_mask_delta": masks[i].tolist(),
+                    "logprobs_delta": logprobs[i].tolist(),
+                    "extras": _take(key, document, "extras", (dict, type(None))),
+                    "extras_digest": _take(key, document, "extras_digest", _STR),
+                    "chain_hash": _take(key, document, "chain_hash", _STR),
+                    "cumulative_hash": _take(key, document, "cumulative_hash", _STR),
+                    "digest": _take(key, document, "digest", _STR),
+                },
             )
         )
     return rows
@@ -341,12 +344,15 @@ def _spans(key: str, raw: list[Any], schema_version: Any) -> list[CallSpan]:
         if not isinstance(item, dict):
             raise RowFormatError(key, f"meta.spans[{j}]", f"expected an object, got {type(item).__name__}")
         spans.append(
-            CallSpan.model_construct(
-                schema_version=schema_version,
-                call_id=_take(key, item, "call_id", _STR),
-                start=_take(key, item, "start", (int,)),
-                carry_len=_take(key, item, "carry_len", (int,)),
-                gen_len=_take(key, item, "gen_len", (int,)),
+            assemble(
+                CallSpan,
+                {
+                    "schema_version": schema_version,
+                    "call_id": _take(key, item, "call_id", _STR),
+                    "start": _take(key, item, "start", (int,)),
+                    "carry_len": _take(key, item, "carry_len", (int,)),
+                    "gen_len": _take(key, item, "gen_len", (int,)),
+                },
             )
         )
     return spans
@@ -360,18 +366,23 @@ def decode_samples(keys: Sequence[str], data: TensorDict) -> list[TrainingSample
         document = _document(key, metas[i])
         schema_version = _take(key, document, "schema_version", (int,))
         samples.append(
-            TrainingSample.model_construct(
-                schema_version=schema_version,
-                rollout_id=_take(key, document, "rollout_id", _STR),
-                group_id=_take(key, document, "group_id", _OPT_STR),
-                token_ids=ids[i].tolist(),
-                token_mask=masks[i].tolist(),
-                logprobs=logprobs[i].tolist(),
-                weight_versions=versions[i].tolist(),
-                spans=_spans(key, _take(key, document, "spans", (list,)), schema_version),
-                reward=_take(key, document, "reward", (float, type(None))),
-                cumulative_hash=_take(key, document, "cumulative_hash", _STR),
-                sample_key=_take(key, document, "sample_key", _STR) if "sample_key" in document else None,
+            assemble(
+                TrainingSample,
+                {
+                    "schema_version": schema_version,
+                    "rollout_id": _take(key, document, "rollout_id", _STR),
+                    "group_id": _take(key, document, "group_id", _OPT_STR),
+                    "token_ids": ids[i].tolist(),
+                    "token_mask": masks[i].tolist(),
+                    "logprobs": logprobs[i].tolist(),
+                    "weight_versions": versions[i].tolist(),
+                    "spans": _spans(key, _take(key, document, "spans", (list,)), schema_version),
+                    "reward": _take(key, document, "reward", (float, type(None))),
+                    "cumulative_hash": _take(key, document, "cumulative_hash", _STR),
+                    "sample_key": _take(key, document, "sample_key", _STR)
+                    if "sample_key" in document
+                    else None,
+                },
             )
         )
     return samples
