@@ -82,12 +82,13 @@ class LogTimeMerge(Generic[Item]):
         heapq.heapify(heads)
         out: list[Item] = []
         while heads and heads[0][0] <= limit:
-            _, _, tp = heapq.heappop(heads)
+            _, _, tp = heads[0]
             buffer = self._buffers[tp]
             out.append(buffer.popleft()[1])
-            if buffer:
-                heapq.heappush(heads, self._key(buffer[0][0], tp))
+            if buffer:  # the partition's next record takes its place: one sift, not two
+                heapq.heapreplace(heads, self._key(buffer[0][0], tp))
             else:
+                heapq.heappop(heads)
                 limit = min(limit, bound(tp))
         frontier = min(limit, heads[0][0]) if heads else limit
         return Released(out, frontier)

@@ -16,6 +16,7 @@ from typing import Self
 
 import orjson
 
+from topics.codec import encode_payload
 from topics.events import envelope
 from topics.records import CallRecord, FailedCall, Record, RolloutReceipt
 
@@ -61,16 +62,20 @@ class LedgerStore:
         self.add(records)
 
     def add(self, records: Sequence[Record]) -> int:
-        """Store ledger events; anything else (dead letters) is counted and skipped."""
+        """Store ledger events; anything else (dead letters) is counted and skipped.
+
+        Payloads are the events' wire JSON (``encode_payload``: the same bytes as
+        ``orjson.dumps(record.model_dump())``, about twice as fast for a call record),
+        so a rebuilt store and a materialized one, or one written before, compare byte
+        for byte."""
         rows = []
         for record in records:
             event = envelope(record)
-            if event.event_type.value not in LEDGER_KINDS:
+            kind = event.event_type.value
+            if kind not in LEDGER_KINDS:
                 self.ignored += 1
                 continue
-            rows.append(
-                (event.event_id, event.key, event.event_type.value, orjson.dumps(record.model_dump()))
-            )
+            rows.append((event.event_id, event.key, kind, encode_payload(record)))
         before = self._db.total_changes
         self._db.executemany("INSERT OR IGNORE INTO ledger VALUES (?, ?, ?, ?)", rows)
         return self._db.total_changes - before

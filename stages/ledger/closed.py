@@ -5,13 +5,15 @@ accounts for (a redelivery, a replay) or new: a call the receipt never saw. The 
 is counted; the second is dead-lettered, so that nothing is dropped silently. For that
 the ledger keeps, per closed rollout, an 8-byte hash of every call id it covered (a
 sorted array: a few bytes a call, looked up by bisection), within a byte budget, the
-oldest rollouts forgotten first. A rollout it does not remember (closed before a
-restart, or forgotten) cannot be judged: its late events are counted (DESIGN §7).
+oldest rollouts forgotten first. The hash is Python's own string hash (64-bit SipHash,
+keyed at random per process; nothing here outlives the process): the ids are already
+keys of the rollout's dictionaries, so their hashes are computed and cached, and
+closing a rollout hashes nothing again. A rollout it does not remember (closed before
+a restart, or forgotten) cannot be judged: its late events are counted (DESIGN §7).
 """
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict
@@ -20,10 +22,6 @@ from collections.abc import Iterable
 DEFAULT_BUDGET_BYTES = 16 * 2**20
 ROLLOUT_OVERHEAD_BYTES = 200
 """A remembered rollout's id, array header and dictionary slot."""
-
-
-def _call_hash(call_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(call_id.encode(), digest_size=8).digest(), "big")
 
 
 class ClosedRollouts:
@@ -37,7 +35,7 @@ class ClosedRollouts:
         self._bytes = 0
 
     def add(self, rollout_id: str, call_ids: Iterable[str]) -> None:
-        hashes = array("Q", sorted({_call_hash(call_id) for call_id in call_ids}))
+        hashes = array("q", sorted({hash(call_id) for call_id in call_ids}))
         previous = self._covered.pop(rollout_id, None)
         if previous is not None:
             self._bytes -= _size(previous)
@@ -53,7 +51,7 @@ class ClosedRollouts:
         hashes = self._covered.get(rollout_id)
         if hashes is None:
             return None
-        wanted = _call_hash(call_id)
+        wanted = hash(call_id)
         at = bisect_left(hashes, wanted)
         return at < len(hashes) and hashes[at] == wanted
 

@@ -8,7 +8,8 @@ same at call 10 and at call 10,000 (DESIGN §4.6).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from stages.ledger.terminal import NoTerminal, select_chains, select_terminal, terminal_chain
 from topics.failures import LedgerFailure, WorkerFailure
@@ -29,10 +30,12 @@ from topics.records import (
 FailureReason = WorkerFailure | LedgerFailure
 
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
+class Admitted(NamedTuple):
     """An admission as the ledger keeps it: every field but the chain, whose place the
-    chain's fingerprints take. Two admissions are equal exactly when these are."""
+    chain's fingerprints take. Two admissions are equal exactly when these are.
+
+    A named tuple rather than a frozen dataclass: as immutable, and about three times
+    cheaper to build, which the ledger does for every admission it reads."""
 
     call_id: str
     parent_call_id: str | None
@@ -65,9 +68,9 @@ class Admitted:
 
     def first_difference(self, other: Admitted) -> str | None:
         """The admission field where two differ (the chain's name for the fingerprints)."""
-        for item in fields(self):
-            if getattr(self, item.name) != getattr(other, item.name):
-                return "staging_chain" if item.name in {"ancestry", "lineage"} else item.name
+        for name, mine, theirs in zip(self._fields, self, other, strict=True):
+            if mine != theirs:
+                return "staging_chain" if name in {"ancestry", "lineage"} else name
         return None
 
 

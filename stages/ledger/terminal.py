@@ -100,25 +100,30 @@ def _tree(records: Mapping[str, CallRecord], parents: Mapping[str, str | None] |
 
 def _surviving_leaves(tree: _Tree, records: Mapping[str, CallRecord], *, keep_branches: bool) -> list[str]:
     """Leaves once retries collapse (DESIGN §4.4); ``keep_branches`` keeps childless
-    served siblings of an extended call, which the terminal rule sets aside as abandoned."""
+    served siblings of an extended call, which the terminal rule sets aside as abandoned.
+
+    Set algebra over the parent map rather than a walk of each call's children: this
+    runs once per closed rollout, and most rollouts have no failed call at all."""
     parent_of, children = tree.parent_of, tree.children
     dropped = _superseded(records, children)
     if not keep_branches:
-        dropped |= _abandoned(children)
+        dropped |= _abandoned(tree)
+    uncommitted = [c for c in parent_of if c not in records]  # failed, or nobody admitted them
     while True:  # a failed leaf that was retried drops, which can expose its failed parent
-        alive = set(parent_of) - dropped
-        failed = {c for c in alive if c not in records and not any(k in alive for k in children.get(c, ()))}
+        alive = parent_of.keys() - dropped
+        extended = {parent_of[c] for c in alive}
+        failed = {c for c in uncommitted if c in alive and c not in extended}
         retried = {c for c in failed if any(s in alive and s not in failed for s in children[parent_of[c]])}
         if not retried:
             break
         dropped |= retried
     # Every surviving attempt of a turn failed: one of them (the greatest id, so that the
     # choice is deterministic) ended the episode.
-    for siblings in children.values():
-        attempts = sorted(s for s in siblings if s in alive)
+    for parent in {parent_of[c] for c in failed}:
+        attempts = sorted(s for s in children[parent] if s in alive)
         if len(attempts) > 1 and all(s in failed for s in attempts):
             alive -= set(attempts[:-1])
-    leaves = sorted(c for c in alive if not any(k in alive for k in children.get(c, ())))
+    leaves = sorted(alive - {parent_of[c] for c in alive})
     if not leaves:
         raise NoTerminal(LedgerFailure.COORDS_MISMATCH, "no leaf survives (cyclic parents)")
     return leaves
@@ -146,13 +151,11 @@ def _declared(records: Mapping[str, CallRecord], seal: RolloutSeal) -> Terminal:
     )
 
 
-def _abandoned(children: Mapping[str | None, list[str]]) -> set[str]:
+def _abandoned(tree: _Tree) -> set[str]:
     """Childless siblings of a call that was extended: retries the driver gave up on."""
-    abandoned: set[str] = set()
-    for siblings in children.values():
-        if any(children.get(s) for s in siblings):
-            abandoned.update(s for s in siblings if not children.get(s))
-    return abandoned
+    parent_of, children = tree.parent_of, tree.children  # a call has children iff it is a key
+    turns = {parent_of[c] for c in children if c is not None and c in parent_of}
+    return {c for c, parent in parent_of.items() if parent in turns and c not in children}
 
 
 def _superseded(records: Mapping[str, CallRecord], children: Mapping[str | None, list[str]]) -> set[str]:

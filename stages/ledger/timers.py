@@ -29,7 +29,7 @@ class TaskTimers:
         self._tasks: dict[int, _Task] = {}
 
     def schedule(self, task: int, at: float, rollout_id: str) -> None:
-        heapq.heappush(self._tasks.setdefault(task, _Task()).deadlines, (at, rollout_id))
+        heapq.heappush(self._task(task).deadlines, (at, rollout_id))
 
     def now(self, task: int) -> float:
         state = self._tasks.get(task)
@@ -37,12 +37,20 @@ class TaskTimers:
 
     def advance(self, task: int, now: float) -> list[str]:
         """Move ``task``'s clock to ``now`` (never back); the rollouts whose deadline it passed."""
-        state = self._tasks.setdefault(task, _Task())
+        state = self._task(task)
         state.now = max(state.now, now)
         due: list[str] = []
         while state.deadlines and state.deadlines[0][0] <= state.now:
             due.append(heapq.heappop(state.deadlines)[1])
         return due
+
+    def _task(self, task: int) -> _Task:
+        """The task's state, created on first use (``advance`` runs once per event, so
+        no throwaway state is built when it exists)."""
+        state = self._tasks.get(task)
+        if state is None:
+            state = self._tasks[task] = _Task()
+        return state
 
     def tasks(self) -> list[int]:
         return list(self._tasks)
