@@ -24,6 +24,12 @@ log = logging.getLogger(__name__)
 
 LOGPROBS_MODE = "processed_logprobs"
 
+SHUTDOWN_GRACE_S = 1.0
+"""How long ``shutdown`` lets vLLM's engine-core process exit after SIGTERM before vLLM
+kills it. The engine core keeps nothing that outlives it (crash-only: it must survive
+``kill -9`` anyway), and on CPU it does not exit on SIGTERM within vLLM's default 5 s,
+so a longer grace only delays every stop by the difference."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
@@ -111,8 +117,8 @@ class VllmEngine:
         """
         llm, self._llm = self._llm, None
         if llm is not None:
-            llm.shutdown()
+            llm.shutdown(timeout=SHUTDOWN_GRACE_S)
             del llm
 
 
-__all__ = ["LOGPROBS_MODE", "EngineSettings", "EngineUnavailable", "VllmEngine"]
+__all__ = ["LOGPROBS_MODE", "SHUTDOWN_GRACE_S", "EngineSettings", "EngineUnavailable", "VllmEngine"]
