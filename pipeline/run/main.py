@@ -219,7 +219,7 @@ class Run:
         self.shutdown.check()
 
     async def _start_all(self, stack: contextlib.AsyncExitStack) -> None:
-        """Every part in this process: broker, engine, data plane, stages, worker."""
+        """Every part in this process: broker, data plane, stage processes, engine, stages, worker."""
         config, progress, shutdown = self.config, self.progress, self.shutdown
         progress.enter("preparing the model")
         self.model_dir = await asyncio.to_thread(ensure_model, config)
@@ -231,12 +231,6 @@ class Run:
         await ensure_topics(kafka)
         shutdown.check()
 
-        progress.enter("starting the vLLM engine")
-        log.info("starting the vLLM engine on %s", self.model_dir)
-        engine = start_engine(self.model_dir, config.seed)
-        stack.callback(engine.shutdown)
-        shutdown.check()
-
         progress.enter("starting the data plane")
         from pipeline.dataplane import DataPlaneConfig, open_data_plane
 
@@ -246,24 +240,39 @@ class Run:
         plane = await stack.enter_async_context(open_data_plane(plane_config))
         if config.dataplane_mode == "embedded":
             self.dataplane_addresses = str(plane_config.addresses_path)
-        sink = await self._follow(stack, kafka, plane, event_log_identity(kafka, broker))
         shutdown.check()
 
-        progress.enter("starting the stages")
         ledger = LedgerConfig(seal_grace_s=config.seal_grace_s, max_open_s=config.max_open_s)
         tuning = run_groups(broker)
-        if config.stages == "inline":
-            await stack.enter_async_context(
-                running_stages(kafka, sink, plane, ledger, on_failure=shutdown.fail, tuning=tuning)
-            )
-        else:
+        children = None
+        if config.stages == "processes":
+            # Started before the engine, whose start blocks this loop for tens of seconds:
+            # the children boot and join their groups meanwhile, in processes of their own.
+            progress.enter("starting the stage processes")
             flags = data_plane_flags(config, plane_config.addresses_path)
-            await stack.enter_async_context(
+            children = await stack.enter_async_context(
                 stage_children(
                     kafka, flags, ledger, on_failure=shutdown.fail, stop=shutdown.event, tuning=tuning
                 )
             )
-            shutdown.check()  # a child that exited, or a signal, while they were getting ready
+
+        progress.enter("starting the vLLM engine")
+        log.info("starting the vLLM engine on %s", self.model_dir)
+        engine = start_engine(self.model_dir, config.seed)
+        stack.callback(engine.shutdown)
+        shutdown.check()
+
+        # Followers and in-process stages are consumer-group members on this loop: they
+        # start once the engine no longer blocks it, so their sessions never lapse.
+        sink = await self._follow(stack, kafka, plane, event_log_identity(kafka, broker))
+        progress.enter("starting the stages")
+        if children is None:
+            await stack.enter_async_context(
+                running_stages(kafka, sink, plane, ledger, on_failure=shutdown.fail, tuning=tuning)
+            )
+        else:
+            await children.ready()
+        shutdown.check()  # a child that exited, or a signal, while they were getting ready
 
         progress.enter("starting the worker")
         server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))

@@ -20,7 +20,12 @@ from pipeline.kafka.config import KafkaConfig, kafka_environment
 from pipeline.kafka.consumer import ConsumerTuning
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.run.config import RunConfig
-from pipeline.stagehost.processes import StageOptions, StageProcess, stage_command, stage_processes
+from pipeline.stagehost.processes import (
+    StageOptions,
+    StartedStages,
+    stage_command,
+    started_stage_processes,
+)
 from pipeline.stagehost.runner import serve_stage
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
@@ -165,22 +170,22 @@ async def stage_children(
     on_failure: Callable[[str], None],
     stop: asyncio.Event,
     tuning: ConsumerTuning = RUN_GROUPS,
-) -> AsyncIterator[dict[str, StageProcess]]:
+) -> AsyncIterator[StartedStages]:
     """``--stages processes``: every stage as a ``tokentrail stage`` child with the settings
-    ``running_stages`` gives it in process; yields once each child's group assigned it
-    (or ``stop`` was set). A child that exits on its own calls ``on_failure``; on exit each
-    gets SIGTERM (finish the batch, commit, leave the group), SIGKILL after the same
-    timeout as an in-process stage."""
+    ``running_stages`` gives it in process, started but not waited for (``ready()`` waits
+    until each child's group assigned it). A child that exits on its own calls
+    ``on_failure``; on exit each gets SIGTERM (finish the batch, commit, leave the group),
+    SIGKILL after the same timeout as an in-process stage."""
     options = StageOptions(ledger=ledger_config, tuning=tuning, data_plane=data_plane)
     commands = {name: stage_command(name, kafka, options) for name in STAGES}
-    async with stage_processes(
+    async with started_stage_processes(
         commands,
         on_failure=on_failure,
         stop=stop,
         stop_timeout_s=STAGE_STOP_TIMEOUT_S,
         env=kafka_environment(kafka),
-    ) as children:
-        yield children
+    ) as started:
+        yield started
 
 
 def data_plane_flags(config: RunConfig, addresses_file: Path) -> tuple[str, ...]:

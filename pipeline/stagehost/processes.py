@@ -166,8 +166,23 @@ async def _read_line(fd: int) -> bytes:
         loop.remove_reader(fd)
 
 
+@dataclass(slots=True)
+class StartedStages:
+    """Stage children that were started; ``ready`` waits until they serve."""
+
+    children: dict[str, StageProcess]
+    stop: asyncio.Event
+    report: Callable[[StageProcess, int], None]
+
+    async def ready(self) -> None:
+        """Until every child is ready, one exits first (reported to ``on_failure``), or
+        ``stop`` is set."""
+        for child in await _all_ready(list(self.children.values()), self.stop):
+            self.report(child, await child.exited())
+
+
 @contextlib.asynccontextmanager
-async def stage_processes(
+async def started_stage_processes(
     commands: Mapping[str, Sequence[str]],
     *,
     on_failure: Callable[[str], None],
@@ -175,10 +190,11 @@ async def stage_processes(
     stop_timeout_s: float,
     env: Mapping[str, str] | None = None,
     stderr: IO[str] | None = None,
-) -> AsyncIterator[dict[str, StageProcess]]:
-    """Start a child per command and wait until every one is ready (or ``stop`` is set);
-    a child that exits on its own, before or after it was ready, calls ``on_failure``
-    (once); on exit every child is stopped."""
+) -> AsyncIterator[StartedStages]:
+    """Start a child per command without waiting for it: the caller may do other work
+    (start an engine) while they boot, then ``await started.ready()``. A child that exits
+    on its own, before or after it was ready, calls ``on_failure`` (once); on exit every
+    child is stopped."""
     environment = {**os.environ, **(env or {})}
     children = {
         name: StageProcess(name, argv, env=environment, stderr=stderr) for name, argv in commands.items()
@@ -205,15 +221,31 @@ async def stage_processes(
             watcher = asyncio.create_task(child.exited(), name=f"stage-{child.name}-exit")
             watcher.add_done_callback(watch(child))
             watchers.append(watcher)
-        for child in await _all_ready(list(children.values()), stop):
-            report(child, await child.exited())
-        yield children
+        yield StartedStages(children, stop, report)
     finally:
         stopping = True
         codes = await asyncio.gather(*(child.stop(stop_timeout_s) for child in children.values()))
         for watcher in watchers:
             watcher.cancel()
         log.info("stage processes stopped: %s", dict(zip(children, codes, strict=True)))
+
+
+@contextlib.asynccontextmanager
+async def stage_processes(
+    commands: Mapping[str, Sequence[str]],
+    *,
+    on_failure: Callable[[str], None],
+    stop: asyncio.Event,
+    stop_timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    stderr: IO[str] | None = None,
+) -> AsyncIterator[dict[str, StageProcess]]:
+    """``started_stage_processes``, yielding once every child is ready (or ``stop`` is set)."""
+    async with started_stage_processes(
+        commands, on_failure=on_failure, stop=stop, stop_timeout_s=stop_timeout_s, env=env, stderr=stderr
+    ) as started:
+        await started.ready()
+        yield started.children
 
 
 async def _all_ready(children: list[StageProcess], stop: asyncio.Event) -> list[StageProcess]:
