@@ -28,8 +28,8 @@ CALL_DOMAIN = b"nemo-gym-staging-call-v2"
 _COUNTS = struct.Struct(">QQQQ")
 """prev_len, delta_len, cum_len and weight_version, each a big-endian u64."""
 _BLOB_HEADER = struct.Struct(">QQ")
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 """A vector's blob length (its count header included), then its count."""
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class InvalidDelta(ValueError):
