@@ -112,8 +112,10 @@ async def process_members(
                 _following(kafka, finalized),
                 stage_processes(
                     commands, on_failure=failed, stop=stop, stop_timeout_s=STOP_TIMEOUT_S, stderr=log
-                ) as children,
+                ) as started,
             ):
+                await started.ready()
+                children = started.children
                 if failures:
                     raise RuntimeError(f"{failures[0]}; its log:\n{log_path.read_text()[-3000:]}")
                 yield ProcessMembers(children, quiet_s)

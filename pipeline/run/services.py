@@ -24,7 +24,7 @@ from pipeline.stagehost.processes import (
     StageOptions,
     StartedStages,
     stage_command,
-    started_stage_processes,
+    stage_processes,
 )
 from pipeline.stagehost.runner import serve_stage
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
@@ -178,7 +178,7 @@ async def stage_children(
     SIGKILL after the same timeout as an in-process stage."""
     options = StageOptions(ledger=ledger_config, tuning=tuning, data_plane=data_plane)
     commands = {name: stage_command(name, kafka, options) for name in STAGES}
-    async with started_stage_processes(
+    async with stage_processes(
         commands,
         on_failure=on_failure,
         stop=stop,

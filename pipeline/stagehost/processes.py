@@ -2,8 +2,9 @@
 
 A stage in a process of its own has an interpreter (a core) of its own instead of
 sharing one event loop with everything else. The parent starts each child with
-``--ready-fd`` and waits for that line (the child's group assigned it partitions), so
-"ready" means serving, not "started a while ago". A child that exits on its own is
+``--ready-fd`` and, when it chooses (``StartedStages.ready``: after starting an engine,
+say), waits for that line (the child's group assigned it partitions), so "ready" means
+serving, not "started a while ago". A child that exits on its own is
 reported to ``on_failure``; on exit each child gets SIGTERM (it finishes its batch,
 commits and leaves its group) and, after ``stop_timeout_s``, SIGKILL.
 
@@ -182,7 +183,7 @@ class StartedStages:
 
 
 @contextlib.asynccontextmanager
-async def started_stage_processes(
+async def stage_processes(
     commands: Mapping[str, Sequence[str]],
     *,
     on_failure: Callable[[str], None],
@@ -228,24 +229,6 @@ async def started_stage_processes(
         for watcher in watchers:
             watcher.cancel()
         log.info("stage processes stopped: %s", dict(zip(children, codes, strict=True)))
-
-
-@contextlib.asynccontextmanager
-async def stage_processes(
-    commands: Mapping[str, Sequence[str]],
-    *,
-    on_failure: Callable[[str], None],
-    stop: asyncio.Event,
-    stop_timeout_s: float,
-    env: Mapping[str, str] | None = None,
-    stderr: IO[str] | None = None,
-) -> AsyncIterator[dict[str, StageProcess]]:
-    """``started_stage_processes``, yielding once every child is ready (or ``stop`` is set)."""
-    async with started_stage_processes(
-        commands, on_failure=on_failure, stop=stop, stop_timeout_s=stop_timeout_s, env=env, stderr=stderr
-    ) as started:
-        await started.ready()
-        yield started.children
 
 
 async def _all_ready(children: list[StageProcess], stop: asyncio.Event) -> list[StageProcess]:

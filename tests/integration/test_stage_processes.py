@@ -42,14 +42,16 @@ def test_a_ready_child_stops_cleanly_and_a_killed_one_is_reported(kafka_config: 
         clean = Failures()
         async with stage_processes(
             ledger_command(kafka_config), on_failure=clean, stop=clean.stop, stop_timeout_s=30
-        ) as children:
-            first = children["ledger"]
+        ) as started:
+            await started.ready()
+            first = started.children["ledger"]
             assert first.process is not None and first.process.returncode is None
         killed = Failures()
         async with stage_processes(
             ledger_command(kafka_config), on_failure=killed, stop=killed.stop, stop_timeout_s=30
-        ) as children:
-            second = children["ledger"]
+        ) as started:
+            await started.ready()
+            second = started.children["ledger"]
             os.kill(second.pid, signal.SIGKILL)
             await asyncio.wait_for(killed.stop.wait(), 30)
         assert first.process is not None and second.process is not None
@@ -65,8 +67,10 @@ def test_a_child_that_exits_before_it_is_ready_is_reported(kafka_config: KafkaCo
     async def go() -> list[str]:
         failures = Failures()
         bad = ledger_command(kafka_config, "--remember", "many")  # argparse rejects it: exit 2
-        async with stage_processes(bad, on_failure=failures, stop=failures.stop, stop_timeout_s=30):
-            pass
+        async with stage_processes(
+            bad, on_failure=failures, stop=failures.stop, stop_timeout_s=30
+        ) as started:
+            await started.ready()
         return failures.reasons
 
     reasons = asyncio.run(go())
