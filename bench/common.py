@@ -112,10 +112,15 @@ def process_cpu_s(pid: int | None = None) -> float | None:
     if pid is None or pid == os.getpid():
         return time.process_time()
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _stat_cpu_s(Path(f"/proc/{pid}/stat"))
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _stat_cpu_s(stat: Path) -> float:
+    """User + system CPU seconds in a Linux ``stat`` file (fields 14 and 15, in clock ticks)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
@@ -123,7 +128,6 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     digits dropped (a pool counts as one); {} for a process that is gone. Threads that
     ended are not counted."""
     totals: dict[str, float] = {}
-    ticks = os.sysconf("SC_CLK_TCK")
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
@@ -131,11 +135,11 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     for task in tasks:
         try:
             name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            seconds = _stat_cpu_s(task / "stat")
         except OSError:
             continue
         key = re.sub(r"\d+", "#", name)
-        totals[key] = totals.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        totals[key] = totals.get(key, 0.0) + seconds
     return totals
 
 
