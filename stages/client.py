@@ -84,9 +84,11 @@ class RolloutClient:
         failed: str | None = None,
         sample_policy: SamplePolicy = "terminal",
         all_or_nothing: bool | None = None,
+        sealed_by: str | None = None,
     ) -> RolloutSeal:
         """Close a rollout; ``failed`` (a reason) marks an episode that broke;
-        ``sample_policy`` says which chains become samples (DESIGN §4.4)."""
+        ``sample_policy`` says which chains become samples (DESIGN §4.4); ``sealed_by``
+        names the principal whose reward this is (DESIGN §15)."""
         seal = RolloutSeal(
             rollout_id=rollout_id,
             group_id=group_id,
@@ -97,6 +99,7 @@ class RolloutClient:
             sealed_at=self.clock(),
             sample_policy=sample_policy,
             all_or_nothing=all_or_nothing,
+            sealed_by=sealed_by,
         )
         await self.sink.publish([seal])
         return seal

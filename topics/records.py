@@ -468,8 +468,10 @@ class RolloutSeal(AddedIn4):
     sample_policy: SamplePolicy = "terminal"
     all_or_nothing: bool | None = None
     """Reject every sample when one chain is rejected; None: the finalizer's default."""
+    sealed_by: Label | None = None
+    """The principal that sealed (``environment:1a2b3c4d``; a name, never a secret)."""
 
-    ADDED_IN_4 = ("sample_policy", "all_or_nothing")
+    ADDED_IN_4 = ("sample_policy", "all_or_nothing", "sealed_by")
 
     @model_validator(mode="after")
     def _rules(self) -> RolloutSeal:

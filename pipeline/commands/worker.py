@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiokafka.errors import KafkaError
 
+from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
+from pipeline.auth.transport import check_bind
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging, vllm_logging
 from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
@@ -109,6 +111,7 @@ def add_parser(subparsers: Any) -> None:
     engine.add_argument("--seed", type=int, default=0, help="engine seed")
     add_dataplane_addresses_argument(parser)
     add_kafka_arguments(parser, bootstrap_required=True)
+    add_auth_arguments(parser, server=True, client=False)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
     add_log_format_argument(parser)
     parser.set_defaults(run=run)
@@ -134,6 +137,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         retain_bytes=args.retain_bytes,
         chat_template=None if args.chat_template is None else args.chat_template.read_text(),
         tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        credentials=credentials_from_args(args),
+        insecure_no_auth=args.insecure_no_auth,
+        tls=tls_from_args(args),
         engine=EngineSettings(
             model=str(args.model),
             dtype=args.dtype,
@@ -150,6 +156,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from stages.capture.vllm.engine import VllmEngine
 
     config = worker_config(args)
+    check_bind(config.host, config.credentials, insecure_no_auth=config.insecure_no_auth, what="worker")
     kafka = config_from_args(args)
 
     def ready(server: WorkerServer) -> None:

@@ -1,12 +1,15 @@
 """The gateway's HTTP surface: rollout sessions in front of the workers.
 
-- ``POST /rollouts`` (optional ``rollout_id``, ``group_id``) → ``{rollout_id, group_id,
-  base_url}``; a first call to an unknown rollout id opens it too.
+- ``POST /rollouts`` (optional ``rollout_id``, ``group_id``; the environment's credential)
+  → ``{rollout_id, group_id, base_url, anthropic_base_url, api_key}``: what the agent
+  gets, and nothing more. ``api_key`` is the agent's capability for this one rollout.
 - ``{gateway}/rollouts/{id}/v1`` is an OpenAI base URL (chat completions, completions,
-  Responses) and ``{gateway}/rollouts/{id}`` an Anthropic one (``/v1/messages``).
+  Responses) and ``{gateway}/rollouts/{id}`` an Anthropic one (``/v1/messages``); they
+  take only that rollout's capability, and only for a rollout opened before.
 - ``POST /rollouts/{id}/seal`` with ``{"reward": float}`` or ``{"status": "failed",
-  "reason": str}``; ``GET /rollouts/{id}`` shows the calls and their parent links.
-- ``/health``, ``/metrics``.
+  "reason": str}``; ``GET /rollouts/{id}`` shows the calls and their parent links: both
+  the environment's (or operator's), never the agent's (DESIGN §15).
+- ``/health``, ``/metrics``: public, and they show no secret.
 """
 
 from __future__ import annotations
@@ -22,10 +25,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipeline.auth.audit import Audit
+from pipeline.auth.capability import AgentCapabilities
+from pipeline.auth.credentials import Credentials, Role
+from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs, principal_of
 from pipeline.gateway.calls import Forwarder
 from pipeline.gateway.metrics import gateway_registry
 from pipeline.gateway.normalize import MalformedHistory, history_of
 from pipeline.gateway.previous import PREVIOUS
+from pipeline.gateway.quotas import QuotaExceeded, QuotaGuard, Quotas
 from pipeline.gateway.sessions import SessionError, Sessions
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
@@ -45,6 +53,23 @@ ROUTES: dict[str, Dialect] = {
     "/v1/responses": "responses",
     "/v1/messages": "messages",
 }
+
+
+ENVIRONMENT = (Role.ENVIRONMENT, Role.OPERATOR)
+
+
+def gateway_policy() -> dict[str, Access]:
+    """Who may call each route of the gateway; a route missing here is refused (fail closed)."""
+    policy: dict[str, Access] = {
+        "/rollouts": needs(*ENVIRONMENT, action="open"),
+        "/rollouts/{rollout_id}": needs(*ENVIRONMENT),
+        "/rollouts/{rollout_id}/seal": needs(*ENVIRONMENT, action="seal"),
+        "/health": PUBLIC,
+        "/metrics": PUBLIC,
+    }
+    for path, dialect in ROUTES.items():
+        policy[f"/rollouts/{{rollout_id}}{path}"] = needs(Role.AGENT, dialect=dialect)
+    return policy
 
 
 class OpenRollout(BaseModel):
@@ -79,8 +104,19 @@ def create_gateway_app(
     *,
     sweep_every_s: float = 5.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    credentials: Credentials | None = None,
+    capabilities: AgentCapabilities | None = None,
+    quotas: Quotas | None = None,
 ) -> FastAPI:
-    """The app; its lifespan runs the idle-session sweeper."""
+    """The app; its lifespan runs the idle-session sweeper.
+
+    ``credentials``: the environment and operator secrets it checks (none: those routes
+    are open, loopback only). ``capabilities``: how agent keys are issued and checked
+    (default: a key in memory, so they end with the process).
+    """
+    credentials = credentials or Credentials()
+    capabilities = capabilities or AgentCapabilities(credentials.agent_key)
+    guard = QuotaGuard(quotas or Quotas())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -92,9 +128,19 @@ def create_gateway_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
 
-    app = FastAPI(title="tokentrail gateway", lifespan=lifespan)
+    app = FastAPI(
+        title="tokentrail gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    registry = gateway_registry(sessions, forwarder)
+    registry = gateway_registry(sessions, forwarder, guard)
+    app.add_middleware(
+        AuthGate,
+        router=app.router,
+        policy=gateway_policy(),
+        credentials=credentials,
+        audit=Audit(registry),
+        capabilities=capabilities,
+    )
 
     @app.exception_handler(SessionError)
     async def session_error(_: Request, exc: SessionError) -> JSONResponse:
@@ -115,6 +161,7 @@ def create_gateway_app(
                 "group_id": session.group_id,
                 "base_url": f"{base}/rollouts/{session.rollout_id}/v1",
                 "anthropic_base_url": f"{base}/rollouts/{session.rollout_id}",
+                "api_key": capabilities.issue(session.rollout_id),
             }
         )
 
@@ -132,11 +179,12 @@ def create_gateway_app(
             failed=failed,
             sample_policy=body.sample_policy,
             all_or_nothing=body.all_or_nothing,
+            sealed_by=str(principal_of(request)),
         )
         return JSONResponse(sealed.model_dump(mode="json"))
 
     for path, dialect in ROUTES.items():
-        app.post(f"/rollouts/{{rollout_id}}{path}")(_agent_route(sessions, forwarder, path, dialect))
+        app.post(f"/rollouts/{{rollout_id}}{path}")(_agent_route(sessions, forwarder, guard, path, dialect))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -153,23 +201,31 @@ def create_gateway_app(
     return app
 
 
-def _agent_route(sessions: Sessions, forwarder: Forwarder, path: str, dialect: Dialect) -> Any:
+def _agent_route(
+    sessions: Sessions, forwarder: Forwarder, guard: QuotaGuard, path: str, dialect: Dialect
+) -> Any:
     async def serve(rollout_id: str, request: Request) -> Response:
         try:
-            body = await _body(request)
+            raw = await request.body()
+            body = _parsed(raw)
             if not isinstance(body, dict):
                 raise InvalidRequest(None, "body: must be a JSON object")
             if CAPTURE_FIELD in body:
                 raise InvalidRequest(CAPTURE_FIELD, f"{CAPTURE_FIELD}: the gateway admits calls itself")
+            session = sessions.get(rollout_id)  # opened by its environment; never by an agent's call
+            guard.check(session, len(raw))
             forwarded = body
             if dialect == "responses" and PREVIOUS in body:  # the conversation the worker does not keep
-                forwarded = sessions.get(rollout_id).responses.expand(body)
+                forwarded = session.responses.expand(body)
             history = history_of(dialect, forwarded)
-            session = sessions.open(rollout_id)  # only once the call is known to be well formed
         except (InvalidRequest, MalformedHistory) as exc:
             return api_error(dialect, 400, exc.message, param=exc.param)
         except SessionError as exc:
             return api_error(dialect, exc.status, exc.message)
+        except QuotaExceeded as exc:
+            return api_error(dialect, 429, exc.message, param=exc.limit)
+        guard.charge(session, len(raw))
+        session.last_seen = sessions.clock()
 
         def remember(reply: Mapping[str, Any]) -> None:
             session.responses.remember(body, reply)
@@ -184,10 +240,14 @@ async def _body(request: Request, *, allow_empty: bool = False) -> Any:
     raw = await request.body()
     if not raw and allow_empty:
         return {}
+    return _parsed(raw)
+
+
+def _parsed(raw: bytes) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(None, f"body: not valid JSON ({exc})") from None
 
 
-__all__ = ["ROUTES", "create_gateway_app"]
+__all__ = ["ROUTES", "create_gateway_app", "gateway_policy"]

@@ -217,6 +217,7 @@ class _Attempt:
             length, digest = extended(self.history, turn)
             call.answered(length, digest, coords.get(index), self.url)
         self.session.worker = self.url
+        self.session.usage.tokens += sum(c.cum_len for c in coords.values())
         if self.on_reply is not None and reply is not None:
             self.on_reply(reply)
 

@@ -9,15 +9,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pipeline.gateway.calls import Forwarder
+from pipeline.gateway.quotas import QuotaGuard
 from pipeline.gateway.sessions import Sessions
 
 
 class GatewayCollector(Collector):
     """Sessions open and abandoned, calls by lineage, worker failures and load."""
 
-    def __init__(self, sessions: Sessions, forwarder: Forwarder) -> None:
+    def __init__(self, sessions: Sessions, forwarder: Forwarder, quotas: QuotaGuard) -> None:
         self.sessions = sessions
         self.forwarder = forwarder
+        self.quotas = quotas
 
     def collect(self) -> Iterator[Metric]:
         counters = self.forwarder.counters
@@ -55,9 +57,15 @@ class GatewayCollector(Collector):
             healthy.add_metric([url], int(up))
         yield in_flight
         yield healthy
+        refused = CounterMetricFamily(
+            "tokentrail_gateway_quota_refusals", "agent calls answered 429, by the limit", labels=["limit"]
+        )
+        for limit, value in sorted(self.quotas.refused.items()):
+            refused.add_metric([limit], value)
+        yield refused
 
 
-def gateway_registry(sessions: Sessions, forwarder: Forwarder) -> CollectorRegistry:
+def gateway_registry(sessions: Sessions, forwarder: Forwarder, quotas: QuotaGuard) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GatewayCollector(sessions, forwarder))
+    registry.register(GatewayCollector(sessions, forwarder, quotas))
     return registry

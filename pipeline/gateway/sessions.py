@@ -1,9 +1,10 @@
-"""Rollout sessions: opened by the agent's first call (or ``POST /rollouts``), sealed once.
+"""Rollout sessions: opened by the environment (``POST /rollouts``), sealed once.
 
 A session is one rollout. It keeps its calls for lineage (``pipeline.gateway.lineage``),
 the worker that served its last call (routing prefers it), and its seal. The gateway
-publishes the seal, so every session ends with exactly one: the agent's (reward, or
-failed with a reason), or ``abandoned`` when it stays idle past the session TTL.
+publishes the seal, so every session ends with exactly one: the environment's (reward,
+or failed with a reason), or ``abandoned`` when it stays idle past the session TTL. Each
+seal names who sealed it (``sealed_by``: a principal's name, never a secret).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from dataclasses import dataclass, field
 
 from pipeline.gateway.lineage import GatewayCall
 from pipeline.gateway.previous import ResponseLog
+from pipeline.gateway.quotas import Usage
 from stages.client import RolloutClient
 from topics.records import IDENT_PATTERN, RolloutSeal, SamplePolicy
 
 log = logging.getLogger(__name__)
 
 ABANDONED = "abandoned"
+SWEEPER = "gateway:ttl"
+"""Who seals a session idle past the TTL."""
 _ROLLOUT_ID = re.compile(IDENT_PATTERN)
 
 
@@ -48,6 +52,7 @@ class Session:
     in_flight: int = 0
     worker: str | None = None
     responses: ResponseLog = field(default_factory=ResponseLog)
+    usage: Usage = field(default_factory=Usage)
 
     def add(self, call: GatewayCall) -> None:
         self.calls.append(call)
@@ -136,6 +141,7 @@ class Sessions:
         failed: str | None = None,
         sample_policy: SamplePolicy | None = None,
         all_or_nothing: bool | None = None,
+        sealed_by: str | None = None,
     ) -> RolloutSeal:
         """Publish the session's one seal; a second seal is a 409 naming the first."""
         done = self._sealed.get(rollout_id)
@@ -155,6 +161,7 @@ class Sessions:
             failed=failed,
             sample_policy=sample_policy or self.sample_policy,
             all_or_nothing=all_or_nothing,
+            sealed_by=sealed_by,
         )
         session.seal = seal
         self._sealed[rollout_id] = self._open.pop(rollout_id)
@@ -169,7 +176,7 @@ class Sessions:
             s.rollout_id for s in self._open.values() if s.in_flight == 0 and now - s.last_seen > self.ttl_s
         ]
         for rollout_id in idle:
-            await self.seal(rollout_id, failed=ABANDONED)
+            await self.seal(rollout_id, failed=ABANDONED, sealed_by=SWEEPER)
             self.abandoned += 1
             log.warning("rollout %s idle past %.0fs: sealed failed %s", rollout_id, self.ttl_s, ABANDONED)
         return idle
@@ -183,4 +190,4 @@ class Sessions:
                 log.exception("sealing idle sessions failed")
 
 
-__all__ = ["ABANDONED", "Session", "SessionError", "Sessions"]
+__all__ = ["ABANDONED", "SWEEPER", "Session", "SessionError", "Sessions"]

@@ -47,6 +47,7 @@ class SealTrackingClient(RolloutClient):
         failed: str | None = None,
         sample_policy: SamplePolicy = "terminal",
         all_or_nothing: bool | None = None,
+        sealed_by: str | None = None,
     ) -> RolloutSeal:
         self.sealing.add(rollout_id)
         seal = await super().seal(
@@ -57,6 +58,7 @@ class SealTrackingClient(RolloutClient):
             failed=failed,
             sample_policy=sample_policy,
             all_or_nothing=all_or_nothing,
+            sealed_by=sealed_by,
         )
         if self.journal is not None:
             self.journal.sealed(rollout_id)

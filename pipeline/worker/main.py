@@ -29,6 +29,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from pipeline.auth.credentials import Credentials
+from pipeline.auth.transport import TlsFiles, check_bind
 from pipeline.kafka.config import KafkaConfig
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.retention import retaining
@@ -75,6 +77,10 @@ class WorkerConfig:
     """Template text overriding the tokenizer's, for serving and for the splice alike."""
     tool_parser: str | None = DEFAULT_TOOL_PARSER
     engine: EngineSettings | None = None
+    credentials: Credentials = field(default_factory=Credentials)
+    """The role secrets it checks (DESIGN §15); none: open, loopback only."""
+    insecure_no_auth: bool = False
+    tls: TlsFiles | None = None
 
     @property
     def model_name(self) -> str:
@@ -130,6 +136,7 @@ def build_app(worker: VllmWorker, config: WorkerConfig, *, manage_worker: bool =
         worker_id=config.worker_id,
         manage_worker=manage_worker,
         max_body_bytes=config.max_body_bytes,
+        credentials=config.credentials,
     )
 
 
@@ -144,8 +151,17 @@ class _Server(uvicorn.Server):
 class WorkerServer:
     """uvicorn serving an app inside the current event loop; ``start``/``stop`` are awaitable."""
 
-    def __init__(self, app: FastAPI, *, host: str, port: int, graceful_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        *,
+        host: str,
+        port: int,
+        graceful_timeout_s: float = 60.0,
+        tls: TlsFiles | None = None,
+    ) -> None:
         self.host = host
+        self.scheme = "http" if tls is None else "https"
         self._config = uvicorn.Config(
             app,
             host=host,
@@ -153,6 +169,8 @@ class WorkerServer:
             lifespan="on",
             log_config=None,
             timeout_graceful_shutdown=max(1, round(graceful_timeout_s)),
+            ssl_certfile=None if tls is None else str(tls.certfile),
+            ssl_keyfile=None if tls is None else str(tls.keyfile),
         )
         self._server = _Server(self._config)
         self._socket: socket.socket | None = None
@@ -167,7 +185,7 @@ class WorkerServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     async def start(self) -> None:
         """Bind, run the app's startup, and return once requests are accepted."""
@@ -237,6 +255,7 @@ async def run_worker(
     shut down on return; a given engine belongs to the caller. With ``kafka`` the worker
     keeps its staged rows until finalized (``pipeline.worker.retention``).
     """
+    check_bind(config.host, config.credentials, insecure_no_auth=config.insecure_no_auth, what="worker")
     owned = engine is None
     active = VllmEngine.start(config.engine_settings()) if engine is None else engine
     try:
@@ -247,6 +266,7 @@ async def run_worker(
             host=config.host,
             port=config.port,
             graceful_timeout_s=config.graceful_timeout_s,
+            tls=config.tls,
         )
         keeping = (
             retaining(worker.core.writer, data_plane, kafka)

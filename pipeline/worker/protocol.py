@@ -64,7 +64,15 @@ def anthropic_error_body(message: str, *, kind: str = "invalid_request_error") -
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-_KINDS = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict", 413: "request_too_large"}
+_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
 
 
 def api_error(

@@ -28,6 +28,9 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.exceptions import VLLMClientError
 
+from pipeline.auth.audit import Audit
+from pipeline.auth.credentials import Role
+from pipeline.auth.gate import principal_of
 from pipeline.worker.options import COMMON, RESPONSES, Refusal, check_content, check_options, field_names
 from pipeline.worker.protocol import (
     InvalidRequest,
@@ -44,6 +47,7 @@ from topics.failures import WorkerFailure
 from topics.wire import CAPTURE_FIELD, Dialect
 
 Handler = Callable[[Any, Request], Awaitable[Any]]
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +86,22 @@ def generation_routes(serving: Serving) -> list[GenerationRoute]:
     ]
 
 
-def add_generation_routes(app: FastAPI, worker: VllmWorker, serving: Serving) -> None:
+def add_generation_routes(
+    app: FastAPI,
+    worker: VllmWorker,
+    serving: Serving,
+    *,
+    audit: Audit,
+    capture_roles: frozenset[Role] | None,
+) -> None:
+    """``capture_roles``: who may send ``ng_capture`` (None: anyone, no credentials set)."""
     for route in generation_routes(serving):
-        app.post(route.path)(_endpoint(route, worker))
+        app.post(route.path)(_endpoint(route, worker, audit, capture_roles))
 
 
-def _endpoint(route: GenerationRoute, worker: VllmWorker) -> Callable[[Request], Awaitable[Response]]:
+def _endpoint(
+    route: GenerationRoute, worker: VllmWorker, audit: Audit, capture_roles: frozenset[Role] | None
+) -> Callable[[Request], Awaitable[Response]]:
     known = route.known_fields
 
     async def serve(request: Request) -> Response:
@@ -97,6 +111,12 @@ def _endpoint(route: GenerationRoute, worker: VllmWorker) -> Callable[[Request],
         try:
             body = _json_object(await request.body())
             raw_capture = body.pop(CAPTURE_FIELD, None)
+            principal = principal_of(request)
+            if raw_capture is not None and capture_roles is not None and principal.role not in capture_roles:
+                # before anything is reported: nobody with the right admitted this capture
+                audit.refused("wrong_role", str(principal), request.method, request.url.path)
+                message = f"{CAPTURE_FIELD}: capture needs the service credential"
+                return api_error(route.dialect, 403, message, param=CAPTURE_FIELD)
             check_options(body, known, route.refusals, captured=raw_capture is not None)
             check_content(body, "chat" if route.dialect == "completions" else route.dialect)
             parsed = _validated(route.request_model, body)

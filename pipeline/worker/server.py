@@ -6,6 +6,10 @@ The generation routes (``pipeline.worker.routes``) accept ``ng_capture`` and ret
 ``/resume``, ``/is_paused``, ``/update_weight_version``, ``/weight_info``, ...) are served
 too, on the same capturing client, so a version set either way stamps the calls.
 
+Every route states who may call it (``worker_policy``, DESIGN §15): generation with
+``ng_capture`` needs the service credential, admin and vLLM's RL routes the operator's,
+plain generation the ``api.key`` if one is set; ``/health`` and ``/metrics`` are public.
+
 Request bodies are bounded (``max_body_bytes``, ``pipeline.worker.limits``): a bigger
 one is answered 413 before any of it is parsed.
 """
@@ -22,11 +26,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from vllm.entrypoints.rl.online.api_router import router as rl_router
 
+from pipeline.auth.audit import Audit
+from pipeline.auth.credentials import Credentials, Role
+from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs
+
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render, worker_registry
 from pipeline.worker.protocol import InvalidRequest, ReloadWeights, SetWeightVersion, error_body, parse_body
-from pipeline.worker.routes import add_generation_routes
+from pipeline.worker.routes import GENERATION_PATHS, add_generation_routes
 from pipeline.worker.serving import Serving
 from stages.capture.vllm.client import InvalidWeightVersion
 from stages.capture.vllm.engine import EngineUnavailable
@@ -49,6 +57,31 @@ async def _json(request: Request) -> Any:
         raise InvalidRequest(None, f"body: not valid JSON ({exc})") from None
 
 
+CAPTURE_ROLES = frozenset({Role.SERVICE, Role.OPERATOR})
+ADMIN_ACTIONS = {
+    "/admin/pause": "pause",
+    "/admin/resume": "resume",
+    "/admin/reload_weights": "reload_weights",
+    "/admin/weight_version": "weight_version",
+}
+
+
+def worker_policy() -> dict[str, Access]:
+    """Who may call each route of the worker; a route missing here is refused (fail closed)."""
+    caller = needs(Role.CLIENT, Role.SERVICE, Role.OPERATOR)
+    policy: dict[str, Access] = {path: caller for path in GENERATION_PATHS}
+    policy["/v1/messages"] = needs(Role.CLIENT, Role.SERVICE, Role.OPERATOR, dialect="messages")
+    policy["/v1/models"] = caller
+    policy.update({path: needs(Role.OPERATOR, action=name) for path, name in ADMIN_ACTIONS.items()})
+    for route in rl_router.routes:  # vLLM's RL routes, whichever it has
+        path = getattr(route, "path", "")
+        changes = "POST" in (getattr(route, "methods", None) or ())
+        policy[path] = needs(Role.OPERATOR, action=f"vllm{path.replace('/', ':')}" if changes else None)
+    policy["/health"] = PUBLIC
+    policy["/metrics"] = PUBLIC
+    return policy
+
+
 def create_app(
     worker: VllmWorker,
     serving: Serving,
@@ -56,8 +89,12 @@ def create_app(
     worker_id: str,
     manage_worker: bool = True,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    credentials: Credentials | None = None,
 ) -> FastAPI:
     """The app around one ``VllmWorker``; request bodies over ``max_body_bytes`` get a 413.
+
+    ``credentials`` are the secrets it checks; None or empty: every role route is open,
+    which the bind rule allows on loopback only (``pipeline.auth.transport``).
 
     With ``manage_worker`` the app's lifespan starts the worker and, on shutdown (after
     the server finished in-flight requests), drains its staging writer. Tests that drive
@@ -75,10 +112,15 @@ def create_app(
                 await worker.stop()
                 log.info("worker %s drained its staging writer", worker_id)
 
-    app = FastAPI(title="tokentrail worker", lifespan=lifespan)
+    app = FastAPI(title="tokentrail worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.state.engine_client = worker.client  # what vLLM's RL endpoints act on
     registry = worker_registry(worker, worker_id)
+    credentials = credentials or Credentials()
+    audit = Audit(registry)
+    app.add_middleware(
+        AuthGate, router=app.router, policy=worker_policy(), credentials=credentials, audit=audit
+    )
 
     @app.exception_handler(InvalidRequest)
     async def invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
@@ -101,7 +143,9 @@ def create_app(
     async def unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
         return _error(503, f"engine unavailable: {exc}", kind="server_error")
 
-    add_generation_routes(app, worker, serving)
+    add_generation_routes(
+        app, worker, serving, audit=audit, capture_roles=CAPTURE_ROLES if credentials.enabled else None
+    )
     app.include_router(rl_router)
 
     @app.get("/v1/models")
