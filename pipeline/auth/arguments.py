@@ -1,4 +1,6 @@
-"""The command-line flags of credentials and TLS, shared by every verb that serves or calls HTTP."""
+"""The command-line flags of credentials and TLS, shared by every verb that serves or calls HTTP.
+
+The HTTP TLS flags are ``--http-ssl-*``: ``--ssl-*`` already configure the Kafka clients."""
 
 from __future__ import annotations
 
@@ -26,11 +28,13 @@ def add_auth_arguments(parser: argparse.ArgumentParser, *, server: bool, client:
             action="store_true",
             help="allow a non-loopback --host without credentials (anyone who reaches it is trusted)",
         )
-        group.add_argument("--ssl-certfile", type=Path, metavar="PEM", help="serve HTTPS with this certificate")
-        group.add_argument("--ssl-keyfile", type=Path, metavar="PEM", help="the certificate's private key")
+        group.add_argument(
+            "--ssl-certfile", type=Path, metavar="PEM", help="serve HTTPS with this certificate"
+        )
+        group.add_argument("--http-ssl-keyfile", type=Path, metavar="PEM", help="the certificate's private key")
     if client:
         group.add_argument(
-            "--ssl-cafile", type=Path, metavar="PEM", help="verify the HTTPS servers it calls against this CA"
+            "--http-ssl-cafile", type=Path, metavar="PEM", help="verify the HTTPS servers it calls against this CA"
         )
 
 
@@ -39,12 +43,12 @@ def credentials_from_args(args: argparse.Namespace) -> Credentials:
 
 
 def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
-    certfile, keyfile = args.ssl_certfile, args.ssl_keyfile
+    certfile, keyfile = args.http_ssl_certfile, args.http_ssl_keyfile
     if certfile is None and keyfile is None:
         return None
     if certfile is None or keyfile is None:
-        raise ValueError("--ssl-certfile, --ssl-keyfile: give both or neither")
-    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        raise ValueError("--http-ssl-certfile, --http-ssl-keyfile: give both or neither")
+    for flag, path in (("--http-ssl-certfile", certfile), ("--http-ssl-keyfile", keyfile)):
         if not path.is_file():
             raise ValueError(f"{flag}: {path} is not a file")
     return TlsFiles(certfile, keyfile)

@@ -2,8 +2,8 @@
 
 A server bound beyond loopback with no role credentials would trust anyone who can
 reach it, so it is refused unless the operator says ``--insecure-no-auth`` (and a
-warning is logged). TLS is uvicorn's (``--ssl-certfile``/``--ssl-keyfile``); clients
-verify against ``--ssl-cafile`` when given, else the system's roots.
+warning is logged). TLS is uvicorn's (``--http-ssl-certfile``/``--http-ssl-keyfile``); clients
+verify against ``--http-ssl-cafile`` when given, else the system's roots.
 """
 
 from __future__ import annotations

@@ -6,20 +6,25 @@ import argparse
 import asyncio
 import json
 import sys
+from dataclasses import fields
 from typing import Any, get_args
 
 from aiokafka.errors import KafkaError
 
+from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
+from pipeline.gateway.quotas import Quotas
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.worker import add_body_limit_argument
 from topics.records import SamplePolicy
 
 EXAMPLES = """example:
-  tokentrail gateway --workers http://127.0.0.1:8000 --bootstrap 127.0.0.1:9092 --port 8100
-  # agent (OpenAI SDK):    base_url = http://127.0.0.1:8100/rollouts/ROLLOUT/v1
-  # agent (Anthropic SDK): base_url = http://127.0.0.1:8100/rollouts/ROLLOUT
-  curl -X POST http://127.0.0.1:8100/rollouts/ROLLOUT/seal -d '{"reward": 1.0}'
+  tokentrail gateway --workers http://127.0.0.1:8000 --bootstrap 127.0.0.1:9092 --port 8100 \
+      --credentials-dir /etc/tokentrail
+  # environment: curl -H "Authorization: Bearer $(cat /etc/tokentrail/environment.token)" \
+  #   -X POST http://127.0.0.1:8100/rollouts   -> base_url, anthropic_base_url, api_key
+  # agent (OpenAI or Anthropic SDK): base_url and api_key from that answer, nothing else
+  # environment: POST http://127.0.0.1:8100/rollouts/ROLLOUT/seal -d '{"reward": 1.0}'
 """
 
 
@@ -61,6 +66,11 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     add_body_limit_argument(parser)
+    quotas = parser.add_argument_group("per-rollout quotas (over one: 429 naming it)")
+    for spec in fields(Quotas):
+        flag = "--" + spec.name.replace("_", "-")
+        quotas.add_argument(flag, type=int, default=spec.default, metavar="N", help="(default: %(default)s)")
+    add_auth_arguments(parser, server=True, client=True)
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
     add_log_format_argument(parser)
@@ -80,6 +90,11 @@ async def _serve(args: argparse.Namespace) -> None:
         session_ttl_s=args.session_ttl,
         sample_policy=args.sample_policy,
         max_body_bytes=args.max_body_bytes,
+        credentials=credentials_from_args(args),
+        quotas=Quotas(**{spec.name: getattr(args, spec.name) for spec in fields(Quotas)}),
+        insecure_no_auth=args.insecure_no_auth,
+        tls=tls_from_args(args),
+        ssl_cafile=args.http_ssl_cafile,
     )
 
     def ready(url: str) -> None:

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
 
+from pipeline.auth.capability import AgentCapabilities
+from pipeline.auth.credentials import Credentials, Role
+from pipeline.auth.transport import TlsFiles, check_bind, client_verify
 from pipeline.gateway.app import create_gateway_app
 from pipeline.gateway.calls import Forwarder
+from pipeline.gateway.quotas import Quotas
 from pipeline.gateway.recovery import recover
 from pipeline.gateway.sessions import Sessions
 from pipeline.gateway.upstream import Workers
@@ -40,6 +45,14 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     kafka: KafkaConfig | None = None
     """Where to rebuild sessions from at start (``recovery``); None starts empty."""
+    credentials: Credentials = field(default_factory=Credentials)
+    """Checks environment and operator callers, signs agent keys (``agent.key``), and
+    presents the service credential to the workers (DESIGN §15)."""
+    quotas: Quotas = field(default_factory=Quotas)
+    insecure_no_auth: bool = False
+    tls: TlsFiles | None = None
+    ssl_cafile: Path | None = None
+    """The CA the workers' certificates are verified against (HTTPS workers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +73,24 @@ async def gateway(
     client = client if client is not None else RolloutClient(sink)
     sessions = Sessions(client, ttl_s=config.session_ttl_s, sample_policy=config.sample_policy)
     timeout = httpx.Timeout(config.call_timeout_s, connect=5.0)
-    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+    credentials = config.credentials
+    async with httpx.AsyncClient(
+        timeout=timeout,
+        trust_env=False,
+        headers=credentials.authorization(Role.SERVICE),
+        verify=client_verify(config.ssl_cafile),
+    ) as http:
         if config.kafka is not None:
             await recover(config.kafka, sessions)
         forwarder = Forwarder(client, Workers(config.workers), http)
         app = create_gateway_app(
-            sessions, forwarder, sweep_every_s=config.sweep_every_s, max_body_bytes=config.max_body_bytes
+            sessions,
+            forwarder,
+            sweep_every_s=config.sweep_every_s,
+            max_body_bytes=config.max_body_bytes,
+            credentials=credentials,
+            capabilities=AgentCapabilities(credentials.agent_key),
+            quotas=config.quotas,
         )
         yield Gateway(app, sessions, forwarder)
 
@@ -74,8 +99,9 @@ async def run_gateway(
     config: GatewayConfig, sink: EventSink, *, on_ready: Callable[[str], None] | None = None
 ) -> None:
     """Serve until SIGTERM/SIGINT (or the server stops)."""
+    check_bind(config.host, config.credentials, insecure_no_auth=config.insecure_no_auth, what="gateway")
     async with gateway(config, sink) as built:
-        server = WorkerServer(built.app, host=config.host, port=config.port)
+        server = WorkerServer(built.app, host=config.host, port=config.port, tls=config.tls)
         with stop_on_signals(server.request_stop):
             await server.start()
             if on_ready is not None:

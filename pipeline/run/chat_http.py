@@ -9,6 +9,7 @@ token ids on the wire.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Self
 
@@ -33,10 +34,19 @@ class HttpChatEndpoint:
     (a stuck worker then breaks the rollout, which the driver seals as failed).
     """
 
-    def __init__(self, base_url: str, *, timeout_s: float = 120.0, max_connections: int = 64) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 120.0,
+        max_connections: int = 64,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """``headers``: the service credential, which capture needs (DESIGN §15)."""
         self.base_url = base_url.rstrip("/")
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
+            headers=dict(headers or {}),
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             trust_env=False,  # a loopback worker must not go through an HTTP(S)_PROXY

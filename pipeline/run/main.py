@@ -48,6 +48,7 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
+from pipeline.auth.credentials import ROLE_FILES, Credentials, Role
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import BrokerError
 from pipeline.kafka.config import ConfigError, KafkaConfig
@@ -86,6 +87,7 @@ from stages.ports import SAMPLES_PARTITION, DataPlane, DataPlaneError
 from stages.trainer.batch import StalenessPolicy, TrainBatch
 
 SERVING_FILE = "serving.json"
+CREDENTIALS_DIR = "credentials"
 """Written by ``--keep`` while it serves: the addresses of the broker, worker, gateway and data plane."""
 log = logging.getLogger(__name__)
 
@@ -178,6 +180,13 @@ class Run:
         self.timeout: str | None = None
         self.error: str | None = None
         self.completed = False
+        self.operator_token_file: str | None = None
+        if config.attach is not None:  # the cluster's credentials, from TOKENTRAIL_*_TOKEN
+            self.credentials = Credentials.load(None)
+        else:  # minted once per data dir, handed to the run's worker, gateway and clients
+            directory = config.data_dir / CREDENTIALS_DIR
+            self.credentials = Credentials.mint(directory)
+            self.operator_token_file = str(directory / ROLE_FILES[Role.OPERATOR])
 
     # -- the run ---------------------------------------------------------------
 
@@ -275,16 +284,23 @@ class Run:
         shutdown.check()  # a child that exited, or a signal, while they were getting ready
 
         progress.enter("starting the worker")
-        server = await stack.enter_async_context(serving_worker(self.model_dir, engine, plane, sink))
+        credentials = self.credentials
+        server = await stack.enter_async_context(
+            serving_worker(self.model_dir, engine, plane, sink, credentials)
+        )
         self.worker_url = server.url
-        self._endpoint = await stack.enter_async_context(HttpChatEndpoint(server.url))
+        self._endpoint = await stack.enter_async_context(
+            HttpChatEndpoint(server.url, headers=credentials.authorization(Role.SERVICE))
+        )
         if config.train_steps:
             progress.enter("loading the trainer")
             self.training = await self._closed_loop(stack, kafka, plane, server.url)
         if config.agent == "sdk":
             progress.enter("starting the gateway")
             assert self._seals is not None
-            gateway_url = await stack.enter_async_context(serving_gateway(server.url, sink, self._seals))
+            gateway_url = await stack.enter_async_context(
+                serving_gateway(server.url, sink, self._seals, credentials)
+            )
             await self._sdk_agent(stack, gateway_url, self.model_dir.name)
 
     async def _attach(self, stack: contextlib.AsyncExitStack, attach: Attach) -> None:
@@ -300,7 +316,9 @@ class Run:
         await self._follow(stack, kafka, plane, event_log_identity(kafka, None))
         if attach.worker_url is not None:
             self.worker_url = attach.worker_url
-            self._endpoint = await stack.enter_async_context(HttpChatEndpoint(attach.worker_url))
+            self._endpoint = await stack.enter_async_context(
+                HttpChatEndpoint(attach.worker_url, headers=self.credentials.authorization(Role.SERVICE))
+            )
         if attach.gateway_url is not None:
             assert attach.model is not None  # Attach checked it
             await self._sdk_agent(stack, attach.gateway_url, attach.model)
@@ -341,6 +359,7 @@ class Run:
             max_tokens=config.max_tokens,
             max_turns=config.turns,
             seed=config.seed,
+            headers=self.credentials.authorization(Role.ENVIRONMENT),
         )
         stack.push_async_callback(agent.aclose)
 
@@ -362,7 +381,12 @@ class Run:
             GrpoTrainer, self.model_dir, learning_rate=config.learning_rate, temperature=config.temperature
         )
         return ClosedLoop(
-            feed, trainer, worker_url, config.data_dir, batch_timeout_s=config.finalize_timeout_s
+            feed,
+            trainer,
+            worker_url,
+            config.data_dir,
+            batch_timeout_s=config.finalize_timeout_s,
+            operator_headers=self.credentials.authorization(Role.OPERATOR),
         )
 
     def _task(
@@ -503,6 +527,7 @@ class Run:
             "worker": self.worker_url,
             "gateway": self.gateway_url,
             "dataplane_addresses": self.dataplane_addresses,
+            "operator_token_file": self.operator_token_file,
         }
 
     async def _poll_lag(self, probe: StageLagProbe) -> None:

@@ -9,6 +9,7 @@ agent is captured exactly; the gateway does the bookkeeping the built-in driver 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -33,7 +34,9 @@ class SdkAgent:
         max_turns: int = 3,
         seed: int | None = None,
         timeout_s: float = 120.0,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
+        """``headers``: the environment's credential; the agent itself gets only its rollout's key."""
         self.gateway_url = gateway_url.rstrip("/")
         self.model = model
         self.temperature = temperature
@@ -42,7 +45,7 @@ class SdkAgent:
         self.seed = seed
         self.timeout_s = timeout_s
         self.stats = DriverStats()
-        self._http = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
+        self._http = httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=dict(headers or {}))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -53,7 +56,7 @@ class SdkAgent:
         opened = await self._post("/rollouts", {"rollout_id": job.rollout_id, "group_id": job.group_id})
         try:
             async with openai.AsyncOpenAI(
-                base_url=opened["base_url"], api_key="unused", max_retries=0, timeout=self.timeout_s
+                base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=self.timeout_s
             ) as agent:
                 while not episode.done:
                     reply = await agent.chat.completions.create(**self._request(episode, job))

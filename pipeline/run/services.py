@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
+from pipeline.auth.credentials import Credentials
 from pipeline.gateway.main import GatewayConfig, gateway
 from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig, kafka_environment
@@ -198,12 +199,14 @@ def data_plane_flags(config: RunConfig, addresses_file: Path) -> tuple[str, ...]
 
 
 @contextlib.asynccontextmanager
-async def serving_gateway(worker_url: str, sink: KafkaEventSink, client: RolloutClient) -> AsyncIterator[str]:
+async def serving_gateway(
+    worker_url: str, sink: KafkaEventSink, client: RolloutClient, credentials: Credentials
+) -> AsyncIterator[str]:
     """A gateway in front of the run's worker on a free loopback port; yields its URL.
 
     ``client`` publishes its admissions and seals (the run's, so seals are journaled).
     """
-    config = GatewayConfig(workers=(worker_url,), host=LOOPBACK, port=0)
+    config = GatewayConfig(workers=(worker_url,), host=LOOPBACK, port=0, credentials=credentials)
     async with gateway(config, sink, client=client) as built:
         server = WorkerServer(built.app, host=LOOPBACK, port=0, graceful_timeout_s=30.0)
         await server.start()
@@ -215,11 +218,13 @@ async def serving_gateway(worker_url: str, sink: KafkaEventSink, client: Rollout
 
 @contextlib.asynccontextmanager
 async def serving_worker(
-    model_dir: Path, engine: VllmEngine, data_plane: DataPlane, sink: KafkaEventSink
+    model_dir: Path, engine: VllmEngine, data_plane: DataPlane, sink: KafkaEventSink, credentials: Credentials
 ) -> AsyncIterator[WorkerServer]:
     """The capture worker on a free loopback port; on exit it finishes in-flight requests
     and drains its staging writer (the engine itself belongs to the caller)."""
-    config = WorkerConfig(model_dir=model_dir, host=LOOPBACK, port=0, graceful_timeout_s=30.0)
+    config = WorkerConfig(
+        model_dir=model_dir, host=LOOPBACK, port=0, graceful_timeout_s=30.0, credentials=credentials
+    )
     worker = build_worker(config, engine, data_plane, sink)
     server = WorkerServer(build_app(worker, config), host=LOOPBACK, port=0, graceful_timeout_s=30.0)
     await server.start()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,11 +57,13 @@ class ClosedLoop:
         data_dir: Path,
         *,
         batch_timeout_s: float,
+        operator_headers: Mapping[str, str] | None = None,
     ) -> None:
         self.feed = feed
         self.batch_timeout_s = batch_timeout_s
         self.trainer = trainer
         self.worker_url = worker_url
+        self.operator_headers = dict(operator_headers or {})
         self.weights_dir = data_dir / WEIGHTS_DIR
         self.steps: list[TrainStep] = []
 
@@ -83,7 +85,7 @@ class ClosedLoop:
         await archived(batch)
         report = await asyncio.to_thread(self.trainer.step, batch)
         path = await asyncio.to_thread(self.trainer.save, self.weights_dir / f"step-{step}")
-        await refit(self.worker_url, path, version=step)
+        await refit(self.worker_url, path, version=step, headers=self.operator_headers)
         self.feed.policy_version = step
         await self.feed.ack(batch)
         record = TrainStep(
@@ -108,9 +110,19 @@ class ClosedLoop:
         return record
 
 
-async def refit(worker_url: str, path: Path, *, version: int, timeout_s: float = 300.0) -> None:
-    """Load ``path`` into the worker's engine and stamp ``version`` on what it generates next."""
-    async with httpx.AsyncClient(base_url=worker_url, timeout=timeout_s, trust_env=False) as http:
+async def refit(
+    worker_url: str,
+    path: Path,
+    *,
+    version: int,
+    timeout_s: float = 300.0,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """Load ``path`` into the worker's engine and stamp ``version`` on what it generates next;
+    ``headers`` carry the operator's credential."""
+    async with httpx.AsyncClient(
+        base_url=worker_url, timeout=timeout_s, trust_env=False, headers=dict(headers or {})
+    ) as http:
         for route, body in (
             ("/admin/pause", None),
             ("/admin/reload_weights", {"path": str(path)}),

@@ -29,7 +29,6 @@ from vllm.entrypoints.rl.online.api_router import router as rl_router
 from pipeline.auth.audit import Audit
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs
-
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render, worker_registry
@@ -112,7 +111,9 @@ def create_app(
                 await worker.stop()
                 log.info("worker %s drained its staging writer", worker_id)
 
-    app = FastAPI(title="tokentrail worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="tokentrail worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.state.engine_client = worker.client  # what vLLM's RL endpoints act on
     registry = worker_registry(worker, worker_id)

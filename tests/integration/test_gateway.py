@@ -9,6 +9,7 @@ the engine's ids and logprobs and against a Hugging Face forward.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from enginekit import (
     token_keys,
 )
 
+from pipeline.auth.credentials import Credentials, Role
 from pipeline.gateway.main import Gateway, GatewayConfig, gateway
 from pipeline.worker.main import WorkerServer
 from topics.records import RolloutSeal
@@ -37,8 +39,17 @@ from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
+CREDENTIALS = Credentials(
+    {role: secrets.token_urlsafe(32) for role in (Role.ENVIRONMENT, Role.OPERATOR)},
+    agent_key=secrets.token_bytes(32),
+)
+ENVIRONMENT = CREDENTIALS.authorization(Role.ENVIRONMENT)
+
+
 @dataclass
 class Served:
+    """A gateway with credentials on: the environment's calls carry its token, agents their key."""
+
     rig: Rig
     built: Gateway
     server: WorkerServer
@@ -48,22 +59,30 @@ class Served:
         return self.server.url
 
     def session(self, **body: Any) -> dict[str, Any]:
-        response = httpx.post(f"{self.url}/rollouts", json=body, timeout=10)
+        response = httpx.post(f"{self.url}/rollouts", json=body, timeout=10, headers=ENVIRONMENT)
         assert response.status_code == 200, response.text
         opened: dict[str, Any] = response.json()
         return opened
 
     def seal(self, rollout_id: str, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(f"{self.url}/rollouts/{rollout_id}/seal", json=body, timeout=10)
+        return httpx.post(f"{self.url}/rollouts/{rollout_id}/seal", json=body, timeout=10, headers=ENVIRONMENT)
+
+    def show(self, rollout_id: str) -> dict[str, Any]:
+        shown: dict[str, Any] = httpx.get(f"{self.url}/rollouts/{rollout_id}", timeout=10, headers=ENVIRONMENT).json()
+        return shown
 
     def calls(self, rollout_id: str) -> list[dict[str, Any]]:
-        shown = httpx.get(f"{self.url}/rollouts/{rollout_id}", timeout=10).json()
-        calls: list[dict[str, Any]] = shown["calls"]
+        calls: list[dict[str, Any]] = self.show(rollout_id)["calls"]
         return calls
 
 
+def agent_of(opened: dict[str, Any], **options: Any) -> openai.OpenAI:
+    """The official SDK with exactly what the gateway handed out: a base URL and a key."""
+    return openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120, **options)
+
+
 def serve_gateway(rig: Rig, **config: Any) -> Iterator[Served]:
-    settings: dict[str, Any] = {"workers": (rig.url,), **config}
+    settings: dict[str, Any] = {"workers": (rig.url,), "credentials": CREDENTIALS, **config}
 
     async def start() -> tuple[Any, Gateway, WorkerServer]:
         context = gateway(GatewayConfig(port=0, **settings), rig.driver_sink)
@@ -99,7 +118,7 @@ def clean(extra: dict[str, Any] | None) -> None:
 def test_openai_agent_episode_streaming_and_not(served: Served, oracle: HFOracle, model_dir: Path) -> None:
     opened = served.session(group_id="g1")
     rollout_id = opened["rollout_id"]
-    agent = openai.OpenAI(base_url=opened["base_url"], api_key="unused", max_retries=0, timeout=120)
+    agent = agent_of(opened)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     messages: list[Any] = [
         {"role": "system", "content": "You add numbers."},
@@ -136,7 +155,7 @@ def test_anthropic_agent_episode_streaming_and_not(served: Served, oracle: HFOra
     opened = served.session()
     rollout_id = opened["rollout_id"]
     agent = anthropic.Anthropic(
-        base_url=opened["anthropic_base_url"], api_key="unused", max_retries=0, timeout=120
+        base_url=opened["anthropic_base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
     )
     greedy = {"temperature": 0.0}
     messages: list[Any] = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -165,9 +184,9 @@ def test_anthropic_agent_episode_streaming_and_not(served: Served, oracle: HFOra
 
 
 def test_retries_collapse_and_rewritten_histories_start_roots(served: Served) -> None:
-    rollout_id = served.session()["rollout_id"]
-    base = f"{served.url}/rollouts/{rollout_id}/v1"
-    agent = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    opened = served.session()
+    rollout_id = opened["rollout_id"]
+    agent = agent_of(opened)
     first = [{"role": "user", "content": "What is 2 + 3?"}]
     reply = agent.chat.completions.create(model="tiny", messages=first, temperature=0, max_tokens=6)  # type: ignore[arg-type]
     second = [*first, reply.choices[0].message, {"role": "user", "content": "Sure?"}]
@@ -183,8 +202,9 @@ def test_retries_collapse_and_rewritten_histories_start_roots(served: Served) ->
     assert event.call_count == 2  # the attempts collapsed
 
     # A rewritten history (compacted to a summary) is a new root in the same session.
-    other = served.session()["rollout_id"]
-    agent = openai.OpenAI(base_url=f"{served.url}/rollouts/{other}/v1", api_key="unused", max_retries=0)
+    opened = served.session()
+    other = opened["rollout_id"]
+    agent = agent_of(opened)
     reply = agent.chat.completions.create(model="tiny", messages=first, temperature=0, max_tokens=6)  # type: ignore[arg-type]
     compacted = [{"role": "user", "content": "Summary: we added 2 and 3. Continue."}]
     agent.chat.completions.create(model="tiny", messages=compacted, temperature=0, max_tokens=6)  # type: ignore[arg-type]
@@ -194,10 +214,9 @@ def test_retries_collapse_and_rewritten_histories_start_roots(served: Served) ->
 def test_an_agent_that_compacts_its_history_gives_one_sample_per_segment(
     served: Served, oracle: HFOracle, model_dir: Path
 ) -> None:
-    rollout_id = served.session(group_id="g2")["rollout_id"]
-    agent = openai.OpenAI(
-        base_url=f"{served.url}/rollouts/{rollout_id}/v1", api_key="unused", max_retries=0, timeout=120
-    )
+    opened = served.session(group_id="g2")
+    rollout_id = opened["rollout_id"]
+    agent = agent_of(opened)
 
     def ask(messages: list[Any]) -> Any:
         reply = agent.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=6)
@@ -226,44 +245,45 @@ def test_an_agent_that_compacts_its_history_gives_one_sample_per_segment(
 
 
 def test_bad_input_is_refused_and_nothing_stays_open(served: Served) -> None:
-    rollout_id = served.session()["rollout_id"]
+    opened = served.session()
+    rollout_id = opened["rollout_id"]
     chat = f"{served.url}/rollouts/{rollout_id}/v1/chat/completions"
-    assert httpx.post(f"{served.url}/rollouts/nobody/seal", json={"reward": 1}).status_code == 404
-    named = httpx.post(f"{served.url}/rollouts/a%20b/v1/chat/completions", json={"messages": []})
-    assert named.status_code == 400 and "rollout_id" in named.json()["error"]["message"], named.text
-    bad = httpx.post(chat, json={"messages": "hello"})
+    key = {"authorization": f"Bearer {opened['api_key']}"}
+    assert served.seal("nobody", {"reward": 1}).status_code == 404
+    named = httpx.post(f"{served.url}/rollouts", json={"rollout_id": "a b"}, headers=ENVIRONMENT)
+    assert named.status_code == 400 and named.json()["error"]["param"] == "rollout_id", named.text
+    bad = httpx.post(chat, json={"messages": "hello"}, headers=key)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
-    own = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], CAPTURE_FIELD: {}})
+    own = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], CAPTURE_FIELD: {}}, headers=key)
     assert own.status_code == 400 and own.json()["error"]["param"] == CAPTURE_FIELD
     unsure = served.seal(rollout_id, {"status": "failed"})
     assert unsure.status_code == 400 and unsure.json()["error"]["param"] == "reason", unsure.text
     assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
     again = served.seal(rollout_id, {"reward": 0.0})
     assert again.status_code == 409 and "reward 1.0" in again.json()["error"]["message"]
-    late = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    late = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, headers=key)
     assert late.status_code == 409, late.text
     seals = [e.payload for e in served.rig.driver_sink.events if isinstance(e.payload, RolloutSeal)]
     assert [s.rollout_id for s in seals] == [rollout_id]
+    assert seals[0].sealed_by is not None and seals[0].sealed_by.startswith("environment:")
 
 
 def test_an_idle_session_is_sealed_abandoned(host: EngineHost, model_dir: Path) -> None:
     rig = start_rig(host, model_dir)
     try:
         for gw in serve_gateway(rig, session_ttl_s=0.5, sweep_every_s=0.1):
-            rollout_id = gw.session()["rollout_id"]
-            agent = openai.OpenAI(
-                base_url=f"{gw.url}/rollouts/{rollout_id}/v1", api_key="unused", max_retries=0
-            )
+            opened = gw.session()
+            rollout_id = opened["rollout_id"]
+            agent = agent_of(opened)
             agent.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
             )
             deadline = time.monotonic() + 10
-            while (
-                time.monotonic() < deadline and "calls" in httpx.get(f"{gw.url}/rollouts/{rollout_id}").json()
-            ):
+            while time.monotonic() < deadline and gw.show(rollout_id)["sealed"] is None:
                 time.sleep(0.1)
-            shown = httpx.get(f"{gw.url}/rollouts/{rollout_id}").json()
+            shown = gw.show(rollout_id)
             assert shown["sealed"]["failure_reason"] == "abandoned", shown
+            assert shown["sealed"]["sealed_by"] == "gateway:ttl", shown
             event, _ = rig.finalize(rollout_id, sealed=True)
             assert event.status == "rejected" and event.rejection_reason == "rollout_failed", event
     finally:
@@ -275,10 +295,9 @@ def test_a_failed_worker_is_benched_and_the_call_retried(host: EngineHost, model
     try:
         dead = "http://127.0.0.1:9"  # nothing listens there: connection refused
         for gw in serve_gateway(rig, workers=(dead, rig.url)):
-            rollout_id = gw.session()["rollout_id"]
-            agent = openai.OpenAI(
-                base_url=f"{gw.url}/rollouts/{rollout_id}/v1", api_key="unused", max_retries=0
-            )
+            opened = gw.session()
+            rollout_id = opened["rollout_id"]
+            agent = agent_of(opened)
             reply = agent.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
             )
@@ -300,7 +319,7 @@ def test_responses_previous_response_id_continues_the_named_call(
 ) -> None:
     opened = served.session()
     rollout_id = opened["rollout_id"]
-    agent = openai.OpenAI(base_url=opened["base_url"], api_key="unused", max_retries=0, timeout=120)
+    agent = agent_of(opened)
     common: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "max_output_tokens": 6, "store": False}
     first = agent.responses.create(input="What is 2 + 3?", **common)
     clean(first.model_extra)

@@ -20,6 +20,7 @@ import openai
 import pytest
 from enginekit import EngineHost, assert_sample_is_what_the_engine_saw, finalize_events, start_rig
 
+from pipeline.auth.credentials import Credentials, Role
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.producer import KafkaEventSink
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_gateway(worker_url: str, kafka: KafkaConfig) -> tuple[subprocess.Popen[str], str]:
+def start_gateway(worker_url: str, kafka: KafkaConfig, credentials: Path) -> tuple[subprocess.Popen[str], str]:
     process = subprocess.Popen(
         [
             sys.executable,
@@ -48,6 +49,8 @@ def start_gateway(worker_url: str, kafka: KafkaConfig) -> tuple[subprocess.Popen
             kafka.names.prefix,
             "--partitions",
             str(kafka.names.partitions),
+            "--credentials-dir",
+            str(credentials),
             "--json",
         ],
         cwd=REPO,
@@ -63,8 +66,10 @@ def start_gateway(worker_url: str, kafka: KafkaConfig) -> tuple[subprocess.Popen
 
 
 def test_a_killed_gateway_restarts_into_the_same_sessions(
-    host: EngineHost, model_dir: Path, kafka_config: KafkaConfig
+    host: EngineHost, model_dir: Path, kafka_config: KafkaConfig, tmp_path: Path
 ) -> None:
+    directory = tmp_path / "credentials"
+    environment = Credentials.mint(directory).authorization(Role.ENVIRONMENT)
     async def open_sink() -> KafkaEventSink:
         await ensure_topics(kafka_config)
         sink = KafkaEventSink(kafka_config)
@@ -75,12 +80,14 @@ def test_a_killed_gateway_restarts_into_the_same_sessions(
     rig = start_rig(host, model_dir, publish_to=sink)
     processes: list[subprocess.Popen[str]] = []
     try:
-        process, url = start_gateway(rig.url, kafka_config)
+        process, url = start_gateway(rig.url, kafka_config, directory)
         processes.append(process)
-        opened = httpx.post(f"{url}/rollouts", json={"rollout_id": "r-restart"}, timeout=10).json()
+        opened = httpx.post(
+            f"{url}/rollouts", json={"rollout_id": "r-restart"}, timeout=10, headers=environment
+        ).json()
         messages: list[object] = [{"role": "user", "content": "What is 2 + 3?"}]
         for question in ["And times 4?", "Thanks."]:
-            agent = openai.OpenAI(base_url=opened["base_url"], api_key="unused", max_retries=0, timeout=120)
+            agent = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120)
             reply = agent.chat.completions.create(
                 model="tiny", messages=messages, temperature=0, max_tokens=6
             )  # type: ignore[arg-type]
@@ -88,15 +95,17 @@ def test_a_killed_gateway_restarts_into_the_same_sessions(
             if question == "And times 4?":
                 process.send_signal(signal.SIGKILL)  # mid-episode: between the first and second call
                 process.wait(10)
-                process, url = start_gateway(rig.url, kafka_config)
+                process, url = start_gateway(rig.url, kafka_config, directory)
                 processes.append(process)
                 opened["base_url"] = f"{url}/rollouts/r-restart/v1"
-        agent = openai.OpenAI(base_url=opened["base_url"], api_key="unused", max_retries=0, timeout=120)
+        agent = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120)
         agent.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=6)  # type: ignore[arg-type]
-        calls = httpx.get(f"{url}/rollouts/r-restart", timeout=10).json()["calls"]
+        calls = httpx.get(f"{url}/rollouts/r-restart", timeout=10, headers=environment).json()["calls"]
         assert [c["parent_call_id"] for c in calls] == [None, calls[0]["call_id"], calls[1]["call_id"]], calls
         assert (
-            httpx.post(f"{url}/rollouts/r-restart/seal", json={"reward": 1.0}, timeout=10).status_code == 200
+            httpx.post(
+                f"{url}/rollouts/r-restart/seal", json={"reward": 1.0}, timeout=10, headers=environment
+            ).status_code == 200
         )
 
         async def from_log() -> list[Record]:
