@@ -29,7 +29,7 @@ def add_auth_arguments(parser: argparse.ArgumentParser, *, server: bool, client:
             help="allow a non-loopback --host without credentials (anyone who reaches it is trusted)",
         )
         group.add_argument(
-            "--ssl-certfile", type=Path, metavar="PEM", help="serve HTTPS with this certificate"
+            "--http-ssl-certfile", type=Path, metavar="PEM", help="serve HTTPS with this certificate"
         )
         group.add_argument("--http-ssl-keyfile", type=Path, metavar="PEM", help="the certificate's private key")
     if client:
