@@ -31,10 +31,15 @@ def add_auth_arguments(parser: argparse.ArgumentParser, *, server: bool, client:
         group.add_argument(
             "--http-ssl-certfile", type=Path, metavar="PEM", help="serve HTTPS with this certificate"
         )
-        group.add_argument("--http-ssl-keyfile", type=Path, metavar="PEM", help="the certificate's private key")
+        group.add_argument(
+            "--http-ssl-keyfile", type=Path, metavar="PEM", help="the certificate's private key"
+        )
     if client:
         group.add_argument(
-            "--http-ssl-cafile", type=Path, metavar="PEM", help="verify the HTTPS servers it calls against this CA"
+            "--http-ssl-cafile",
+            type=Path,
+            metavar="PEM",
+            help="verify the HTTPS servers it calls against this CA",
         )
 
 

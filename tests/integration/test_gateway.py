@@ -65,10 +65,14 @@ class Served:
         return opened
 
     def seal(self, rollout_id: str, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(f"{self.url}/rollouts/{rollout_id}/seal", json=body, timeout=10, headers=ENVIRONMENT)
+        return httpx.post(
+            f"{self.url}/rollouts/{rollout_id}/seal", json=body, timeout=10, headers=ENVIRONMENT
+        )
 
     def show(self, rollout_id: str) -> dict[str, Any]:
-        shown: dict[str, Any] = httpx.get(f"{self.url}/rollouts/{rollout_id}", timeout=10, headers=ENVIRONMENT).json()
+        shown: dict[str, Any] = httpx.get(
+            f"{self.url}/rollouts/{rollout_id}", timeout=10, headers=ENVIRONMENT
+        ).json()
         return shown
 
     def calls(self, rollout_id: str) -> list[dict[str, Any]]:
@@ -78,7 +82,9 @@ class Served:
 
 def agent_of(opened: dict[str, Any], **options: Any) -> openai.OpenAI:
     """The official SDK with exactly what the gateway handed out: a base URL and a key."""
-    return openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120, **options)
+    return openai.OpenAI(
+        base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120, **options
+    )
 
 
 def serve_gateway(rig: Rig, **config: Any) -> Iterator[Served]:
@@ -254,14 +260,18 @@ def test_bad_input_is_refused_and_nothing_stays_open(served: Served) -> None:
     assert named.status_code == 400 and named.json()["error"]["param"] == "rollout_id", named.text
     bad = httpx.post(chat, json={"messages": "hello"}, headers=key)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
-    own = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], CAPTURE_FIELD: {}}, headers=key)
+    own = httpx.post(
+        chat, json={"messages": [{"role": "user", "content": "x"}], CAPTURE_FIELD: {}}, headers=key
+    )
     assert own.status_code == 400 and own.json()["error"]["param"] == CAPTURE_FIELD
     unsure = served.seal(rollout_id, {"status": "failed"})
     assert unsure.status_code == 400 and unsure.json()["error"]["param"] == "reason", unsure.text
     assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
     again = served.seal(rollout_id, {"reward": 0.0})
     assert again.status_code == 409 and "reward 1.0" in again.json()["error"]["message"]
-    late = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, headers=key)
+    late = httpx.post(
+        chat, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, headers=key
+    )
     assert late.status_code == 409, late.text
     seals = [e.payload for e in served.rig.driver_sink.events if isinstance(e.payload, RolloutSeal)]
     assert [s.rollout_id for s in seals] == [rollout_id]

@@ -32,7 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_gateway(worker_url: str, kafka: KafkaConfig, credentials: Path) -> tuple[subprocess.Popen[str], str]:
+def start_gateway(
+    worker_url: str, kafka: KafkaConfig, credentials: Path
+) -> tuple[subprocess.Popen[str], str]:
     process = subprocess.Popen(
         [
             sys.executable,
@@ -70,6 +72,7 @@ def test_a_killed_gateway_restarts_into_the_same_sessions(
 ) -> None:
     directory = tmp_path / "credentials"
     environment = Credentials.mint(directory).authorization(Role.ENVIRONMENT)
+
     async def open_sink() -> KafkaEventSink:
         await ensure_topics(kafka_config)
         sink = KafkaEventSink(kafka_config)
@@ -87,7 +90,9 @@ def test_a_killed_gateway_restarts_into_the_same_sessions(
         ).json()
         messages: list[object] = [{"role": "user", "content": "What is 2 + 3?"}]
         for question in ["And times 4?", "Thanks."]:
-            agent = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120)
+            agent = openai.OpenAI(
+                base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
+            )
             reply = agent.chat.completions.create(
                 model="tiny", messages=messages, temperature=0, max_tokens=6
             )  # type: ignore[arg-type]
@@ -98,14 +103,17 @@ def test_a_killed_gateway_restarts_into_the_same_sessions(
                 process, url = start_gateway(rig.url, kafka_config, directory)
                 processes.append(process)
                 opened["base_url"] = f"{url}/rollouts/r-restart/v1"
-        agent = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120)
+        agent = openai.OpenAI(
+            base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
+        )
         agent.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=6)  # type: ignore[arg-type]
         calls = httpx.get(f"{url}/rollouts/r-restart", timeout=10, headers=environment).json()["calls"]
         assert [c["parent_call_id"] for c in calls] == [None, calls[0]["call_id"], calls[1]["call_id"]], calls
         assert (
             httpx.post(
                 f"{url}/rollouts/r-restart/seal", json={"reward": 1.0}, timeout=10, headers=environment
-            ).status_code == 200
+            ).status_code
+            == 200
         )
 
         async def from_log() -> list[Record]:
