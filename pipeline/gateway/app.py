@@ -129,7 +129,12 @@ def create_gateway_app(
                 await sweeper
 
     app = FastAPI(
-        title="tokentrail gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="tokentrail gateway",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
     )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     registry = gateway_registry(sessions, forwarder, guard)
