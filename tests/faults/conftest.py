@@ -10,16 +10,15 @@ fixture; the table is printed at the end of the run whatever the options.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from readme_tables import rewrite_between_markers
 
 DEFAULT_SEEDS = 2
 DEFAULT_SOAK_SECONDS = 60.0
-BEGIN, END = "<!-- faults-table:begin -->", "<!-- faults-table:end -->"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -95,12 +94,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     terminalreporter.write(table)
     target: Path | None = config.getoption("--faults-table")
     if target is not None:
-        _rewrite(target, table)
+        rewrite_between_markers(target, "faults-table", table)
 
-
-def _rewrite(path: Path, table: str) -> None:
-    text = path.read_text()
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
-    if not pattern.search(text):
-        raise pytest.UsageError(f"--faults-table: {path} has no {BEGIN} ... {END} markers")
-    path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{table}{END}", text))

@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from enginekit import EngineHost, Rig, start_rig
+from escapekit import EscapeReport
 from fastapi.routing import APIRoute
 
 from pipeline.auth.credentials import Credentials, Role
@@ -110,7 +111,9 @@ def test_every_route_states_its_roles(perimeter: Perimeter) -> None:
     assert unguarded_routes(perimeter.rig.server._config.app, worker_policy()) == []  # type: ignore[arg-type]
 
 
-def test_the_agent_calls_its_own_rollout_and_nothing_else(perimeter: Perimeter) -> None:
+def test_the_agent_calls_its_own_rollout_and_nothing_else(
+    perimeter: Perimeter, escape_report: EscapeReport
+) -> None:
     mine = perimeter.mine
     agent = openai.OpenAI(base_url=mine["base_url"], api_key=mine["api_key"], max_retries=0, timeout=120)
     reply = agent.chat.completions.create(**CHAT)  # type: ignore[call-overload]
@@ -120,19 +123,22 @@ def test_the_agent_calls_its_own_rollout_and_nothing_else(perimeter: Perimeter) 
     before = perimeter.state()
     attempts = list(_attacks(perimeter))
     refused: dict[int, int] = {}
-    for name, method, url, headers, body in attempts:
+    for surface, route, name, method, url, headers, body in attempts:
         response = httpx.request(method, url, json=body, headers=headers, timeout=60)
         assert response.status_code in (401, 403, 404), (
             f"{name}: {response.status_code} {response.text[:200]}"
         )
         assert mine["api_key"] not in response.text, f"{name}: the credential was echoed"
         refused[response.status_code] = refused.get(response.status_code, 0) + 1
-    assert perimeter.state() == before, "an attack changed something"
+        escape_report.record(surface, route, method, response.status_code)
+    escape_report.unchanged = perimeter.state() == before
+    assert escape_report.unchanged, "an attack changed something"
     print(f"\nescape suite: {len(attempts)} attacks tried, all refused {refused}, nothing changed")
     assert len(attempts) > 40
 
 
-def _attacks(p: Perimeter) -> Iterator[tuple[str, str, str, dict[str, str], Any]]:
+def _attacks(p: Perimeter) -> Iterator[tuple[str, str, str, str, str, dict[str, str], Any]]:
+    """(surface, route, name, method, url, headers, body) of every attack."""
     mine, other = p.mine, p.other
     keys = {
         "bearer": {"authorization": f"Bearer {mine['api_key']}"},
@@ -141,9 +147,9 @@ def _attacks(p: Perimeter) -> Iterator[tuple[str, str, str, dict[str, str], Any]
         "none": {},
     }
     admission = p.rig.client.admit(mine["rollout_id"], None).model_dump(mode="json")
-    for app, base, policy in (
-        (p.built.app, p.url, gateway_policy()),
-        (p.rig.server._config.app, p.rig.url, worker_policy()),  # type: ignore[attr-defined]
+    for surface, app, base, policy in (
+        ("gateway", p.built.app, p.url, gateway_policy()),
+        ("worker", p.rig.server._config.app, p.rig.url, worker_policy()),  # type: ignore[attr-defined]
     ):
         for route in app.routes:
             if not isinstance(route, APIRoute) or policy[route.path].public:
@@ -156,7 +162,8 @@ def _attacks(p: Perimeter) -> Iterator[tuple[str, str, str, dict[str, str], Any]
                         if own and how in ("bearer", "x-api-key"):
                             continue  # its own model calls: allowed, tested above
                         body = {**CHAT, CAPTURE_FIELD: admission, "reward": 1.0, "path": "/", "version": 99}
-                        yield f"{how} {method} {path}", method, f"{base}{path}", headers, body
+                        name = f"{how} {method} {path}"
+                        yield surface, route.path, name, method, f"{base}{path}", headers, body
 
 
 def test_wrong_roles_and_a_sealed_rollout_are_refused(perimeter: Perimeter) -> None:
