@@ -95,4 +95,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     target: Path | None = config.getoption("--faults-table")
     if target is not None:
         rewrite_between_markers(target, "faults-table", table)
-
