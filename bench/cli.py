@@ -1,4 +1,4 @@
-"""``tokentrail bench engine|pipeline|replay|long-horizon|main-job|vllm``: the benchmarks from the CLI.
+"""``tokentrail bench engine|pipeline|replay|long-horizon|main-job|vllm|quotas``: the benchmarks from the CLI.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "long-horizon": "event bytes and ledger memory per call as one rollout grows to 10,000 calls",
     "main-job": "the main job end to end, memory vs durable broker storage, wall time side by side",
     "vllm": "the real vLLM worker's tokens/s with capture off vs on, per ack policy",
+    "quotas": "well-behaved agents' latency through the gateway alone vs beside a flooding agent",
 }
 
 EXAMPLES = """\
@@ -34,6 +35,7 @@ examples:
   tokentrail bench long-horizon --quick --json
   tokentrail bench main-job --quick --json
   tokentrail bench vllm --quick --json
+  tokentrail bench quotas --quick --json
 """
 
 

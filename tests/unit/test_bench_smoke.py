@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from bench import ledger_memory, main_job, vllm
+from bench import ledger_memory, main_job, quotas, vllm
 from bench.common import thread_cpu_s
 from bench.engine import MODES, EngineConfig
 from bench.long_horizon import LongHorizonConfig
@@ -217,6 +217,10 @@ def test_cli_wires_the_benchmarks() -> None:
     assert (config.lengths, config.timeout_s) == ((3, 30), 5.0) and callable(long.run)
     job = parser.parse_args(["bench", "main-job", "--quick", "--trials", "2", "--json"])
     assert main_job.config_from_args(job) == main_job.MainJobConfig(sizes=(64,), trials=2)
+    flooded = parser.parse_args(["bench", "quotas", "--quick", "--in-flight", "2,8", "--flood", "16"])
+    assert quotas.config_from_args(flooded) == quotas.QuotaBenchConfig(
+        calls=4, trials=1, flood=16, in_flight=(2, 8)
+    )
 
 
 def test_thread_cpu_is_read_per_thread_name() -> None:
@@ -266,3 +270,20 @@ def test_vllm_summary_pairs_each_round_by_mode() -> None:
     assert summary["by_ack"] == {"enqueued": 0.9, "staged": 0.53}
     assert summary["capture_over_off_median"] == 0.81
     assert summary["capture_over_logprobs_median"] == 0.9  # 0.9, 0.5, 0.9
+
+
+def test_quotas_summary_pairs_each_round_per_gateway() -> None:
+    """Flooded over alone divides the two trials of one round on one gateway."""
+    p50 = {
+        ("max_in_flight=8", 0): (100.0, 150.0),
+        ("max_in_flight=8", 1): (200.0, 200.0),
+        ("unlimited", 0): (100.0, 400.0),
+    }
+    trials = [
+        {"gateway": gateway, "round": number, "mode": mode, "latency_ms": {"p50": value}}
+        for (gateway, number), values in p50.items()
+        for mode, value in zip(("alone", "flooded"), values, strict=True)
+    ]
+    summary = quotas.summarize(trials)
+    assert summary["ratios"] == {"max_in_flight=8": [1.5, 1.0], "unlimited": [4.0]}
+    assert summary["flooded_over_alone"] == {"max_in_flight=8": 1.25, "unlimited": 4.0}

