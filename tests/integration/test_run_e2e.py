@@ -4,10 +4,11 @@ Each run starts the durable tansu broker, the embedded TransferQueue, a vLLM CPU
 on the tiny model, both stages and the driver, so every test here costs about a minute
 of engine start-up. The first test runs twice on one data directory, with stage processes
 and then with the stages in process (the second run must continue the same log and
-finalize only its own rollouts); the second plays through a gateway with an SDK agent and
-trains the policy on its samples (``--train-steps``); the third interrupts a run with
-SIGINT and checks that nothing it started is left running; the fourth kills a stage
-process and checks that the run reports it as its failure.
+finalize only its own rollouts; it is then kept serving, and the credentials it hands out
+are checked); the second plays through a gateway with an SDK agent and trains the policy
+on its samples (``--train-steps``); the third interrupts a run with SIGINT and checks that
+nothing it started is left running; the fourth kills a stage process and checks that the
+run reports it as its failure.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import stat
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 
@@ -108,7 +112,10 @@ def test_two_runs_on_one_data_dir_finalize_each_rollout_once(tmp_path: Path) -> 
     groups = Counter(s["group_id"] for s in samples)
     assert len(groups) <= 2 and all(count <= 2 for count in groups.values())
 
-    second = run_small(data_dir, tmp_path / "run2.log", "--stages", "inline")  # the same groups, in process
+    # The same groups, in process, and then kept serving: it names the operator's credential
+    # file (never a secret) in serving.json, and the worker checks it.
+    with kept_run(data_dir, tmp_path / "run2.log", "--stages", "inline") as (second, serving):
+        check_the_credentials_a_kept_run_hands_out(data_dir, serving)
     check_summary(second, data_dir)
     assert second["stages"] == "inline"
     assert second["run_id"] != first["run_id"]
@@ -155,6 +162,51 @@ def test_an_sdk_agent_trains_the_policy_through_the_gateway(tmp_path: Path) -> N
     versions = Counter(frozenset(sample["weight_versions"]) for sample in samples)
     assert versions == {frozenset({0}): 4, frozenset({1}): 4}
     assert (data_dir / "weights" / "step-2" / "config.json").is_file()
+
+
+@contextlib.contextmanager
+def kept_run(data_dir: Path, log: Path, *extra: str) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """A ``run --keep``: yields its summary and ``serving.json`` while it serves, then
+    stops it with SIGINT (a completed run still exits 0) and checks that it removed
+    ``serving.json``."""
+    argv = ["run", "--json", "--keep", *SMALL, *extra, "--data-dir", str(data_dir)]
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=err
+        )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, f"run exited {proc.wait()} before its summary:\n{log.read_text()[-4000:]}"
+        serving_file = data_dir / "serving.json"
+        deadline = time.monotonic() + 30
+        while not serving_file.is_file():
+            assert time.monotonic() < deadline, "a kept run did not write serving.json"
+            time.sleep(0.2)
+        yield json.loads(line), json.loads(serving_file.read_text())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not serving_file.exists()
+
+
+def check_the_credentials_a_kept_run_hands_out(data_dir: Path, serving: dict[str, Any]) -> None:
+    directory = data_dir / "credentials"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    secrets = {path.name: path.read_text().strip() for path in directory.iterdir()}
+    assert set(secrets) == {"operator.token", "environment.token", "service.token", "agent.key"}
+    assert all(stat.S_IMODE((directory / name).stat().st_mode) == 0o600 for name in secrets)
+    assert Path(serving["operator_token_file"]) == directory / "operator.token"
+    assert not any(secret in json.dumps(serving) for secret in secrets.values())
+    version = f"{serving['worker']}/admin/weight_version"
+    refused = httpx.get(version, headers={"authorization": f"Bearer {secrets['environment.token']}"})
+    assert refused.status_code == 403 and secrets["environment.token"] not in refused.text
+    assert httpx.get(version).status_code == 401
+    operator = {"authorization": f"Bearer {secrets['operator.token']}"}
+    assert httpx.get(version, headers=operator).json() == {"version": 0, "paused": False}
 
 
 @pytest.mark.timeout(400)
