@@ -9,12 +9,13 @@ archives the accepted samples to ``DATA_DIR/samples.jsonl``; stops everything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.commands.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
 from pipeline.kafka.broker import STORAGE_MODES
@@ -22,6 +23,9 @@ from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_
 from pipeline.process.guard import guard_descendants
 from pipeline.run.config import RunConfig
 from stages.envs.arithmetic import read_tasks
+
+if TYPE_CHECKING:
+    from pipeline.run.terminal import Screen
 
 EXAMPLES = """\
 examples:
@@ -278,13 +282,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def execute_and_report(config: RunConfig, *, as_json: bool) -> int:
-    import contextlib
+    """Run, then report: the JSON document, or on a terminal the live view and a table."""
+    from pipeline.run.terminal import terminal_screen
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        if as_json or not sys.stderr.isatty():
+            return _execute(config, as_json=as_json, screen=None)
+        with terminal_screen(config.data_dir) as screen:
+            return _execute(config, as_json=False, screen=screen)
+    except KeyboardInterrupt:  # before the run's own signal handling was in place
+        return 130
+
+
+def _execute(config: RunConfig, *, as_json: bool, screen: Screen | None) -> int:
+    from rich.console import Console
 
     from pipeline.run.display import keep_banner, live_progress, summary_table
     from pipeline.run.main import execute
     from pipeline.run.report import RunProgress, RunSummary
 
-    config.data_dir.mkdir(parents=True, exist_ok=True)
     reported: list[RunSummary] = []
 
     def report(summary: RunSummary) -> None:
@@ -293,19 +310,20 @@ def execute_and_report(config: RunConfig, *, as_json: bool) -> int:
             sys.stdout.write(json.dumps(summary.document(), sort_keys=True) + "\n")
             sys.stdout.flush()
         else:
-            from rich.console import Console
-
-            Console().print(summary_table(summary))
+            console = screen.console if screen is not None else Console()
+            console.print(summary_table(summary))
+            if screen is not None:
+                console.print(f"full log: {screen.log_path}", style="dim", markup=False, highlight=False)
         if config.keep and summary.status == "completed":
-            print(keep_banner(summary), file=sys.stderr, flush=True)
+            banner = keep_banner(summary)
+            if screen is not None:
+                screen.console.print(banner, markup=False, highlight=False)
+            else:
+                print(banner, file=sys.stderr, flush=True)
 
     progress = RunProgress()
-    display = not as_json and sys.stderr.isatty()
-    try:
-        with live_progress(progress) if display else contextlib.nullcontext():
-            summary = execute(config, progress, on_complete=report)
-    except KeyboardInterrupt:  # before the run's own signal handling was in place
-        return 130
+    with live_progress(progress, screen.console) if screen is not None else contextlib.nullcontext():
+        summary = execute(config, progress, on_complete=report)
     if not reported:
         report(summary)
     return summary.exit_code

@@ -1,20 +1,16 @@
 """What a person watching ``tokentrail run`` sees: a live progress view and a summary table.
 
-The live view is drawn on stderr only when stderr is a terminal (and not with
-``--json``): rollouts admitted, sealed and finalized, calls per second, consumer lag
-per stage. Log lines keep flowing as JSON lines; while the view is up they are
-written above it rather than through it. The summary table is the human counterpart
-of the ``--json`` document.
+The live view is drawn only when stderr is a terminal (and not with ``--json``):
+rollouts admitted, sealed and finalized, calls per second, consumer lag per stage.
+Meanwhile the log lines go to a file (``pipeline.run.terminal``). The summary table is
+the human counterpart of the ``--json`` document.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
 import time
 from collections.abc import Iterator
-from typing import IO
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -69,29 +65,20 @@ class ProgressView:
 
 
 @contextlib.contextmanager
-def live_progress(progress: RunProgress, console: Console | None = None) -> Iterator[None]:
-    """Show the live view on stderr while the block runs; log lines go above it."""
-    console = console or Console(stderr=True)
+def live_progress(progress: RunProgress, console: Console) -> Iterator[None]:
+    """Show the live view on ``console`` while the block runs (``pipeline.run.terminal``
+    keeps everything else off that terminal; what the console prints goes above the view).
+    ``sys.stdout`` and ``sys.stderr`` stay what they are: the log file, for every library
+    that looks them up while the view is up."""
     with Live(
         ProgressView(progress),
         console=console,
         refresh_per_second=4,
         transient=True,
-        redirect_stdout=True,
-        redirect_stderr=True,
+        redirect_stdout=False,
+        redirect_stderr=False,
     ):
-        handlers = [
-            h
-            for h in logging.getLogger().handlers
-            if type(h) is logging.StreamHandler and h.stream is sys.__stderr__
-        ]
-        saved: list[IO[str] | None] = [h.setStream(sys.stderr) for h in handlers]
-        try:
-            yield
-        finally:
-            for handler, stream in zip(handlers, saved, strict=True):
-                if stream is not None:
-                    handler.setStream(stream)
+        yield
 
 
 def summary_table(summary: RunSummary) -> Table:
