@@ -24,7 +24,6 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-
 from inspectkit import RunDir
 
 from pipeline.dataplane.embedded import EmbeddedDataPlane
@@ -62,7 +61,9 @@ def _policies() -> ModuleType:
     return module
 
 
-async def _play_extra(config: KafkaConfig, server: EmbeddedDataPlane, run_id: str, archive: Path) -> dict[str, dict[str, str]]:
+async def _play_extra(
+    config: KafkaConfig, server: EmbeddedDataPlane, run_id: str, archive: Path
+) -> dict[str, dict[str, str]]:
     policies = _policies()
     call_ids: dict[str, dict[str, str]] = {}
     async with (
@@ -72,11 +73,15 @@ async def _play_extra(config: KafkaConfig, server: EmbeddedDataPlane, run_id: st
         cache = ChainCache()
         writer = StagingWriter(plane, sink, worker_id="w-inspect", batch_delay_s=0.002)
         writer.start()
-        core = CaptureCore(PrefixResolver(plane, cache, wait_s=5.0), writer, cache, ack_policy=AckPolicy.STAGED)
+        core = CaptureCore(
+            PrefixResolver(plane, cache, wait_s=5.0), writer, cache, ack_policy=AckPolicy.STAGED
+        )
         client = RolloutClient(sink)
         for suffix, scenario in EXTRA.items():
             rollout_id = f"{run_id}.{suffix}"
-            call_ids[rollout_id] = await policies.capture(core, client, plane, rollout_id, policies.SCENARIOS[scenario])
+            call_ids[rollout_id] = await policies.capture(
+                core, client, plane, rollout_id, policies.SCENARIOS[scenario]
+            )
         await writer.stop()
         stop = asyncio.Event()
         finalizer = FinalizerStage(plane, sink)
