@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,15 @@ def test_a_path_that_is_not_a_data_dir_is_named(tmp_path: Path) -> None:
         check_data_dir(tmp_path)
     with pytest.raises(NotADataDir, match="no such directory"):
         check_data_dir(tmp_path / "absent")
+
+
+def test_without_a_log_the_archive_is_still_shown(run_dir: RunDir, tmp_path: Path) -> None:
+    """A data directory whose log is gone: every archived rollout listed, the reason kept."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy2(run_dir.path / "samples.jsonl", bare / "samples.jsonl")
+    source = RunSource.open(bare, tmp_path / "scratch")
+    assert source.log_problem is not None and str(bare) in source.log_problem
+    assert source.table.statuses() == {"accepted": len({r["rollout_id"] for r in source.samples.values()})}
+    assert source.rollout(run_dir.extra["chains"]) is None
+    assert all(source.tokens(key) is not None for key in source.samples)
