@@ -23,6 +23,7 @@ VERBS: tuple[str, ...] = (
     "replay",
     "ledger",
     "samples",
+    "inspect",
     "make_tiny_model",
 )
 PLUGIN_GROUP = "tokentrail.verbs"

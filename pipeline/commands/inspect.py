@@ -1,0 +1,92 @@
+"""``tokentrail inspect DATA_DIR``: a read-only web view of a finished run (DESIGN §16)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
+from pipeline.auth.credentials import Credentials, Role
+from pipeline.auth.transport import InsecureBind, check_bind
+from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
+from pipeline.inspect.app import create_inspect_app
+from pipeline.inspect.source import NotADataDir, RunSource
+
+CREDENTIALS_DIR = "credentials"
+"""Where ``tokentrail run`` mints its credentials in the data directory (DESIGN §15)."""
+
+EXAMPLES = """\
+examples:
+  tokentrail inspect .tokentrail
+  tokentrail inspect /data/tt --host 0.0.0.0 --port 8300 --credentials-dir /data/tt/credentials
+
+With the credentials a run minted (DATA_DIR/credentials/), open it once with the
+operator token, which becomes a cookie:
+  http://127.0.0.1:8200/rollouts?token=$(cat .tokentrail/credentials/operator.token)
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "inspect",
+        help="browse a finished run's rollouts, call trees and sample tokens in a web browser",
+        description=(
+            "Serve a read-only web app over a run's data directory: the ledger rebuilt from a\n"
+            "copy of its event log, and the sample archive. Nothing is written to the pipeline."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="the data directory of a run")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8200, help="listen port (default: %(default)s)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="tokenizer to decode tokens with (default: DATA_DIR/tiny-model)",
+    )
+    add_auth_arguments(parser, server=True, client=False)
+    add_log_format_argument(parser)
+    parser.set_defaults(run=run)
+
+
+def credentials_for(args: argparse.Namespace) -> Credentials:
+    """``--credentials-dir``, else the ones the run minted in the data directory."""
+    if args.credentials_dir is None and (args.data_dir / CREDENTIALS_DIR).is_dir():
+        args.credentials_dir = args.data_dir / CREDENTIALS_DIR
+    return credentials_from_args(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)
+    try:
+        credentials = credentials_for(args)
+        check_bind(args.host, credentials, insecure_no_auth=args.insecure_no_auth, what="inspector")
+        tls = tls_from_args(args)
+    except (InsecureBind, ValueError) as exc:
+        print(f"tokentrail inspect: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="tokentrail-inspect-") as scratch:
+        try:
+            source = RunSource.open(args.data_dir.resolve(), Path(scratch), args.model_dir)
+        except NotADataDir as exc:
+            print(f"tokentrail inspect: {exc}", file=sys.stderr)
+            return 2
+        app = create_inspect_app(source, credentials, secure=tls is not None)
+        scheme = "https" if tls else "http"
+        login = "?token=<operator token>" if credentials.token(Role.OPERATOR) else ""
+        print(f"tokentrail inspect: {scheme}://{args.host}:{args.port}/rollouts{login}", file=sys.stderr)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            ssl_certfile=str(tls.certfile) if tls else None,
+            ssl_keyfile=str(tls.keyfile) if tls else None,
+        )
+    return 0

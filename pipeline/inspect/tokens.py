@@ -1,0 +1,93 @@
+"""A sample's tokens as one HTML string: the browser parses it once, with no per-token DOM
+calls, so a 32K-token sample opens without freezing the page (DESIGN §16).
+
+Every token is a focusable span carrying its id, mask, logprob, weight version and call;
+generated tokens (mask 1) are shaded by probability on viridis, a colour-blind-safe
+scale, prompt and tool tokens (mask 0) are drawn apart, unshaded. Call boundaries are
+separate elements without a token id.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from markupsafe import Markup, escape
+from tokenizers import Tokenizer
+
+SHADES = 10
+"""Probability buckets; ``static/inspect.css`` gives ``.v0`` … ``.v9`` viridis colours."""
+
+Decoder = Callable[[int], str]
+
+
+def load_decoder(model_dir: Path) -> Decoder | None:
+    """Decodes one id to its text with the run's own tokenizer; None when the model is gone."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    tokenizer = Tokenizer.from_file(str(path))
+    cache: dict[int, str] = {}
+
+    def decode(token_id: int) -> str:
+        if token_id not in cache:
+            cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return cache[token_id]
+
+    return decode
+
+
+def shade(logprob: float) -> int:
+    return min(SHADES - 1, int(math.exp(logprob) * SHADES))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenView:
+    """One archived sample and its rendering."""
+
+    sample_key: str
+    rollout_id: str
+    group_id: str | None
+    run_id: str
+    reward: float | None
+    length: int
+    generated: int
+    calls: int
+    html: Markup
+
+
+def render_tokens(record: Mapping[str, Any], decode: Decoder | None) -> TokenView:
+    """``record`` is an archive line (``pipeline.samples.archive``)."""
+    ids: Sequence[int] = record["token_ids"]
+    mask: Sequence[float] = record["token_mask"]
+    logprobs: Sequence[float] = record["logprobs"]
+    versions: Sequence[int] = record["weight_versions"]
+    starts = {int(span["start"]): str(span["call_id"]) for span in record.get("spans", [])}
+    parts: list[str] = []
+    call = ""
+    for i, token_id in enumerate(ids):
+        if i in starts:
+            call = starts[i]
+            parts.append(f'<span class="cb" title="call boundary">{escape(call)}</span>')
+        generated = mask[i] >= 0.5
+        classes = f"t m1 v{shade(logprobs[i])}" if generated else "t m0"
+        piece = decode(token_id) if decode is not None else f"⟨{token_id}⟩"
+        parts.append(
+            f'<span class="{classes}" tabindex="0" data-token-id="{token_id}" data-mask="{int(generated)}" '
+            f'data-logprob="{float(logprobs[i])!r}" data-version="{versions[i]}" data-call="{escape(call)}">'
+            f"{escape(piece) or '∅'}</span>"
+        )
+    return TokenView(
+        sample_key=str(record.get("sample_key") or record["rollout_id"]),
+        rollout_id=str(record["rollout_id"]),
+        group_id=record.get("group_id"),
+        run_id=str(record["run_id"]),
+        reward=record.get("reward"),
+        length=len(ids),
+        generated=sum(1 for m in mask if m >= 0.5),
+        calls=len(starts),
+        html=Markup("".join(parts)),
+    )

@@ -1,0 +1,215 @@
+"""``tokentrail inspect`` as a user meets it: a real subprocess over a real run's data
+directory, driven by Debian's chromium through Playwright. A screenshot of each view goes
+to ``$TOKENTRAIL_INSPECT_SCREENSHOTS`` (default ``tests/inspect/screenshots/``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from inspectkit import RunDir
+from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
+
+from pipeline.kafka.broker import free_port
+from pipeline.samples.archive import archive_path, read_archive
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.mark.dataplane]
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+
+
+@pytest.fixture(scope="module")
+def server(run_dir: RunDir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("inspect-server") / "inspect.log"
+    with log.open("w") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "inspect", str(run_dir.path), "--port", str(port)],
+            cwd=REPO,
+            stdout=err,
+            stderr=err,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, f"inspect exited: {log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, f"inspect never answered: {log.read_text()[-3000:]}"
+                time.sleep(0.3)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if shutil.which(CHROMIUM) is None:
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium)")
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser: Browser, server: str, run_dir: RunDir) -> Iterator[Page]:
+    """A logged-in page that fails the test on any console error."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+
+    def watch(message: ConsoleMessage) -> None:
+        if message.type == "error":
+            errors.append(message.text)
+
+    page.on("console", watch)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    token = (run_dir.path / "credentials" / "operator.token").read_text().strip()
+    page.goto(f"{server}/rollouts?token={token}")
+    assert page.url == f"{server}/rollouts"  # the token went into a cookie, out of the URL
+    yield page
+    context.close()
+    assert errors == []
+
+
+def shot(page: Page, screenshots: Path, name: str) -> None:
+    page.screenshot(path=str(screenshots / f"{name}.png"), full_page=False)
+
+
+def samples(run_dir: RunDir) -> dict[str, dict[str, Any]]:
+    records = read_archive(archive_path(run_dir.path)).records
+    return {str(r.get("sample_key") or r["rollout_id"]): r for r in records}
+
+
+def test_without_the_operator_credential_it_is_refused(server: str) -> None:
+    for path in ("/rollouts", "/pipeline", "/samples/x/tokens"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(server + path, timeout=5)
+        assert refused.value.code == 401
+    request = urllib.request.Request(
+        server + "/rollouts", headers={"cookie": "tokentrail_inspect=" + "x" * 40}
+    )
+    with pytest.raises(urllib.error.HTTPError) as wrong:
+        urllib.request.urlopen(request, timeout=5)
+    assert wrong.value.code == 401
+
+
+def test_the_table_lists_pages_and_filters(
+    page: Page, server: str, run_dir: RunDir, screenshots: Path
+) -> None:
+    assert page.locator("tr[data-rollout-id]").count() == 4 + len(run_dir.extra)
+    shot(page, screenshots, "rollouts")
+    page.goto(f"{server}/rollouts?per_page=3")
+    first = page.locator("tr[data-rollout-id]").evaluate_all("rows => rows.map(r => r.dataset.rolloutId)")
+    page.click("a[rel=next]")
+    second = page.locator("tr[data-rollout-id]").evaluate_all("rows => rows.map(r => r.dataset.rolloutId)")
+    assert len(first) == 3 and second and not set(first) & set(second)
+    page.goto(f"{server}/rollouts?status=rejected")
+    rejected = page.locator("tr[data-rollout-id]").evaluate_all("rows => rows.map(r => r.dataset.rolloutId)")
+    assert set(rejected) >= {run_dir.extra["ambiguous"], run_dir.extra["corrupt"]}
+
+
+def test_a_rejected_rollout_shows_its_code_and_culprit(
+    page: Page, server: str, run_dir: RunDir, screenshots: Path
+) -> None:
+    rollout_id = run_dir.extra["corrupt"]
+    page.goto(f"{server}/rollouts/{rollout_id}")
+    assert page.locator(".rejection").get_attribute("data-code") == "digest_mismatch"
+    assert "FinalizerFailure" in page.locator(".rejection").inner_text()
+    culprit = run_dir.call_ids[rollout_id]["b"]
+    assert page.locator("a.cause-link").all_inner_texts() == [culprit]
+    shot(page, screenshots, "rollout-rejected")
+    page.goto(f"{server}/rollouts/{run_dir.extra['ambiguous']}")
+    assert page.locator(".rejection").get_attribute("data-code") == "ambiguous_terminal"
+
+
+def test_a_chains_rollout_links_two_samples(
+    page: Page, server: str, run_dir: RunDir, screenshots: Path
+) -> None:
+    page.goto(f"{server}/rollouts/{run_dir.extra['chains']}")
+    links = page.locator("a.sample")
+    assert links.count() == 2
+    shot(page, screenshots, "rollout-chains")
+    links.first.click()
+    assert page.url.endswith("/tokens")
+
+
+def test_the_token_view_is_the_sample(page: Page, server: str, run_dir: RunDir, screenshots: Path) -> None:
+    for key, record in samples(run_dir).items():
+        page.goto(f"{server}/samples/{key}/tokens")
+        tokens = page.locator("#tokens [data-token-id]")
+        ids = tokens.evaluate_all("els => els.map(e => Number(e.dataset.tokenId))")
+        assert ids == record["token_ids"]
+        masks = tokens.evaluate_all("els => els.map(e => Number(e.dataset.mask))")
+        assert masks == [int(m) for m in record["token_mask"]]
+    key, record = next((k, r) for k, r in samples(run_dir).items() if "@" in k)
+    page.goto(f"{server}/samples/{key}/tokens")
+    prompt = page.locator("#tokens [data-mask='0']").first
+    generated_index = record["token_mask"].index(1.0)
+    generated = page.locator("#tokens [data-token-id]").nth(generated_index)
+    style = "e => getComputedStyle(e).backgroundColor + getComputedStyle(e).fontStyle"
+    assert prompt.evaluate(style) != generated.evaluate(style)
+    generated.hover()
+    assert (
+        json.loads(page.locator("#tip").get_attribute("data-logprob") or "")
+        == record["logprobs"][generated_index]
+    )
+    assert f"id {record['token_ids'][generated_index]}" in page.locator("#tip").inner_text()
+    run_key = next(k for k in samples(run_dir) if "@" not in k)
+    page.goto(f"{server}/samples/{run_key}/tokens")
+    page.locator("#tokens [data-mask='1']").nth(3).hover()
+    shot(page, screenshots, "tokens")
+
+
+def test_groups_and_the_pipeline_page(page: Page, server: str, run_dir: RunDir, screenshots: Path) -> None:
+    group = next(str(r["group_id"]) for r in samples(run_dir).values() if "@" not in str(r.get("sample_key")))
+    page.goto(f"{server}/groups/{group}")
+    assert page.locator("table.group tbody tr").count() == 2
+    shot(page, screenshots, "group")
+    page.goto(f"{server}/pipeline")
+    text = page.locator("main").inner_text()
+    assert "digest_mismatch" in text and "ledger: 0" in text
+    shot(page, screenshots, "pipeline")
+
+
+def test_unknown_ids_give_404_pages(
+    browser: Browser, server: str, run_dir: RunDir, screenshots: Path
+) -> None:
+    """Its own context: the browser logs each 404 document as a console error, rightly here."""
+    context = browser.new_context()
+    page = context.new_page()
+    token = (run_dir.path / "credentials" / "operator.token").read_text().strip()
+    page.goto(f"{server}/rollouts?token={token}")
+    for path, what in (
+        ("/rollouts/no-such-rollout", "no-such-rollout"),
+        ("/samples/no-such@key/tokens", "no-such@key"),
+    ):
+        reply = page.goto(server + path)
+        assert reply is not None and reply.status == 404
+        assert what in page.locator(".missing").inner_text()
+    shot(page, screenshots, "missing")
+    context.close()
