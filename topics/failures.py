@@ -1,7 +1,9 @@
-"""Failure codes (DESIGN §6), grouped by the component that raises them."""
+"""Failure codes (DESIGN §6), grouped by the component that raises them, each with a
+one-line meaning for people reading a rejection (the inspector shows it)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 
 
@@ -57,3 +59,34 @@ class FinalizerFailure(StrEnum):
 ALL_FAILURE_CODES: frozenset[str] = frozenset(
     code.value for family in (WorkerFailure, LedgerFailure, FinalizerFailure) for code in family
 )
+
+MEANINGS: Mapping[str, str] = {
+    WorkerFailure.PREFIX_UNAVAILABLE: "an ancestor's row could not be read while the worker rebuilt the prompt",
+    WorkerFailure.PREFIX_HASH_MISMATCH: "an ancestor's row or the prefix disagrees with the admitted chain",
+    WorkerFailure.PREFIX_SPLICE_FAILED: "the earlier tokens could not be spliced into this call's prompt (§5)",
+    WorkerFailure.INVALID_DELTA: "the engine's output could not become a valid row",
+    WorkerFailure.STAGING_WRITE_FAILED: "the row could not be put into the data plane",
+    WorkerFailure.STAGING_TIMEOUT: "putting the row into the data plane took longer than its timeout",
+    WorkerFailure.EPOCH_SPAN_REJECTED: "the call straddled a refit and the span policy rejects that",
+    WorkerFailure.NOT_SERVED: "an admitted call that the engine never finished",
+    WorkerFailure.CLIENT_DISCONNECTED: "the streaming client went away before the call finished",
+    LedgerFailure.COORDS_MISMATCH: "what was staged does not continue what was admitted, or a child its parent",
+    LedgerFailure.NEVER_STAGED: "admitted and sealed, but no row was staged before the grace period ended",
+    LedgerFailure.UNKNOWN_ADMISSION: "a staged call, or a chain ancestor, that was never admitted",
+    LedgerFailure.AMBIGUOUS_TERMINAL: "more than one chain could be the episode's end (§4.4)",
+    LedgerFailure.DECLARED_TERMINAL_MISSING: "the seal named a terminal call the rollout does not have",
+    LedgerFailure.NO_CALLS: "sealed without a single captured call",
+    LedgerFailure.ROLLOUT_FAILED: "the environment sealed the rollout as failed",
+    LedgerFailure.INTERRUPTED: "its run stopped (a signal or a crash) before the rollout ended",
+    LedgerFailure.NEVER_SEALED: "admitted calls, but no seal within the open limit",
+    FinalizerFailure.MISSING_ROW: "a row of the chain could not be read from the data plane",
+    FinalizerFailure.ROW_IDENTITY_MISMATCH: "a fetched row belongs to another call",
+    FinalizerFailure.DIGEST_MISMATCH: "a row's bytes do not hash to the digest its staging recorded",
+    FinalizerFailure.LENGTH_MISMATCH: "a row's lengths or weight spans disagree with its coords",
+    FinalizerFailure.CHAIN_HASH_MISMATCH: "a row does not chain onto its parent's hash",
+    FinalizerFailure.CUMULATIVE_HASH_MISMATCH: "the spliced sample's tokens differ from what the chain committed",
+    FinalizerFailure.INVALID_MASK: "the loss mask is not 0/1 or marks no generated token correctly",
+    FinalizerFailure.EMPTY_GENERATION: "the sample has no generated token",
+    FinalizerFailure.MIXED_WEIGHT_VERSIONS: "the sample's tokens come from weight versions the policy forbids mixing",
+    FinalizerFailure.BRANCH_REJECTED: "this chain verified, but another chain of its rollout was rejected",
+}

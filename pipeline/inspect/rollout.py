@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pipeline.replay.store import tree_order
-from topics.failures import FinalizerFailure, LedgerFailure, WorkerFailure
+from topics.failures import MEANINGS, FinalizerFailure, LedgerFailure, WorkerFailure
 from topics.records import CallRecord, FailedCall, FinalizedEvent, RolloutReceipt
 
 Call = CallRecord | FailedCall
@@ -27,7 +27,7 @@ class CodeMeaning:
 def code_meaning(code: str) -> CodeMeaning:
     for family in FAMILIES:
         if code in family._value2member_map_:
-            return CodeMeaning(code, family.__name__, " ".join((family.__doc__ or "").split()))
+            return CodeMeaning(code, family.__name__, MEANINGS[code])
     return CodeMeaning(code, "unknown", "not a code of this version (DESIGN §6)")
 
 

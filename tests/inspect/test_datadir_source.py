@@ -9,6 +9,7 @@ import pytest
 from inspectkit import RunDir
 
 from pipeline.inspect.source import NotADataDir, RunSource, check_data_dir
+from topics.failures import MEANINGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.mark.dataplane]
 
@@ -40,6 +41,7 @@ def test_a_rejection_names_its_code_meaning_and_culprit(source: RunSource, run_d
     corrupt = source.rollout(run_dir.extra["corrupt"])
     assert corrupt is not None and corrupt.rejection is not None
     assert (corrupt.rejection.code, corrupt.rejection.family) == ("digest_mismatch", "FinalizerFailure")
+    assert corrupt.rejection.meaning == MEANINGS["digest_mismatch"]
     culprit = run_dir.call_ids[run_dir.extra["corrupt"]]["b"]
     assert [n.call.call_id for n in corrupt.nodes if n.caused_rejection] == [culprit]
     ambiguous = source.rollout(run_dir.extra["ambiguous"])
