@@ -49,6 +49,8 @@ AGENT_KEY_VARIABLE = "TOKENTRAIL_AGENT_KEY"
 MIN_SECRET_CHARS = 32
 """At least 128 bits of a URL-safe alphabet and then some; shorter secrets are refused."""
 MINTED_ROLES = (Role.OPERATOR, Role.ENVIRONMENT, Role.SERVICE)
+CREDENTIALS_DIR = "credentials"
+"""Under a run's data directory: where ``tokentrail run`` mints its credentials."""
 
 
 class CredentialError(ValueError):

@@ -11,14 +11,12 @@ from typing import Any
 import uvicorn
 
 from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
-from pipeline.auth.credentials import Credentials, Role
+from pipeline.auth.credentials import CREDENTIALS_DIR, Credentials, Role
 from pipeline.auth.transport import InsecureBind, check_bind
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.inspect.app import create_inspect_app
 from pipeline.inspect.source import NotADataDir, RunSource
-
-CREDENTIALS_DIR = "credentials"
-"""Where ``tokentrail run`` mints its credentials in the data directory (DESIGN §15)."""
+from pipeline.process.guard import guard_descendants
 
 EXAMPLES = """\
 examples:
@@ -71,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     except (InsecureBind, ValueError) as exc:
         print(f"tokentrail inspect: {exc}", file=sys.stderr)
         return 2
+    guard_descendants(role="inspect")  # the broker it reads the log's copy through dies with it
     with tempfile.TemporaryDirectory(prefix="tokentrail-inspect-") as scratch:
         try:
             source = RunSource.open(args.data_dir.resolve(), Path(scratch), args.model_dir)

@@ -48,7 +48,7 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from pipeline.auth.credentials import ROLE_FILES, Credentials, Role
+from pipeline.auth.credentials import CREDENTIALS_DIR, ROLE_FILES, Credentials, Role
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import BrokerError
 from pipeline.kafka.config import ConfigError, KafkaConfig
@@ -87,7 +87,6 @@ from stages.ports import SAMPLES_PARTITION, DataPlane, DataPlaneError
 from stages.trainer.batch import StalenessPolicy, TrainBatch
 
 SERVING_FILE = "serving.json"
-CREDENTIALS_DIR = "credentials"
 """Written by ``--keep`` while it serves: the addresses of the broker, worker, gateway and data plane."""
 log = logging.getLogger(__name__)
 
