@@ -1,5 +1,5 @@
 """The escape suite: an agent holding exactly what the gateway gave it tries every route
-that is not its own, on the gateway and on the worker, and must change nothing.
+that is not its own, on the gateway, the worker and the inspector, and must change nothing.
 
 The routes come from the apps' own route tables, so a route added later is attacked by
 default (and one without an access policy fails ``test_every_route_states_its_roles``).
@@ -10,6 +10,7 @@ version and pause state unchanged, no event published by gateway or worker, no r
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import unguarded_routes
 from pipeline.gateway.app import gateway_policy
 from pipeline.gateway.main import Gateway, GatewayConfig, gateway
+from pipeline.inspect.app import create_inspect_app, inspect_policy
+from pipeline.inspect.log import LogUnavailable
+from pipeline.inspect.source import RunSource
+from pipeline.samples.archive import archive_path
 from pipeline.worker.main import WorkerServer
 from pipeline.worker.server import worker_policy
 from topics.wire import CAPTURE_FIELD
@@ -48,6 +53,7 @@ class Perimeter:
     rig: Rig
     built: Gateway
     server: WorkerServer
+    inspector: WorkerServer
     mine: dict[str, Any]
     other: dict[str, Any]
 
@@ -76,18 +82,25 @@ class Perimeter:
 
 
 @pytest.fixture(scope="module")
-def perimeter(host: EngineHost, model_dir: Path) -> Iterator[Perimeter]:
+def perimeter(
+    host: EngineHost, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Perimeter]:
     rig = start_rig(host, model_dir, credentials=CREDENTIALS)
     config = GatewayConfig(workers=(rig.url,), port=0, credentials=CREDENTIALS)
+    data_dir = tmp_path_factory.mktemp("inspected")
+    archive_path(data_dir).touch()
+    inspected = RunSource(data_dir, LogUnavailable("no log in this test"), None)
 
-    async def start() -> tuple[Any, Gateway, WorkerServer]:
+    async def start() -> tuple[Any, Gateway, WorkerServer, WorkerServer]:
         context = gateway(config, rig.driver_sink)
         built = await context.__aenter__()
         server = WorkerServer(built.app, host="127.0.0.1", port=0, graceful_timeout_s=5)
         await server.start()
-        return context, built, server
+        inspector = WorkerServer(create_inspect_app(inspected, CREDENTIALS), host="127.0.0.1", port=0)
+        await inspector.start()
+        return context, built, server, inspector
 
-    context, built, server = rig.host.run(start())
+    context, built, server, inspector = rig.host.run(start())
     try:
         opened = [
             httpx.post(
@@ -95,10 +108,11 @@ def perimeter(host: EngineHost, model_dir: Path) -> Iterator[Perimeter]:
             ).json()
             for _ in range(2)
         ]
-        yield Perimeter(rig, built, server, opened[0], opened[1])
+        yield Perimeter(rig, built, server, inspector, opened[0], opened[1])
     finally:
 
         async def stop() -> None:
+            await inspector.stop()
             await server.stop()
             await context.__aexit__(None, None, None)
 
@@ -109,6 +123,7 @@ def perimeter(host: EngineHost, model_dir: Path) -> Iterator[Perimeter]:
 def test_every_route_states_its_roles(perimeter: Perimeter) -> None:
     assert unguarded_routes(perimeter.built.app, gateway_policy()) == []
     assert unguarded_routes(perimeter.rig.server._config.app, worker_policy()) == []  # type: ignore[arg-type]
+    assert unguarded_routes(perimeter.inspector._config.app, inspect_policy()) == []  # type: ignore[arg-type]
 
 
 def test_the_agent_calls_its_own_rollout_and_nothing_else(
@@ -150,13 +165,14 @@ def _attacks(p: Perimeter) -> Iterator[tuple[str, str, str, str, str, dict[str, 
     for surface, app, base, policy in (
         ("gateway", p.built.app, p.url, gateway_policy()),
         ("worker", p.rig.server._config.app, p.rig.url, worker_policy()),  # type: ignore[attr-defined]
+        ("inspector", p.inspector._config.app, p.inspector.url, inspect_policy()),  # type: ignore[attr-defined]
     ):
         for route in app.routes:
             if not isinstance(route, APIRoute) or policy[route.path].public:
                 continue
             for method in sorted(route.methods - {"HEAD"}):
                 for target in (mine, other):
-                    path = route.path.replace("{rollout_id}", target["rollout_id"])
+                    path = re.sub(r"\{[a-z_]+\}", target["rollout_id"], route.path)
                     own = target is mine and Role.AGENT in policy[route.path].roles
                     for how, headers in keys.items():
                         if own and how in ("bearer", "x-api-key"):

@@ -2,7 +2,9 @@
 schema): random paths, methods, credentials and JSON bodies.
 
 The gateway is fuzzed whole, in front of a recording sink: nothing answers 5xx, and
-nothing without the right credential is accepted or publishes an event. The worker's
+nothing without the right credential is accepted or publishes an event. The inspector is
+fuzzed whole over an empty data directory: nothing without the operator's credential is
+shown. The worker's
 gate is fuzzed with the worker's own policy in front of handlers that record being
 reached (the real worker, engine and all, is attacked route by route in
 ``tests/security/test_escape.py``): no request without the right role reaches one.
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +31,10 @@ from pipeline.gateway.app import create_gateway_app, gateway_policy
 from pipeline.gateway.calls import Forwarder
 from pipeline.gateway.sessions import Sessions
 from pipeline.gateway.upstream import Workers
+from pipeline.inspect.app import create_inspect_app, inspect_policy
+from pipeline.inspect.log import LogUnavailable
+from pipeline.inspect.source import RunSource
+from pipeline.samples.archive import archive_path
 from pipeline.worker.server import worker_policy
 from stages.client import RolloutClient
 from stages.memory import RecordingSink
@@ -139,3 +147,38 @@ def test_the_worker_gate_lets_no_unentitled_request_reach_a_handler(
     else:
         assert response.status_code in REFUSED, (who, template, response.status_code)
         assert reached == [], (who, template)
+
+
+INSPECTED = tempfile.TemporaryDirectory(prefix="inspected-")  # removed when the session ends
+
+
+def _inspector() -> Any:
+    data_dir = Path(INSPECTED.name)
+    archive_path(data_dir).touch()
+    return create_inspect_app(RunSource(data_dir, LogUnavailable("no log here"), None), CREDENTIALS)
+
+
+INSPECTOR = _inspector()
+
+
+@given(template=st.sampled_from(sorted(inspect_policy())), method=METHOD, rollout=ROLLOUT, who=WHO)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_inspector_shows_nothing_without_the_operator(
+    template: str, method: str, rollout: str, who: str
+) -> None:
+    path = (
+        template.replace("{rollout_id}", rollout)
+        .replace("{sample_key}", rollout)
+        .replace("{group_id}", rollout)
+    )
+
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=INSPECTOR)
+        async with httpx.AsyncClient(transport=transport, base_url="http://i") as http:
+            return await http.request(method, path, headers=headers_for(who))
+
+    response = asyncio.run(send())
+    assert response.status_code < 500, (path, response.text[:200])
+    access = inspect_policy()[template]
+    if not entitled(access.roles, access.public, who, rollout):
+        assert response.status_code in REFUSED, (who, path, response.status_code)
