@@ -15,7 +15,7 @@ skipped and counted by the reader.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -60,6 +60,15 @@ def sample_record(sample: TrainingSample, run_id: str) -> dict[str, Any]:
         "cumulative_hash": sample.cumulative_hash,
         "spans": [span.model_dump(mode="json", exclude={"schema_version"}) for span in sample.spans],
     }
+
+
+def record_sample(record: Mapping[str, Any]) -> TrainingSample:
+    """The sample an archive or export record (a JSON line, a Parquet or ``datasets`` row) holds,
+    validated again: the inverse of ``sample_record``."""
+    fields = {name: record[name] for name in ARCHIVE_FIELDS if name != "run_id"}
+    if fields["sample_key"] == fields["rollout_id"]:  # a rollout's only sample is stored under its id
+        fields["sample_key"] = None
+    return TrainingSample.model_validate(fields)
 
 
 class SampleArchive:
