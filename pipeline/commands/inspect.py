@@ -1,4 +1,5 @@
-"""``tokentrail inspect DATA_DIR``: a read-only web view of a finished run (DESIGN §16)."""
+"""``tokentrail inspect DATA_DIR``: a read-only web view of a finished run, or of a running
+deployment's log with ``--bootstrap`` (DESIGN §16)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from pipeline.auth.transport import InsecureBind, check_bind
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.inspect.app import create_inspect_app
 from pipeline.inspect.source import NotADataDir, RunSource
+from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
 
 EXAMPLES = """\
 examples:
   tokentrail inspect .tokentrail
   tokentrail inspect /data/tt --host 0.0.0.0 --port 8300 --credentials-dir /data/tt/credentials
+  tokentrail inspect /data/archive --bootstrap kafka:9092 --credentials-dir /etc/tokentrail
 
 With the credentials a run minted (DATA_DIR/credentials/), open it once with the
 operator token, which becomes a cookie:
@@ -40,7 +43,12 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="the data directory of a run")
+    parser.add_argument(
+        "data_dir",
+        type=Path,
+        metavar="DATA_DIR",
+        help="a run's data directory; with --bootstrap, where the deployment archives samples",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8200, help="listen port (default: %(default)s)")
     parser.add_argument(
@@ -49,6 +57,7 @@ def add_parser(subparsers: Any) -> None:
         help="tokenizer to decode tokens with (default: DATA_DIR/tiny-model)",
     )
     add_auth_arguments(parser, server=True, client=False)
+    add_kafka_arguments(parser)  # --bootstrap: a running deployment's log, read once at start
     add_log_format_argument(parser)
     parser.set_defaults(run=run)
 
@@ -72,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
     guard_descendants(role="inspect")  # the broker it reads the log's copy through dies with it
     with tempfile.TemporaryDirectory(prefix="tokentrail-inspect-") as scratch:
         try:
-            source = RunSource.open(args.data_dir.resolve(), Path(scratch), args.model_dir)
-        except NotADataDir as exc:
+            kafka = config_from_args(args) if args.bootstrap else None
+            source = RunSource.open(args.data_dir.resolve(), Path(scratch), args.model_dir, kafka)
+        except (NotADataDir, ConfigError) as exc:
             print(f"tokentrail inspect: {exc}", file=sys.stderr)
             return 2
         app = create_inspect_app(source, credentials, secure=tls is not None)

@@ -3,9 +3,10 @@
 ``tokentrail run`` keeps its log in the data directory (tansu's ``s3://`` store, DESIGN
 §3). The inspector copies that store into a scratch folder and starts its own embedded
 broker on the copy, so the run's files are never opened for writing, a live run's lock is
-never contended, and nothing it reads can reach the pipeline: the ledger is rebuilt by
-the ledger stage's own logic into a local SQLite file (``pipeline.replay.rebuild``), the
-seals and finalized events are read group-less, and the stages' committed offsets are
+never contended, and nothing it reads can reach the pipeline. A running deployment's log
+is read from its brokers (``--bootstrap``) the same way. Either way the ledger is rebuilt
+by the ledger stage's own logic into a local SQLite file (``pipeline.replay.rebuild``),
+the seals and finalized events are read group-less, and the stages' committed offsets are
 only looked at. When no log can be read, the reason is kept and shown instead.
 """
 
@@ -63,6 +64,20 @@ def read_run_log(data_dir: Path, scratch: Path) -> LogContents | LogUnavailable:
             return asyncio.run(_read(broker.kafka_config(), scratch / "ledger.sqlite"))
     except (BrokerError, KafkaError, OSError) as exc:
         return LogUnavailable(f"the event log in {store} could not be read: {exc}")
+
+
+LIVE_READ_TIMEOUT_S = 120.0
+"""A deployment's brokers that give nothing back in this long are reported down."""
+
+
+def read_live_log(
+    config: KafkaConfig, scratch: Path, timeout_s: float = LIVE_READ_TIMEOUT_S
+) -> LogContents | LogUnavailable:
+    """Read a running deployment's log from its brokers, once, as it stands now."""
+    try:
+        return asyncio.run(asyncio.wait_for(_read(config, scratch / "ledger.sqlite"), timeout_s))
+    except (KafkaError, OSError, TimeoutError) as exc:
+        return LogUnavailable(f"the brokers at {config.bootstrap} could not be read: {exc!r}")
 
 
 async def _read(config: KafkaConfig, ledger_path: Path) -> LogContents:

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.inspect.log import LogContents, LogUnavailable, read_run_log
+from pipeline.inspect.log import LogContents, LogUnavailable, read_live_log, read_run_log
 from pipeline.inspect.rollout import RolloutDetail, rollout_detail
 from pipeline.inspect.table import RolloutRow, RolloutTable
 from pipeline.inspect.tokens import Decoder, TokenView, load_decoder, render_tokens
 from pipeline.kafka.broker import BUCKET_DIR
+from pipeline.kafka.config import KafkaConfig
 from pipeline.run.config import TINY_MODEL_DIR_NAME
 from pipeline.samples.archive import ARCHIVE_NAME, archive_path, read_archive
 
@@ -26,10 +27,12 @@ class NotADataDir(ValueError):
     """The path holds nothing ``tokentrail run`` writes."""
 
 
-def check_data_dir(path: Path) -> None:
+def check_data_dir(path: Path, *, live: bool = False) -> None:
+    """A run's data dir holds its archive or its log; beside a live log, any directory will do
+    (the deployment's archiver may not have written yet)."""
     if not path.is_dir():
         raise NotADataDir(f"{path}: no such directory")
-    if not ((path / ARCHIVE_NAME).is_file() or (path / BUCKET_DIR).is_dir()):
+    if not live and not ((path / ARCHIVE_NAME).is_file() or (path / BUCKET_DIR).is_dir()):
         raise NotADataDir(
             f"{path}: not a tokentrail data directory (no {ARCHIVE_NAME} and no event log {BUCKET_DIR}/)"
         )
@@ -85,10 +88,13 @@ class RunSource:
             self.table = RolloutTable(archived_rows(contents.records))
 
     @classmethod
-    def open(cls, data_dir: Path, scratch: Path, model_dir: Path | None = None) -> RunSource:
-        """Check the path, read the log through a copy in ``scratch``, load the tokenizer."""
-        check_data_dir(data_dir)
-        log = read_run_log(data_dir, scratch)
+    def open(
+        cls, data_dir: Path, scratch: Path, model_dir: Path | None = None, kafka: KafkaConfig | None = None
+    ) -> RunSource:
+        """Check the path, read the log (through a copy in ``scratch``, or from ``kafka``'s
+        brokers for a running deployment), load the tokenizer."""
+        check_data_dir(data_dir, live=kafka is not None)
+        log = read_run_log(data_dir, scratch) if kafka is None else read_live_log(kafka, scratch)
         return cls(data_dir, log, load_decoder(model_dir or data_dir / TINY_MODEL_DIR_NAME))
 
     @property

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 from inspectkit import RunDir
 
+from pipeline.inspect.log import LogUnavailable, read_live_log
 from pipeline.inspect.source import NotADataDir, RunSource, check_data_dir
+from pipeline.inspect.table import MAX_PER_PAGE, TableQuery
+from pipeline.kafka.broker import BUCKET_DIR, CLUSTER_ID_FILE, EmbeddedBroker, free_port
+from pipeline.kafka.config import KafkaConfig
+from pipeline.run.config import TINY_MODEL_DIR_NAME
 from topics.failures import MEANINGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.mark.dataplane]
@@ -66,3 +71,30 @@ def test_without_a_log_the_archive_is_still_shown(run_dir: RunDir, tmp_path: Pat
     assert source.table.statuses() == {"accepted": len({r["rollout_id"] for r in source.samples.values()})}
     assert source.rollout(run_dir.extra["chains"]) is None
     assert all(source.tokens(key) is not None for key in source.samples)
+
+
+def test_a_running_deployment_is_read_from_its_brokers(
+    source: RunSource, run_dir: RunDir, tmp_path: Path
+) -> None:
+    """``--bootstrap``: the same log served by a live broker gives the same rollouts; with
+    the brokers down, the archive is still shown and the reason names them."""
+    live = tmp_path / "live"
+    shutil.copytree(run_dir.path / BUCKET_DIR, live / BUCKET_DIR)
+    shutil.copy2(run_dir.path / CLUSTER_ID_FILE, live / CLUSTER_ID_FILE)
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    shutil.copy2(run_dir.path / "samples.jsonl", archive / "samples.jsonl")
+    model = run_dir.path / TINY_MODEL_DIR_NAME
+    with EmbeddedBroker(storage="durable", data_dir=live) as broker:
+        served = RunSource.open(archive, tmp_path / "scratch", model, broker.kafka_config())
+    assert served.log_problem is None
+    assert outcomes(served) == outcomes(source)
+
+    down = KafkaConfig(bootstrap_servers=f"127.0.0.1:{free_port()}")
+    log = read_live_log(down, tmp_path / "down", timeout_s=5)
+    assert isinstance(log, LogUnavailable) and down.bootstrap in log.reason
+
+
+def outcomes(source: RunSource) -> list[tuple[str, str, str | None]]:
+    everything = source.table.page(TableQuery(per_page=MAX_PER_PAGE))
+    return sorted((r.rollout_id, r.status, r.failure_code) for r in everything.rows)
