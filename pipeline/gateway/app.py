@@ -55,6 +55,8 @@ ROUTES: dict[str, Dialect] = {
 }
 
 
+MODELS = "/v1/models"
+"""Model discovery for both SDKs: ``{base_url}/models`` and ``{anthropic_base_url}/v1/models``."""
 ENVIRONMENT = (Role.ENVIRONMENT, Role.OPERATOR)
 
 
@@ -69,6 +71,7 @@ def gateway_policy() -> dict[str, Access]:
     }
     for path, dialect in ROUTES.items():
         policy[f"/rollouts/{{rollout_id}}{path}"] = needs(Role.AGENT, dialect=dialect)
+    policy[f"/rollouts/{{rollout_id}}{MODELS}"] = needs(Role.AGENT)
     return policy
 
 
@@ -190,6 +193,11 @@ def create_gateway_app(
 
     for path, dialect in ROUTES.items():
         app.post(f"/rollouts/{{rollout_id}}{path}")(_agent_route(sessions, forwarder, guard, path, dialect))
+
+    @app.get(f"/rollouts/{{rollout_id}}{MODELS}")
+    async def models(rollout_id: str, request: Request) -> Response:
+        sessions.get(rollout_id)  # an open session's agent only; admits nothing
+        return await forwarder.models(anthropic="anthropic-version" in request.headers)
 
     @app.get("/health")
     async def health() -> JSONResponse:

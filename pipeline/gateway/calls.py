@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -100,6 +101,37 @@ class Forwarder:
                     tried.append(url)
         finally:
             session.in_flight -= 1
+
+    async def models(self, *, anthropic: bool) -> Response:
+        """The workers' served models, as an SDK asks before its first call: OpenAI's list, or
+        Anthropic's when the request says it speaks it. Only names and limits go out (vLLM's
+        entries also carry the model's path on the worker's disk)."""
+        try:
+            url = self.workers.choose()
+        except NoWorker as exc:
+            return api_error("messages" if anthropic else "chat", 503, str(exc))
+        try:
+            response = await self.http.get(f"{url}/v1/models")
+        except httpx.HTTPError as exc:
+            self.workers.failed(url)
+            return api_error("messages" if anthropic else "chat", 503, f"the worker is unreachable: {exc!r}")
+        if response.status_code != 200:
+            return api_error("chat", 502, f"the worker answered {response.status_code} for its models")
+        served = orjson.loads(response.content)["data"]
+        if anthropic:
+            listed = [
+                {
+                    "type": "model",
+                    "id": m["id"],
+                    "display_name": m["id"],
+                    "created_at": _rfc3339(m["created"]),
+                }
+                for m in served
+            ]
+            first, last = (listed[0]["id"], listed[-1]["id"]) if listed else (None, None)
+            return JSONResponse({"data": listed, "has_more": False, "first_id": first, "last_id": last})
+        kept = ("id", "object", "created", "owned_by", "max_model_len")
+        return JSONResponse({"object": "list", "data": [{k: m[k] for k in kept if k in m} for m in served]})
 
     def _count(self, parent: GatewayCall | None, retry: bool) -> None:
         self.counters.calls += 1
@@ -239,6 +271,10 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[str]:
             yield event + "\n\n"
     if buffer.strip():
         yield buffer
+
+
+def _rfc3339(epoch_s: int) -> str:
+    return datetime.fromtimestamp(epoch_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 __all__ = ["CallCounters", "Forwarder"]

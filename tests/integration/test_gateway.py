@@ -75,6 +75,10 @@ class Served:
         ).json()
         return shown
 
+    def worker_models(self) -> list[str]:
+        """What the worker itself serves, asked directly."""
+        return [m["id"] for m in httpx.get(f"{self.rig.url}/v1/models", timeout=10).json()["data"]]
+
     def calls(self, rollout_id: str) -> list[dict[str, Any]]:
         calls: list[dict[str, Any]] = self.show(rollout_id)["calls"]
         return calls
@@ -125,6 +129,10 @@ def test_openai_agent_episode_streaming_and_not(served: Served, oracle: HFOracle
     opened = served.session(group_id="g1")
     rollout_id = opened["rollout_id"]
     agent = agent_of(opened)
+    listed = agent.models.list()  # what an SDK or framework asks first; admits nothing
+    assert [m.id for m in listed.data] == served.worker_models()
+    assert all("root" not in (m.model_extra or {}) for m in listed.data)  # no path on the worker's disk
+    assert served.calls(rollout_id) == []
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     messages: list[Any] = [
         {"role": "system", "content": "You add numbers."},
@@ -163,6 +171,7 @@ def test_anthropic_agent_episode_streaming_and_not(served: Served, oracle: HFOra
     agent = anthropic.Anthropic(
         base_url=opened["anthropic_base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
     )
+    assert [m.id for m in agent.models.list().data] == served.worker_models()
     greedy = {"temperature": 0.0}
     messages: list[Any] = [{"role": "user", "content": "What is 2 + 3?"}]
     message = agent.messages.create(model="tiny", max_tokens=8, messages=messages, extra_body=greedy)
@@ -180,6 +189,8 @@ def test_anthropic_agent_episode_streaming_and_not(served: Served, oracle: HFOra
     ]
     agent.messages.create(model="tiny", max_tokens=8, messages=messages, extra_body=greedy)
     assert served.seal(rollout_id, {"reward": 0.5}).status_code == 200
+    with pytest.raises(anthropic.ConflictError):  # the key died with the seal, discovery too
+        agent.models.list()
     calls = served.calls(rollout_id)
     assert [c["parent_call_id"] for c in calls] == [None, calls[0]["call_id"], calls[1]["call_id"]]
     event, sample = served.rig.finalize(rollout_id, sealed=True)
