@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tokentrail-installed
-EXTRAS := broker,dataplane,vllm,export,bench,dev
+EXTRAS := broker,dataplane,vllm,export,trl,bench,dev
 PYTEST_ARGS ?=
 
 export TQ_NUM_THREADS ?= 2

@@ -15,13 +15,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from pipeline.commands.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
 from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
-from pipeline.run.config import RunConfig
+from pipeline.run.config import RunConfig, TrainerKind
 from stages.envs.arithmetic import read_tasks
 
 if TYPE_CHECKING:
@@ -128,6 +128,12 @@ def add_parser(subparsers: Any) -> None:
             "play --rollouts rollouts, take one GRPO step on the model with their samples, load the new "
             "weights into the worker, N times; the JSON adds train_steps (default: %(default)s, no training)"
         ),
+    )
+    training.add_argument(
+        "--trainer",
+        choices=get_args(TrainerKind),
+        default=defaults.trainer,
+        help="who takes each step: the built-in GRPO step, or TRL's GRPOTrainer (default: %(default)s)",
     )
     training.add_argument(
         "--learning-rate",
@@ -268,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
             keep=args.keep,
             train_steps=args.train_steps,
             learning_rate=args.learning_rate,
+            trainer=args.trainer,
             max_staleness=args.max_staleness,
             **rollout_settings(args),
         )

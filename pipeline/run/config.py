@@ -27,6 +27,7 @@ TINY_MODEL_DIR_NAME = "tiny-model"
 
 AgentKind = Literal["driver", "sdk"]
 StageHosting = Literal["processes", "inline"]
+TrainerKind = Literal["builtin", "trl"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,8 @@ class RunConfig:
     train_steps: int = 0
     """Closed loop: this many steps of ``rollouts`` rollouts, a GRPO step and a refit each."""
     learning_rate: float = 1e-2
+    trainer: TrainerKind = "builtin"
+    """Who takes the train steps: the built-in GRPO step, or TRL's ``GRPOTrainer``."""
     max_staleness: int | None = None
     """Train steps: samples more weight versions behind the trainer than this are dropped."""
 
@@ -108,6 +111,8 @@ class RunConfig:
             self.train_steps or len(self.tasks) * self.group_size != self.rollouts
         ):
             raise ValueError("tasks: play each task group-size times, once (no --train-steps)")
+        if self.trainer == "trl" and not self.train_steps:
+            raise ValueError("trainer: trl trains only with --train-steps N")
         if self.train_steps < 0:
             raise ValueError(f"train_steps: must be >= 0, got {self.train_steps}")
         if self.train_steps and self.keep:

@@ -36,6 +36,7 @@ engine, broker) with nothing left running.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -75,18 +76,22 @@ from pipeline.run.services import (
     stage_children,
     start_engine,
 )
-from pipeline.run.training import ClosedLoop
+from pipeline.run.training import WEIGHTS_DIR, ClosedLoop, refit
 from pipeline.samples.archive import SampleArchive, archive_path
 from pipeline.stagehost.lag import StageLagProbe
 from pipeline.trainer.feed import FeedSettings, TrainerFeed
 from pipeline.trainer.grpo import GrpoTrainer
+from pipeline.trainer.trl import TrlBridge, prompt_key
+from pipeline.trainer.trl import train as train_with_trl
 from stages.client import RolloutClient
-from stages.driver import RolloutDriver
+from stages.driver import Job, RolloutDriver
 from stages.ledger.stage import LedgerConfig
 from stages.ports import SAMPLES_PARTITION, DataPlane, DataPlaneError
 from stages.trainer.batch import StalenessPolicy, TrainBatch
 
 SERVING_FILE = "serving.json"
+TRL_DIR = "trl"
+"""Under the data directory: TRL's output directory (its logs; weights go to ``weights/``)."""
 """Written by ``--keep`` while it serves: the addresses of the broker, worker, gateway and data plane."""
 log = logging.getLogger(__name__)
 
@@ -174,6 +179,9 @@ class Run:
         self._plane: DataPlane | None = None
         self.journal: RunJournal | None = None
         self.training: ClosedLoop | None = None
+        self.trl: TrlBridge | None = None
+        self._feed: TrainerFeed | None = None
+        self._archived_expected = 0
         self.samples_left: int | None = None
         self.closed_interrupted = 0
         self.timeout: str | None = None
@@ -293,7 +301,9 @@ class Run:
         )
         if config.train_steps:
             progress.enter("loading the trainer")
-            self.training = await self._closed_loop(stack, kafka, plane, server.url)
+            self._feed = await self._trainer_feed(stack, kafka, plane)
+            if config.trainer == "builtin":
+                self.training = await self._closed_loop(self._feed, server.url)
         if config.agent == "sdk":
             progress.enter("starting the gateway")
             assert self._seals is not None
@@ -362,10 +372,10 @@ class Run:
         )
         stack.push_async_callback(agent.aclose)
 
-    async def _closed_loop(
-        self, stack: contextlib.AsyncExitStack, kafka: KafkaConfig, plane: DataPlane, worker_url: str
-    ) -> ClosedLoop:
-        """The trainer feed (this run's rollouts only) and the trainer's copy of the weights."""
+    async def _trainer_feed(
+        self, stack: contextlib.AsyncExitStack, kafka: KafkaConfig, plane: DataPlane
+    ) -> TrainerFeed:
+        """The trainer feed: this run's rollouts only, one step's groups a batch."""
         config = self.config
         wanted = {job.rollout_id for job in self.jobs}
         settings = FeedSettings(
@@ -376,6 +386,11 @@ class Run:
         )
         feed = TrainerFeed(kafka, plane, settings, only=lambda event: event.rollout_id in wanted)
         await stack.enter_async_context(feed)
+        return feed
+
+    async def _closed_loop(self, feed: TrainerFeed, worker_url: str) -> ClosedLoop:
+        """The built-in trainer: its own copy of the weights, one GRPO step a batch."""
+        config = self.config
         trainer = await asyncio.to_thread(
             GrpoTrainer, self.model_dir, learning_rate=config.learning_rate, temperature=config.temperature
         )
@@ -452,8 +467,10 @@ class Run:
             self.worker_url,
         )
         try:
-            if self.training is None:
+            if not config.train_steps:
                 await play_jobs(player, client, self.jobs, config.concurrency)
+            elif config.trainer == "trl":
+                await self._train_trl(player, client)
             else:
                 await self._train(player, client)
         finally:
@@ -478,26 +495,83 @@ class Run:
         self.completed = True
         log.info("run %s: every rollout finalized, lag 0", self.run_id)
 
+    async def _archived(self, batch: TrainBatch) -> None:
+        """Returns once the run's archive holds the batch's samples: none trains unarchived."""
+        assert self.archiver is not None
+        archiver, timeout_s = self.archiver, self.config.finalize_timeout_s
+        self._archived_expected += sum(len(m.event.sample_keys) for g in batch.groups for m in g.members)
+        deadline = time.monotonic() + timeout_s
+        while archiver.written + len(archiver.failed) < self._archived_expected:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"samples not archived within {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
+
     async def _train(self, player: Player, client: SealTrackingClient) -> None:
         """``--train-steps``: each step's rollouts, then its GRPO step and refit."""
-        assert self.training is not None and self.archiver is not None and self._plane is not None
-        config, archiver = self.config, self.archiver
-        expected = 0
-
-        async def archived(batch: TrainBatch) -> None:
-            nonlocal expected
-            expected += sum(len(m.event.sample_keys) for g in batch.groups for m in g.members)
-            deadline = time.monotonic() + config.finalize_timeout_s
-            while archiver.written + len(archiver.failed) < expected:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"samples not archived within {config.finalize_timeout_s:.0f}s")
-                await asyncio.sleep(0.05)
-
+        assert self.training is not None and self._plane is not None
+        config = self.config
         for step in range(1, config.train_steps + 1):
             jobs = self.jobs[(step - 1) * config.rollouts : step * config.rollouts]
             self.progress.enter(f"train step {step}/{config.train_steps}")
             play = functools.partial(play_jobs, player, client, jobs, config.concurrency)
-            await self.training.run_step(step, play, archived)
+            await self.training.run_step(step, play, self._archived)
+        self.samples_left = len(await self._plane.list_keys(SAMPLES_PARTITION))
+
+    async def _train_trl(self, player: Player, client: SealTrackingClient) -> None:
+        """``--trainer trl``: TRL's GRPOTrainer asks for each step's groups by prompt; each is
+        played, verified and archived, and TRL's weights refit the worker after every step."""
+        assert self._feed is not None and self._plane is not None and self.worker_url is not None
+        config, feed, worker_url = self.config, self._feed, self.worker_url
+        size = config.group_size
+        planned = [self.jobs[i : i + size] for i in range(0, len(self.jobs), size)]
+        unplayed: dict[str, collections.deque[list[Job]]] = collections.defaultdict(collections.deque)
+        for group in planned:
+            unplayed[prompt_key(group[0].task.prompt())].append(group)
+        operator = self.credentials.authorization(Role.OPERATOR)
+
+        async def play(prompts: list[list[dict[str, Any]]]) -> list[str]:
+            groups = [unplayed[prompt_key(prompt)].popleft() for prompt in prompts]
+            self.progress.enter(
+                f"train step {len(self.trl.steps) + 1 if self.trl else 1}/{config.train_steps}"
+            )
+            await play_jobs(player, client, [job for group in groups for job in group], config.concurrency)
+            return [group[0].group_id for group in groups]
+
+        async def next_batch() -> TrainBatch:
+            batch = await asyncio.wait_for(feed.next_batch(), config.finalize_timeout_s)
+            await self._archived(batch)
+            return batch
+
+        async def refit_to(path: Path, version: int) -> None:
+            await refit(worker_url, path, version=version, headers=operator)
+
+        def version(new: int | None) -> int:
+            if new is not None:
+                feed.policy_version = new
+            return feed.policy_version
+
+        self.trl = TrlBridge(
+            asyncio.get_running_loop(),
+            play=play,
+            next_batch=next_batch,
+            refit=refit_to,
+            ack=feed.ack,
+            version=version,
+            weights_dir=config.data_dir / WEIGHTS_DIR,
+            temperature=config.temperature,
+        )
+        await asyncio.to_thread(
+            train_with_trl,
+            self.trl,
+            self.model_dir,
+            [group[0].task.prompt() for group in planned],
+            group_size=size,
+            groups_per_step=config.rollouts // size,
+            steps=config.train_steps,
+            learning_rate=config.learning_rate,
+            output_dir=config.data_dir / TRL_DIR,
+            seed=config.seed,
+        )
         self.samples_left = len(await self._plane.list_keys(SAMPLES_PARTITION))
 
     async def _keep_serving(self) -> None:
@@ -539,6 +613,10 @@ class Run:
             await asyncio.sleep(LAG_POLL_S)
 
     # -- the account -----------------------------------------------------------
+
+    def _train_steps(self) -> list[dict[str, Any]] | None:
+        steps = self.training.steps if self.training is not None else self.trl.steps if self.trl else None
+        return None if steps is None else [step.as_json() for step in steps]
 
     def status(self) -> RunStatus:
         if self.completed and self.error is None and self.shutdown.failure is None:
@@ -606,7 +684,7 @@ class Run:
             signal=self.shutdown.signal,
             error="; ".join(errors) or None,
             closed_interrupted=self.closed_interrupted,
-            train_steps=[s.as_json() for s in self.training.steps] if self.training is not None else None,
+            train_steps=self._train_steps(),
             dataplane_samples_left=self.samples_left,
             stages=config.stages if config.attach is None else None,
         )

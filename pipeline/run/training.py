@@ -11,8 +11,10 @@ acknowledged: its samples leave the data plane and the feed commits past them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +43,9 @@ class TrainStep:
     loss: float
     update_norm: float
     policy_shift: float
+    seconds: dict[str, float]
+    """Where the step's time went: ``rollout`` (playing its rollouts), ``wait`` (until they
+    were finalized and archived), ``optimizer`` (the GRPO step and saving), ``refit``."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,7 +80,9 @@ class ClosedLoop:
     ) -> TrainStep:
         """One step; ``archived`` returns once the run's archive holds the batch's samples."""
         version = self.feed.policy_version
+        marks = [time.monotonic()]
         await play()
+        marks.append(time.monotonic())
         try:
             batch = await asyncio.wait_for(self.feed.next_batch(), self.batch_timeout_s)
         except TimeoutError:
@@ -83,9 +90,13 @@ class ClosedLoop:
                 f"step {step}: its rollouts were not finalized within {self.batch_timeout_s:.0f}s"
             ) from None
         await archived(batch)
+        marks.append(time.monotonic())
         report = await asyncio.to_thread(self.trainer.step, batch)
         path = await asyncio.to_thread(self.trainer.save, self.weights_dir / f"step-{step}")
+        marks.append(time.monotonic())
         await refit(self.worker_url, path, version=step, headers=self.operator_headers)
+        marks.append(time.monotonic())
+        spans = zip(("rollout", "wait", "optimizer", "refit"), itertools.pairwise(marks), strict=True)
         self.feed.policy_version = step
         await self.feed.ack(batch)
         record = TrainStep(
@@ -97,6 +108,7 @@ class ClosedLoop:
             loss=report.loss,
             update_norm=report.update_norm,
             policy_shift=report.policy_shift,
+            seconds={name: round(end - start, 3) for name, (start, end) in spans},
         )
         log.info(
             "train step %d: %d samples of weight version %d, reward mean %s, ratio deviation %.2e",

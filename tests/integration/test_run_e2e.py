@@ -8,7 +8,7 @@ finalize only its own rollouts; it is then kept serving, and the credentials it 
 are checked); the second plays through a gateway with an SDK agent and trains the policy
 on its samples (``--train-steps``); the third interrupts a run with SIGINT and checks that
 nothing it started is left running; the fourth kills a stage process and checks that the
-run reports it as its failure.
+run reports it as its failure; the fifth trains with TRL's GRPOTrainer (``--trainer trl``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+import torch
+from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.mark.dataplane]
 
@@ -312,3 +314,28 @@ def command_line(process: psutil.Process) -> str:
         return " ".join(process.cmdline())
     except psutil.NoSuchProcess:
         return ""
+
+
+@pytest.mark.timeout(400)
+def test_trl_grpo_trainer_trains_on_the_samples(tmp_path: Path) -> None:
+    """``--trainer trl``: TRL's GRPOTrainer asks for each step's groups, trains on the verified
+    samples, and its weights refit the worker: the second step's samples carry version 1,
+    and TRL's model recomputes the captured logprobs at both steps."""
+    data_dir = tmp_path / "tt"
+    summary = run_small(
+        data_dir,
+        tmp_path / "run.log",
+        *("--trainer", "trl", "--train-steps", "2", "--broker-storage", "memory", "--stages", "inline"),
+    )
+    assert summary["status"] == "completed" and summary["accepted"] == summary["rollouts"] == 8, summary
+    first, second = summary["train_steps"]
+    assert [first["weight_version"], second["weight_version"]] == [0, 1]
+    assert first["samples"] + first["rejected_filled"] == second["samples"] + second["rejected_filled"] == 4
+    assert first["ratio_max_abs_dev"] <= 1e-4 and second["ratio_max_abs_dev"] <= 1e-4, summary["train_steps"]
+    assert isinstance(first["loss"], float) and isinstance(second["loss"], float)
+    assert summary["dataplane_samples_left"] == 0
+    before = load_file(data_dir / "tiny-model" / "model.safetensors")
+    after = load_file(data_dir / "weights" / "step-1" / "model.safetensors")
+    assert any(not torch.equal(before[name], after[name]) for name in before), "TRL's step changed nothing"
+    versions = Counter(frozenset(sample["weight_versions"]) for sample in export(data_dir))
+    assert versions == {frozenset({0}): 4, frozenset({1}): 4}

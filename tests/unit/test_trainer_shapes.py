@@ -6,35 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from datasets import Dataset
+from rowkit import FIRST, PROMPT, SECOND, TOOL, two_calls
 
 from pipeline.samples.archive import record_sample, sample_record
 from pipeline.samples.export import write_parquet
 from pipeline.trainer.shapes import skyrl_generator_output, split, verl_agent_loop_output
-from topics import digest
-from topics.records import TrainingSample
-
-PROMPT, FIRST, TOOL, SECOND = [5, 6, 7], [20, 21], [8, 9], [22, 23]
-
-
-def two_calls(rollout_id: str, reward: float | None) -> TrainingSample:
-    """A prompt, a reply, a tool result carried into the second call, and its reply."""
-    ids = PROMPT + FIRST + TOOL + SECOND
-    return TrainingSample.model_validate(
-        {
-            "rollout_id": rollout_id,
-            "group_id": "g",
-            "token_ids": ids,
-            "token_mask": [0.0] * 3 + [1.0] * 2 + [0.0] * 2 + [1.0] * 2,
-            "logprobs": [0.0] * 3 + [-0.1, -0.2] + [0.0] * 2 + [-0.3, -0.4],
-            "weight_versions": [0] * 7 + [1] * 2,
-            "spans": [
-                {"call_id": "c1", "start": 0, "carry_len": 3, "gen_len": 2},
-                {"call_id": "c2", "start": 5, "carry_len": 2, "gen_len": 2},
-            ],
-            "reward": reward,
-            "cumulative_hash": digest.cumulative_hash(ids),
-        }
-    )
 
 
 def test_the_prompt_is_the_first_call_and_tool_tokens_are_masked_in_the_response() -> None:

@@ -1,0 +1,37 @@
+"""The TRL bridge's pure parts: TRL's rollout fields from groups of samples, rejected members
+filled without gradient or bias to the group mean, and prompts taken once each."""
+
+from __future__ import annotations
+
+import pytest
+from rowkit import FIRST, PROMPT, SECOND, TOOL, two_calls
+
+from pipeline.trainer.trl import REWARD_FIELD, distinct_in_order, environment_reward, rollout_fields
+
+
+def test_each_member_is_one_completion_with_its_mask_logprobs_and_reward() -> None:
+    out, filled = rollout_fields([[two_calls("r1", 1.0), two_calls("r2", 0.0)]])
+    assert filled == 0
+    assert out["prompt_ids"] == [PROMPT, PROMPT]
+    assert out["completion_ids"] == [FIRST + TOOL + SECOND] * 2
+    assert out["env_mask"] == [[1, 1, 0, 0, 1, 1]] * 2
+    assert out["logprobs"][0] == [-0.1, -0.2, 0.0, 0.0, -0.3, -0.4]
+    assert environment_reward([], [], **{REWARD_FIELD: out[REWARD_FIELD]}) == [1.0, 0.0]
+
+
+def test_a_rejected_member_trains_nothing_and_leaves_the_group_mean() -> None:
+    out, filled = rollout_fields([[two_calls("r1", 1.0), None, two_calls("r3", 0.5)]])
+    assert filled == 1
+    assert out["env_mask"][1] == [0] * 6  # no gradient from it
+    assert out[REWARD_FIELD] == [1.0, 0.75, 0.5]  # its reward is the accepted members' mean
+    with pytest.raises(ValueError, match="no member"):
+        rollout_fields([[None, None]])
+
+
+def test_trl_repeats_each_prompt_num_generations_times() -> None:
+    a, b = [{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]
+    assert distinct_in_order([a, a, b, b], 2) == [a, b]
+    with pytest.raises(ValueError, match="in a row"):
+        distinct_in_order([a, b, a, b], 2)
+    with pytest.raises(ValueError, match="multiple"):
+        distinct_in_order([a, a, b], 2)
