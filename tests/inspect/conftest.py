@@ -13,7 +13,6 @@ Their accepted samples are archived as the run archives its own.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,10 +20,10 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from inspectkit import RunDir
+from scenariokit import SCENARIOS, capture
 
 from pipeline.dataplane.embedded import EmbeddedDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
@@ -48,23 +47,12 @@ from topics.records import FinalizedEvent
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--rollouts", "4", "--group-size", "2", "--turns", "2", "--max-tokens", "16"]
 EXTRA = {"chains": "rewritten-chains", "ambiguous": "tree-terminal", "corrupt": "corrupt-all-or-nothing"}
-"""Our rollout suffix → the scenario of test_sample_policies it plays."""
-
-
-def _policies() -> ModuleType:
-    path = REPO / "tests" / "integration" / "test_sample_policies.py"
-    spec = importlib.util.spec_from_file_location("sample_policy_scenarios", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+"""Our rollout suffix → the scenario (``scenariokit``) it plays."""
 
 
 async def _play_extra(
     config: KafkaConfig, server: EmbeddedDataPlane, run_id: str, archive: Path
 ) -> dict[str, dict[str, str]]:
-    policies = _policies()
     call_ids: dict[str, dict[str, str]] = {}
     async with (
         await TransferQueueDataPlane.attach(server.addresses, timeout_s=20.0) as plane,
@@ -79,9 +67,7 @@ async def _play_extra(
         client = RolloutClient(sink)
         for suffix, scenario in EXTRA.items():
             rollout_id = f"{run_id}.{suffix}"
-            call_ids[rollout_id] = await policies.capture(
-                core, client, plane, rollout_id, policies.SCENARIOS[scenario]
-            )
+            call_ids[rollout_id] = await capture(core, client, plane, rollout_id, SCENARIOS[scenario])
         await writer.stop()
         stop = asyncio.Event()
         finalizer = FinalizerStage(plane, sink)

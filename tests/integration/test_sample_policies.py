@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scenariokit import SCENARIOS, capture, chain_tokens
 
-from pipeline.dataplane import encoding as rows_codec
 from pipeline.dataplane.embedded import EmbeddedDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
 from pipeline.kafka.admin import ensure_topics
@@ -39,88 +39,9 @@ from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.specs import FINALIZER, LEDGER
 from topics import digest
 from topics.names import TopicNames
-from topics.records import CommitCoords, FinalizedEvent, SamplePolicy, StagedCall, TrainingSample
+from topics.records import FinalizedEvent, TrainingSample
 
 pytestmark = [pytest.mark.broker, pytest.mark.dataplane]
-
-
-@dataclass(frozen=True, slots=True)
-class Node:
-    """One call: ``prompt`` is what the agent adds before it, ``gen`` what the engine adds."""
-
-    name: str
-    parent: str | None
-    prompt: tuple[int, ...]
-    gen: tuple[int, ...]
-    logical: str | None = None
-    served: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    nodes: tuple[Node, ...]
-    policy: SamplePolicy
-    all_or_nothing: bool | None = None
-    corrupt: str | None = None
-    """A node whose row is overwritten with a flipped token after capture."""
-
-
-# root -> a -> a2, root -> b, root -> c -> c2: three surviving leaves (a2, b, c2).
-TREE = (
-    Node("root", None, (100, 101), (1, 2)),
-    Node("a", "root", (110,), (3, 4)),
-    Node("a2", "a", (111,), (5,)),
-    Node("b", "root", (120,), (6, 7)),
-    Node("c", "root", (130,), (8,)),
-    Node("c2", "c", (131,), (9, 10)),
-)
-# Three turns, an abandoned retry of turn 2, then the agent compacts its history at
-# turn 4: a new root, continued for two more turns.
-REWRITTEN = (
-    Node("t1", None, (100, 101), (1,)),
-    Node("t2-retry", "t1", (102,), (77,)),
-    Node("t2", "t1", (102,), (2,)),
-    Node("t3", "t2", (103,), (3, 3)),
-    Node("t4", None, (200, 201), (4,)),
-    Node("t5", "t4", (202,), (5,)),
-    Node("t6", "t5", (203,), (6, 6)),
-)
-# Turn 2 sent twice under one logical id (both served, the first dropped by the agent),
-# turn 3 failed once and was retried; beside them one real branch (b).
-RETRIED = (
-    Node("root", None, (100, 101), (1,)),
-    Node("t2-first", "root", (102,), (21,), logical="turn-2"),
-    Node("t2", "root", (102,), (2,), logical="turn-2"),
-    Node("t3-failed", "t2", (103,), (99,), served=False),
-    Node("t3", "t2", (103,), (3,)),
-    Node("b", "root", (120,), (6,)),
-)
-SCENARIOS = {
-    "tree-terminal": Scenario(TREE, "terminal"),
-    "tree-leaves": Scenario(TREE, "leaves"),
-    "rewritten-chains": Scenario(REWRITTEN, "chains"),
-    "retried-leaves": Scenario(RETRIED, "leaves"),
-    "corrupt-leaves": Scenario(TREE, "leaves", corrupt="b"),
-    "corrupt-all-or-nothing": Scenario(TREE, "leaves", all_or_nothing=True, corrupt="b"),
-}
-
-
-def chain_tokens(nodes: tuple[Node, ...], leaf: str) -> tuple[list[int], list[float], list[float]]:
-    """The ids, mask and logprobs a sample ending at ``leaf`` must have."""
-    by_name = {node.name: node for node in nodes}
-    chain: list[Node] = []
-    current: str | None = leaf
-    while current is not None:
-        chain.append(by_name[current])
-        current = by_name[current].parent
-    ids: list[int] = []
-    mask: list[float] = []
-    logprobs: list[float] = []
-    for node in reversed(chain):
-        ids += [*node.prompt, *node.gen]
-        mask += [0.0] * len(node.prompt) + [1.0] * len(node.gen)
-        logprobs += [0.0] * len(node.prompt) + [-0.5] * len(node.gen)
-    return ids, mask, logprobs
 
 
 @dataclass(slots=True)
@@ -131,47 +52,6 @@ class Outcome:
     samples: dict[str, TrainingSample] = field(default_factory=dict)
     staging_left: list[str] = field(default_factory=list)
     replay_differences: list[str] = field(default_factory=list)
-
-
-async def capture(
-    core: CaptureCore,
-    client: RolloutClient,
-    plane: TransferQueueDataPlane,
-    rollout_id: str,
-    scenario: Scenario,
-) -> dict[str, str]:
-    coords: dict[str, CommitCoords] = {}
-    seen: dict[str, list[int]] = {}
-    call_ids: dict[str, str] = {}
-    for node in scenario.nodes:
-        parent = coords.get(node.parent) if node.parent else None
-        admission = client.admit(rollout_id, parent, group_id="g", logical_call_id=node.logical)
-        await client.publish_admission(admission)
-        call_ids[node.name] = admission.call_id
-        prepared = await core.prepare(admission)
-        if not node.served:
-            await core.refuse(admission, weight_version=0).final_coords()
-            continue
-        prompt = [*(seen[node.parent] if node.parent else []), *node.prompt]
-        done = core.complete(prepared, prompt, list(node.gen), [-0.5] * len(node.gen), weight_version=0)
-        coords[node.name] = await done.final_coords()
-        seen[node.name] = [*prompt, *node.gen]
-    if scenario.corrupt is not None:
-        key = coords[scenario.corrupt].staging_key
-        row = (await plane.get_calls([key]))[key]
-        flipped = StagedCall.model_construct(
-            **{**row.model_dump(), "token_ids_delta": [*row.token_ids_delta[:-1], 999]}
-        )
-        await plane.delete_calls([key])
-        await plane.put_rows("staging", [key], rows_codec.encode_calls([flipped]), rows_codec.CALL_FIELDS)
-    await client.seal(
-        rollout_id,
-        group_id="g",
-        reward=1.0,
-        sample_policy=scenario.policy,
-        all_or_nothing=scenario.all_or_nothing,
-    )
-    return call_ids
 
 
 async def run_pipeline(server: EmbeddedDataPlane, config: KafkaConfig, tmp: Path) -> Outcome:
