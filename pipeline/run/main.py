@@ -90,9 +90,9 @@ from stages.ports import SAMPLES_PARTITION, DataPlane, DataPlaneError
 from stages.trainer.batch import StalenessPolicy, TrainBatch
 
 SERVING_FILE = "serving.json"
+"""Written by ``--keep`` while it serves: the addresses of the broker, worker, gateway and data plane."""
 TRL_DIR = "trl"
 """Under the data directory: TRL's output directory (its logs; weights go to ``weights/``)."""
-"""Written by ``--keep`` while it serves: the addresses of the broker, worker, gateway and data plane."""
 log = logging.getLogger(__name__)
 
 LAG_POLL_S = 1.0
