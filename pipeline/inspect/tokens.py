@@ -4,7 +4,9 @@ calls, so a 32K-token sample opens without freezing the page (DESIGN §16).
 Every token is a focusable span carrying its id, mask, logprob, weight version and call;
 generated tokens (mask 1) are shaded by probability on viridis, a colour-blind-safe
 scale, prompt and tool tokens (mask 0) are drawn apart, unshaded. Call boundaries are
-separate elements without a token id.
+separate elements without a token id. A call whose tokens were sampled across a refit
+(its weight version changes inside its span) has the first token of the new version
+marked ``refit``, titled with the change, so a straddle is found without hovering.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class TokenView:
     length: int
     generated: int
     calls: int
+    straddles: int
+    """Tokens where the weight version changes inside one call's span."""
     html: Markup
 
 
@@ -68,15 +72,21 @@ def render_tokens(record: Mapping[str, Any], decode: Decoder | None) -> TokenVie
     starts = {int(span["start"]): str(span["call_id"]) for span in record.get("spans", [])}
     parts: list[str] = []
     call = ""
+    straddles = 0
     for i, token_id in enumerate(ids):
+        title = ""
         if i in starts:
             call = starts[i]
             parts.append(f'<span class="cb" title="call boundary">{escape(call)}</span>')
         generated = mask[i] >= 0.5
         classes = f"t m1 v{shade(logprobs[i])}" if generated else "t m0"
+        if call and i not in starts and versions[i] != versions[i - 1]:
+            straddles += 1
+            classes += " refit"
+            title = f' title="weight version {versions[i - 1]} → {versions[i]}"'
         piece = decode(token_id) if decode is not None else f"⟨{token_id}⟩"
         parts.append(
-            f'<span class="{classes}" tabindex="0" data-token-id="{token_id}" data-mask="{int(generated)}" '
+            f'<span class="{classes}"{title} tabindex="0" data-token-id="{token_id}" data-mask="{int(generated)}" '
             f'data-logprob="{float(logprobs[i])!r}" data-version="{versions[i]}" data-call="{escape(call)}">'
             f"{escape(piece) or '∅'}</span>"
         )
@@ -89,5 +99,6 @@ def render_tokens(record: Mapping[str, Any], decode: Decoder | None) -> TokenVie
         length=len(ids),
         generated=sum(1 for m in mask if m >= 0.5),
         calls=len(starts),
+        straddles=straddles,
         html=Markup("".join(parts)),
     )
