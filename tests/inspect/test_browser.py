@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from inspectkit import RunDir
-from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
+from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
 from pipeline.kafka.broker import free_port
 from pipeline.samples.archive import archive_path, read_archive
@@ -79,6 +79,7 @@ def browser() -> Iterator[Browser]:
 def page(browser: Browser, server: str, run_dir: RunDir) -> Iterator[Page]:
     """A logged-in page that fails the test on any console error."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server)
     page = context.new_page()
     errors: list[str] = []
 
@@ -183,6 +184,42 @@ def test_the_token_view_is_the_sample(page: Page, server: str, run_dir: RunDir, 
     page.goto(f"{server}/samples/{run_key}/tokens")
     page.locator("#tokens [data-mask='1']").nth(3).hover()
     shot(page, screenshots, "tokens")
+
+
+def test_a_range_of_tokens_is_copied_as_ids_or_text(page: Page, server: str, run_dir: RunDir) -> None:
+    key, record = max(samples(run_dir).items(), key=lambda item: len(item[1]["token_ids"]))
+    assert len(record["token_ids"]) >= 16
+    page.goto(f"{server}/samples/{key}/tokens")
+    tokens = page.locator("#tokens [data-token-id]")
+    page.evaluate(
+        """() => {
+            const els = document.querySelectorAll("#tokens [data-token-id]");
+            const range = document.createRange();
+            range.setStartBefore(els[2]);
+            range.setEndAfter(els[13]);
+            getSelection().removeAllRanges();
+            getSelection().addRange(range);
+        }"""
+    )
+    page.get_by_role("button", name="copy ids").click()
+    status = page.locator("#copy-status")
+    expected = ",".join(map(str, record["token_ids"][2:14]))
+    expect(status).to_have_text("copied 12 ids")  # the clipboard answers asynchronously
+    assert status.get_attribute("data-copied") == expected
+    assert page.evaluate("navigator.clipboard.readText()") == expected
+    tokens.nth(4).click()
+    tokens.nth(0).click(modifiers=["Shift"])
+    page.get_by_role("button", name="copy text").click()
+    pieces = tokens.evaluate_all("els => els.slice(0, 5).map(e => e.textContent).join('')")
+    expect(status).to_have_text("copied the text of 5 tokens")
+    assert status.get_attribute("data-copied") == pieces
+    assert page.evaluate("navigator.clipboard.readText()") == pieces
+    page.evaluate("Object.defineProperty(Navigator.prototype, 'clipboard', {get: () => undefined})")
+    page.get_by_role("button", name="copy ids").click()  # as over plain http: the textarea fallback
+    expect(status).to_have_text("copied 5 ids")
+    reader = page.context.new_page()
+    reader.goto(f"{server}/health")
+    assert reader.evaluate("navigator.clipboard.readText()") == ",".join(map(str, record["token_ids"][:5]))
 
 
 def test_groups_and_the_pipeline_page(page: Page, server: str, run_dir: RunDir, screenshots: Path) -> None:
