@@ -5,8 +5,8 @@ Positions line up with the sample: ``old_logprobs[b, i]`` is the sampled logprob
 log-softmax of the logits at position ``i - 1``. Advantages are normalized within each
 GRPO group, over the samples that stay in the batch (every chain of a multi-sample
 rollout counts, each with its rollout's reward): ``(r - mean) / (std + 1e-6)``, 0 for a
-group of one. A sample whose rollout has no reward keeps its tokens but trains with
-weight 0 and advantage 0.
+group of one (``stages.trainer.advantages``). A sample whose rollout has no reward keeps
+its tokens but trains with weight 0 and advantage 0.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Literal
 import torch
 
 from stages.finalize.reader import Group
+from stages.trainer.advantages import group_advantages
 from topics.records import TrainingSample
 
-ADVANTAGE_EPS = 1e-6
 StaleMode = Literal["drop", "downweight"]
 
 
@@ -93,7 +93,10 @@ def build_batch(
             else:
                 kept.append((sample, weight if sample.reward is not None else 0.0, index))
     samples = [sample for sample, _, _ in kept]
-    advantages = _advantages([(s.reward, index) for s, _, index in kept])
+    by_group: dict[int, list[float | None]] = {}  # kept lists each group's samples together
+    for sample, _, index in kept:
+        by_group.setdefault(index, []).append(sample.reward)
+    advantages = [a for rewards in by_group.values() for a in group_advantages(rewards)]
     width = max((len(s.token_ids) for s in samples), default=0)
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.int64)
     attention_mask = torch.zeros((len(samples), width), dtype=torch.int64)
@@ -124,24 +127,3 @@ def build_batch(
 
 def _reward(sample: TrainingSample) -> float:
     return math.nan if sample.reward is None else sample.reward
-
-
-def _advantages(rewards: Sequence[tuple[float | None, int]]) -> list[float]:
-    """GRPO: each reward against the mean and spread of its group's rewards."""
-    by_group: dict[int, list[float]] = {}
-    for reward, group in rewards:
-        if reward is not None:
-            by_group.setdefault(group, []).append(reward)
-    stats: dict[int, tuple[float, float]] = {}
-    for group, values in by_group.items():
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-        stats[group] = (mean, std)
-    out: list[float] = []
-    for reward, group in rewards:
-        if reward is None or len(by_group[group]) < 2:
-            out.append(0.0)
-        else:
-            mean, std = stats[group]
-            out.append((reward - mean) / (std + ADVANTAGE_EPS))
-    return out

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from stages.finalize.reader import FinalizedRollout, Group, GroupCollector
+from stages.trainer.advantages import group_advantages
 from stages.trainer.batch import StalenessPolicy, build_batch
 from topics import digest
 from topics.records import FinalizedEvent, TrainingSample
@@ -81,6 +82,15 @@ def test_groups_are_normalized_apart_and_a_group_of_one_has_no_advantage() -> No
     alone = Group("g2", [member("c", sample("c", 4, 5.0))])
     batch = build_batch([first, alone], policy_version=0, staleness=StalenessPolicy())
     assert batch.advantages.tolist() == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
+
+
+def test_the_batch_carries_group_advantages_of_each_group() -> None:
+    """The function the inspector shows advantages with is the batch's own."""
+    rewards = [1.0, None, 0.0, 0.5]
+    group = Group("g", [member(k, sample(k, 4, r)) for k, r in zip("abcd", rewards, strict=True)])
+    batch = build_batch([group], policy_version=0, staleness=StalenessPolicy())
+    assert batch.advantages.tolist() == pytest.approx(group_advantages(rewards), abs=1e-6)
+    assert group_advantages(rewards)[1] == 0.0 and group_advantages([2.0, None]) == [0.0, 0.0]
 
 
 def test_a_sample_without_reward_trains_with_weight_zero() -> None:
