@@ -24,7 +24,7 @@ from pipeline.auth.audit import Audit
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs
 from pipeline.inspect.source import RunSource
-from pipeline.inspect.table import STATUSES, TableQuery
+from pipeline.inspect.table import STATUSES, TableQuery, member_advantages
 
 COOKIE = "tokentrail_inspect"
 PACKAGE = files("pipeline.inspect")
@@ -136,7 +136,14 @@ def create_inspect_app(source: RunSource, credentials: Credentials, *, secure: b
             return missing(request, "group", group_id)
         rewards = [m.reward for m in members if m.status == "accepted" and m.reward is not None]
         mean = sum(rewards) / len(rewards) if rewards else None
-        return render(request, "group.html", group_id=group_id, members=members, mean=mean)
+        return render(
+            request,
+            "group.html",
+            group_id=group_id,
+            members=members,
+            mean=mean,
+            advantages=member_advantages(members),
+        )
 
     @app.get("/pipeline")
     async def pipeline(request: Request) -> HTMLResponse:

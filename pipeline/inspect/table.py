@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from stages.trainer.advantages import group_advantages
 from topics.records import FinalizedEvent, RolloutSeal
 
 STATUSES = ("accepted", "rejected", "unfinalized")
@@ -68,6 +69,25 @@ def rollout_row(rollout_id: str, seal: RolloutSeal | None, event: FinalizedEvent
         sample_policy=policy,
         sample_keys=tuple(event.sample_keys) if event else (),
     )
+
+
+def member_advantages(members: Sequence[RolloutRow]) -> dict[str, float]:
+    """Rollout id → GRPO advantage of each accepted member, by the trainer's own function.
+
+    The trainer's batch normalizes over samples, so a member counts once per accepted
+    sample (every chain of a multi-sample rollout, each with the rollout's reward); its
+    samples share one advantage. Rejected members have none.
+    """
+    accepted = [
+        (m.rollout_id, m.reward, max(1, len(m.sample_keys))) for m in members if m.status == "accepted"
+    ]
+    advantages = group_advantages([reward for _, reward, n in accepted for _ in range(n)])
+    out: dict[str, float] = {}
+    position = 0
+    for rollout_id, _, n in accepted:
+        out[rollout_id] = advantages[position]
+        position += n
+    return out
 
 
 def _numeric(value: float | int | None) -> tuple[bool, float]:

@@ -21,6 +21,7 @@ from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_play
 
 from pipeline.kafka.broker import free_port
 from pipeline.samples.archive import archive_path, read_archive
+from stages.trainer.advantages import group_advantages
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.mark.dataplane]
 
@@ -226,6 +227,10 @@ def test_groups_and_the_pipeline_page(page: Page, server: str, run_dir: RunDir, 
     group = next(str(r["group_id"]) for r in samples(run_dir).values() if "@" not in str(r.get("sample_key")))
     page.goto(f"{server}/groups/{group}")
     assert page.locator("table.group tbody tr").count() == 2
+    members = [r for r in samples(run_dir).values() if r["group_id"] == group]
+    expected = [f"{a:+.4f}" for a in group_advantages([r["reward"] for r in members])]
+    shown = [text for text in page.locator("td.advantage").all_inner_texts() if text != "-"]
+    assert sorted(shown) == sorted(expected)  # rejected members, absent from the archive, show none
     shot(page, screenshots, "group")
     page.goto(f"{server}/pipeline")
     text = page.locator("main").inner_text()
