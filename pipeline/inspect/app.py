@@ -25,6 +25,7 @@ from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs
 from pipeline.inspect.source import RunSource
 from pipeline.inspect.table import STATUSES, TableQuery, member_advantages
+from pipeline.inspect.timeline import duration, utc
 
 COOKIE = "tokentrail_inspect"
 PACKAGE = files("pipeline.inspect")
@@ -86,6 +87,7 @@ def create_inspect_app(source: RunSource, credentials: Credentials, *, secure: b
     )
     templates = Jinja2Templates(directory=str(PACKAGE / "templates"))
     templates.env.globals["source"] = source
+    templates.env.filters.update(utc=utc, duration=duration)
     app.mount("/static", StaticFiles(directory=str(PACKAGE / "static")), name="static")
     app.add_middleware(
         AuthGate, router=app.router, policy=inspect_policy(), credentials=credentials, audit=Audit()

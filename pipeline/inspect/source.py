@@ -16,6 +16,7 @@ from typing import Any
 from pipeline.inspect.log import LogContents, LogUnavailable, read_live_log, read_run_log
 from pipeline.inspect.rollout import RolloutDetail, rollout_detail
 from pipeline.inspect.table import RolloutRow, RolloutTable
+from pipeline.inspect.timeline import Timeline, timeline
 from pipeline.inspect.tokens import Decoder, TokenView, load_decoder, render_tokens
 from pipeline.kafka.broker import BUCKET_DIR
 from pipeline.kafka.config import KafkaConfig
@@ -82,8 +83,10 @@ class RunSource:
         contents = read_archive(archive_path(data_dir))
         self.samples = {str(r.get("sample_key") or r["rollout_id"]): r for r in contents.records}
         self.archive = ArchiveSummary(len(contents.records), contents.skipped_lines, contents.runs)
+        self.timeline: Timeline | None = None
         if isinstance(log, LogContents):
             self.table = RolloutTable.from_log(log.seals, log.finalized)
+            self.timeline = timeline(log.finalized.values())
         else:
             self.table = RolloutTable(archived_rows(contents.records))
 

@@ -235,6 +235,11 @@ def test_groups_and_the_pipeline_page(page: Page, server: str, run_dir: RunDir, 
     page.goto(f"{server}/pipeline")
     text = page.locator("main").inner_text()
     assert "digest_mismatch" in text and "ledger: 0" in text
+    bars = page.locator("svg.timeline g[data-finalized]")
+    finalized = bars.evaluate_all("gs => gs.reduce((n, g) => n + Number(g.dataset.finalized), 0)")
+    assert finalized == 4 + len(run_dir.extra)  # every rollout of the run, each in one bucket
+    codes = set(page.locator("table.timeline th code").all_text_contents())
+    assert {"digest_mismatch", "ambiguous_terminal"} <= codes
     shot(page, screenshots, "pipeline")
 
 
