@@ -1,4 +1,4 @@
-"""``tokentrail bench engine|pipeline|replay|long-horizon|main-job|vllm|quotas``: the benchmarks from the CLI.
+"""``tokentrail bench engine|pipeline|replay|long-horizon|main-job|vllm|quotas|inspect``: the benchmarks from the CLI.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "main-job": "the main job end to end, memory vs durable broker storage, wall time side by side",
     "vllm": "the real vLLM worker's tokens/s with capture off vs on, per ack policy",
     "quotas": "well-behaved agents' latency through the gateway alone vs beside a flooding agent",
+    "inspect": "the inspector in chromium: first render of a 100,000-rollout table and a 32K-token view",
 }
 
 EXAMPLES = """\
@@ -36,6 +37,7 @@ examples:
   tokentrail bench main-job --quick --json
   tokentrail bench vllm --quick --json
   tokentrail bench quotas --quick --json
+  tokentrail bench inspect --quick --json
 """
 
 

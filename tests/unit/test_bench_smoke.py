@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from bench import inspect as inspect_bench
 from bench import ledger_memory, main_job, quotas, vllm
 from bench.common import thread_cpu_s
 from bench.engine import MODES, EngineConfig
@@ -221,6 +222,21 @@ def test_cli_wires_the_benchmarks() -> None:
     assert quotas.config_from_args(flooded) == quotas.QuotaBenchConfig(
         calls=4, trials=1, flood=16, in_flight=(2, 8)
     )
+    inspected = parser.parse_args(["bench", "inspect", "--quick", "--rollouts", "500", "--long-tokens", "64"])
+    assert inspect_bench.config_from_args(inspected) == inspect_bench.InspectBenchConfig(
+        rollouts=500, long_tokens=64, trials=2, hovers=2, page=100
+    )
+
+
+def test_the_inspect_bench_samples_are_valid_and_the_long_one_straddles_a_refit() -> None:
+    from pipeline.inspect.tokens import render_tokens
+    from pipeline.samples.archive import sample_record
+
+    long = inspect_bench.long_sample(64, 4, vocab=1024)
+    assert len(long.token_ids) == 64 and all(256 <= i < 1024 for i in long.token_ids)
+    assert render_tokens(sample_record(long, inspect_bench.RUN_ID), None).straddles == 1
+    small = [inspect_bench.small_sample(i) for i in range(8)]
+    assert len({s.rollout_id for s in small}) == 8 and len({s.group_id for s in small}) == 2
 
 
 def test_thread_cpu_is_read_per_thread_name() -> None:
