@@ -85,10 +85,12 @@ class RolloutClient:
         sample_policy: SamplePolicy = "terminal",
         all_or_nothing: bool | None = None,
         sealed_by: str | None = None,
+        call_rewards: Mapping[str, float] | None = None,
     ) -> RolloutSeal:
         """Close a rollout; ``failed`` (a reason) marks an episode that broke;
         ``sample_policy`` says which chains become samples (DESIGN §4.4); ``sealed_by``
-        names the principal whose reward this is (DESIGN §15)."""
+        names the principal whose reward this is (DESIGN §15); ``call_rewards`` are
+        per-call rewards by call id, which the samples carry on their spans."""
         seal = RolloutSeal(
             rollout_id=rollout_id,
             group_id=group_id,
@@ -100,6 +102,7 @@ class RolloutClient:
             sample_policy=sample_policy,
             all_or_nothing=all_or_nothing,
             sealed_by=sealed_by,
+            call_rewards=dict(call_rewards or {}),
         )
         await self.sink.publish([seal])
         return seal

@@ -32,6 +32,8 @@ class Scenario:
     all_or_nothing: bool | None = None
     corrupt: str | None = None
     """A node whose row is overwritten with a flipped token after capture."""
+    call_rewards: tuple[tuple[str, float], ...] = ()
+    """Per-call rewards the seal gives, by node name."""
 
 
 # root -> a -> a2, root -> b, root -> c -> c2: three surviving leaves (a2, b, c2).
@@ -67,7 +69,10 @@ RETRIED = (
 SCENARIOS = {
     "tree-terminal": Scenario(TREE, "terminal"),
     "tree-leaves": Scenario(TREE, "leaves"),
-    "rewritten-chains": Scenario(REWRITTEN, "chains"),
+    # Process rewards for turn 3 and turn 6, and for the abandoned retry (on no sample).
+    "rewritten-chains": Scenario(
+        REWRITTEN, "chains", call_rewards=(("t3", 0.3), ("t6", 0.6), ("t2-retry", 0.9))
+    ),
     "retried-leaves": Scenario(RETRIED, "leaves"),
     "corrupt-leaves": Scenario(TREE, "leaves", corrupt="b"),
     "corrupt-all-or-nothing": Scenario(TREE, "leaves", all_or_nothing=True, corrupt="b"),
@@ -129,5 +134,6 @@ async def capture(
         reward=1.0,
         sample_policy=scenario.policy,
         all_or_nothing=scenario.all_or_nothing,
+        call_rewards={call_ids[name]: reward for name, reward in scenario.call_rewards},
     )
     return call_ids

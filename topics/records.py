@@ -65,6 +65,7 @@ Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 AncestorKeys = Annotated[list[StagingKey], Field(max_length=MAX_CHAIN_DEPTH - 1)]
 ChainKeys = Annotated[list[StagingKey], Field(max_length=MAX_CHAIN_DEPTH)]
 Label = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 Timestamp = Annotated[float, Field(ge=0.0)]
@@ -470,8 +471,10 @@ class RolloutSeal(AddedIn4):
     """Reject every sample when one chain is rejected; None: the finalizer's default."""
     sealed_by: Label | None = None
     """The principal that sealed (``environment:1a2b3c4d``; a name, never a secret)."""
+    call_rewards: dict[CallId, FiniteFloat] = {}
+    """Per-call (process) rewards, by call id, beside the rollout's ``reward``."""
 
-    ADDED_IN_4 = ("sample_policy", "all_or_nothing", "sealed_by")
+    ADDED_IN_4 = ("sample_policy", "all_or_nothing", "sealed_by", "call_rewards")
 
     @model_validator(mode="after")
     def _rules(self) -> RolloutSeal:
@@ -570,8 +573,10 @@ class RolloutReceipt(AddedIn4):
     sample_policy: SamplePolicy = "terminal"
     all_or_nothing: bool | None = None
     chains: list[ReceiptChain] = []
+    call_rewards: dict[CallId, FiniteFloat] = {}
+    """The seal's per-call rewards, which the finalizer puts on each sample's spans."""
 
-    ADDED_IN_4 = ("sample_policy", "all_or_nothing", "chains")
+    ADDED_IN_4 = ("sample_policy", "all_or_nothing", "chains", "call_rewards")
 
     @classmethod
     def _from_v3(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -728,6 +733,9 @@ class CallSpan(RowRecord):
     start: Count
     carry_len: Count
     gen_len: Annotated[int, Field(ge=1)]
+    reward: FiniteFloat | None = None
+    """The reward the seal gave this call (``call_rewards``), credited to the last token of
+    its span; None: none given. Stored only when given, so other samples stay as they were."""
 
 
 class TrainingSample(RowRecord):

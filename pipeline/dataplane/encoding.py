@@ -215,6 +215,7 @@ def encode_samples(samples: Sequence[TrainingSample]) -> TensorDict:
                             "start": span.start,
                             "carry_len": span.carry_len,
                             "gen_len": span.gen_len,
+                            **({"reward": span.reward} if span.reward is not None else {}),
                         }
                         for span in sample.spans
                     ],
@@ -352,6 +353,7 @@ def _spans(key: str, raw: list[Any], schema_version: Any) -> list[CallSpan]:
                     "start": _take(key, item, "start", (int,)),
                     "carry_len": _take(key, item, "carry_len", (int,)),
                     "gen_len": _take(key, item, "gen_len", (int,)),
+                    "reward": _take(key, item, "reward", (float, int)) if "reward" in item else None,
                 },
             )
         )

@@ -39,7 +39,7 @@ from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render
 from pipeline.worker.protocol import InvalidRequest, api_error, parse_body
-from topics.records import IDENT_PATTERN, SamplePolicy
+from topics.records import IDENT_PATTERN, FiniteFloat, SamplePolicy
 from topics.wire import CAPTURE_FIELD, Dialect
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class SealBody(BaseModel):
     sample_policy: SamplePolicy | None = None
     """Which chains become samples; None: the gateway's ``--sample-policy``."""
     all_or_nothing: bool | None = None
+    call_rewards: dict[str, FiniteFloat] | None = Field(None, max_length=100_000)
+    """Per-call rewards by call id (the ids ``GET /rollouts/{id}`` lists)."""
 
     @model_validator(mode="after")
     def _rules(self) -> SealBody:
@@ -188,6 +190,7 @@ def create_gateway_app(
             sample_policy=body.sample_policy,
             all_or_nothing=body.all_or_nothing,
             sealed_by=str(principal_of(request)),
+            call_rewards=body.call_rewards,
         )
         return JSONResponse(sealed.model_dump(mode="json"))
 

@@ -15,12 +15,13 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pipeline.gateway.lineage import GatewayCall
 from pipeline.gateway.previous import ResponseLog
 from pipeline.gateway.quotas import Usage
+from pipeline.worker.protocol import InvalidRequest
 from stages.client import RolloutClient
 from topics.records import IDENT_PATTERN, RolloutSeal, SamplePolicy
 
@@ -142,8 +143,10 @@ class Sessions:
         sample_policy: SamplePolicy | None = None,
         all_or_nothing: bool | None = None,
         sealed_by: str | None = None,
+        call_rewards: Mapping[str, float] | None = None,
     ) -> RolloutSeal:
-        """Publish the session's one seal; a second seal is a 409 naming the first."""
+        """Publish the session's one seal; a second seal is a 409 naming the first, and per-call
+        rewards for a call the session does not have are a 400 naming it."""
         done = self._sealed.get(rollout_id)
         if done is not None and done.seal is not None:
             first = done.seal
@@ -154,6 +157,12 @@ class Sessions:
         session = self._open.get(rollout_id)
         if session is None:
             raise SessionError(404, f"rollout {rollout_id} is unknown")
+        for call_id in call_rewards or {}:
+            if call_id not in session.by_id:
+                raise InvalidRequest(
+                    f"call_rewards.{call_id}",
+                    f"call_rewards.{call_id}: rollout {rollout_id} has no such call",
+                )
         seal = await self.client.seal(
             rollout_id,
             group_id=session.group_id,
@@ -162,6 +171,7 @@ class Sessions:
             sample_policy=sample_policy or self.sample_policy,
             all_or_nothing=all_or_nothing,
             sealed_by=sealed_by,
+            call_rewards=call_rewards,
         )
         session.seal = seal
         self._sealed[rollout_id] = self._open.pop(rollout_id)

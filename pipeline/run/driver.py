@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipeline.run.journal import INTERRUPTED, RunJournal
 from stages.client import RolloutClient
 from stages.driver import DriverStats, Job
 from stages.envs.arithmetic import Episode
 from stages.ports import EventSink
-from topics.records import RolloutSeal, SamplePolicy
+from topics.records import RolloutSeal
 
 log = logging.getLogger(__name__)
 
@@ -37,29 +37,9 @@ class SealTrackingClient(RolloutClient):
         self.journal = journal
         self.sealing: set[str] = set()
 
-    async def seal(
-        self,
-        rollout_id: str,
-        *,
-        group_id: str | None = None,
-        reward: float | None = None,
-        terminal_call_id: str | None = None,
-        failed: str | None = None,
-        sample_policy: SamplePolicy = "terminal",
-        all_or_nothing: bool | None = None,
-        sealed_by: str | None = None,
-    ) -> RolloutSeal:
+    async def seal(self, rollout_id: str, **options: Any) -> RolloutSeal:
         self.sealing.add(rollout_id)
-        seal = await super().seal(
-            rollout_id,
-            group_id=group_id,
-            reward=reward,
-            terminal_call_id=terminal_call_id,
-            failed=failed,
-            sample_policy=sample_policy,
-            all_or_nothing=all_or_nothing,
-            sealed_by=sealed_by,
-        )
+        seal = await super().seal(rollout_id, **options)
         if self.journal is not None:
             self.journal.sealed(rollout_id)
         return seal

@@ -44,6 +44,7 @@ def parquet_schema() -> Any:
             ("start", pa.int64()),
             ("carry_len", pa.int64()),
             ("gen_len", pa.int64()),
+            ("reward", pa.float64()),
         ]
     )
     return pa.schema(

@@ -33,13 +33,16 @@ from typing import Any, TypeVar
 import torch
 
 from pipeline.trainer.shapes import split
-from stages.trainer.batch import TrainBatch
+from stages.trainer.batch import TrainBatch, span_end_rewards
 from topics.records import TrainingSample
 
 log = logging.getLogger(__name__)
 
 REWARD_FIELD = "tokentrail_reward"
 """The extra field of ``rollout_func``'s output that carries each completion's reward."""
+CALL_REWARDS_FIELD = "tokentrail_call_rewards"
+"""The extra field with each completion's per-token call rewards (``TrainBatch.call_rewards``,
+aligned with ``completion_ids``), for reward functions that score turns."""
 T = TypeVar("T")
 Messages = list[dict[str, Any]]
 
@@ -56,7 +59,8 @@ def rollout_fields(groups: Sequence[Sequence[TrainingSample | None]]) -> tuple[d
     """TRL's ``rollout_func`` output for groups of samples (None: a rejected member), and
     how many rejected members were filled in (see the module's docstring)."""
     out: dict[str, list[Any]] = {
-        name: [] for name in ("prompt_ids", "completion_ids", "logprobs", "env_mask", REWARD_FIELD)
+        name: []
+        for name in ("prompt_ids", "completion_ids", "logprobs", "env_mask", REWARD_FIELD, CALL_REWARDS_FIELD)
     }
     filled = 0
     for group in groups:
@@ -67,6 +71,10 @@ def rollout_fields(groups: Sequence[Sequence[TrainingSample | None]]) -> tuple[d
         mean = sum(known) / len(known) if known else 0.0
         for sample in group:
             part = split(sample or accepted[0])
+            per_token = [0.0] * len(part.response_ids)
+            for position, reward in span_end_rewards(sample) if sample is not None else []:
+                per_token[position - len(part.prompt_ids)] = reward
+            out[CALL_REWARDS_FIELD].append(per_token)
             out["prompt_ids"].append(part.prompt_ids)
             out["completion_ids"].append(part.response_ids)
             out["logprobs"].append(part.response_logprobs)
@@ -286,6 +294,7 @@ def train(
 
 
 __all__ = [
+    "CALL_REWARDS_FIELD",
     "REWARD_FIELD",
     "TrlBridge",
     "TrlStep",

@@ -108,7 +108,13 @@ def linearize(
         logprobs.append(row_logprobs)
         versions.append(_token_versions(row, carry))
         spans.append(
-            CallSpan(call_id=row.call_id, start=length, carry_len=carry, gen_len=row.delta_len - carry)
+            CallSpan(
+                call_id=row.call_id,
+                start=length,
+                carry_len=carry,
+                gen_len=row.delta_len - carry,
+                reward=receipt.call_rewards.get(row.call_id),
+            )
         )
         length = row.cum_len
     all_ids = np.concatenate(ids)

@@ -225,6 +225,7 @@ class OpenRollout:
             rollout_id=self.rollout_id,
             group_id=seal.group_id,
             reward=seal.reward,
+            call_rewards=seal.call_rewards,
             manifest=[
                 ManifestEntry.of(r)
                 for r in sorted(self.committed.values(), key=lambda r: (r.prev_len, r.call_id))

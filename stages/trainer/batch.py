@@ -70,6 +70,9 @@ class TrainBatch:
     """``[B]`` float32: the staleness policy's weight (0 without a reward)."""
     weight_versions: torch.Tensor
     """``[B, 2]`` int64: the oldest and newest weight version of each sample's tokens."""
+    call_rewards: torch.Tensor
+    """``[B, T]`` float32: each call's own reward (the seal's ``call_rewards``) on the last
+    token of its span, 0 elsewhere and where the seal gave none."""
     samples: list[TrainingSample]
     groups: list[Group]
     stale: list[str] = field(default_factory=list)
@@ -102,7 +105,10 @@ def build_batch(
     attention_mask = torch.zeros((len(samples), width), dtype=torch.int64)
     loss_mask = torch.zeros((len(samples), width), dtype=torch.float32)
     old_logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
+    call_rewards = torch.zeros((len(samples), width), dtype=torch.float32)
     for row, sample in enumerate(samples):
+        for position, reward in span_end_rewards(sample):
+            call_rewards[row, position] = reward
         n = len(sample.token_ids)
         input_ids[row, :n] = torch.tensor(sample.token_ids, dtype=torch.int64)
         attention_mask[row, :n] = 1
@@ -119,10 +125,20 @@ def build_batch(
         weight_versions=torch.tensor(
             [[min(s.weight_versions), max(s.weight_versions)] for s in samples], dtype=torch.int64
         ).reshape(len(samples), 2),
+        call_rewards=call_rewards,
         samples=samples,
         groups=list(groups),
         stale=stale,
     )
+
+
+def span_end_rewards(sample: TrainingSample) -> list[tuple[int, float]]:
+    """(position, reward) of every call the seal rewarded: the last token of its span."""
+    return [
+        (span.start + span.carry_len + span.gen_len - 1, span.reward)
+        for span in sample.spans
+        if span.reward is not None
+    ]
 
 
 def _reward(sample: TrainingSample) -> float:

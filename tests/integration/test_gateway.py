@@ -154,13 +154,17 @@ def test_openai_agent_episode_streaming_and_not(served: Served, oracle: HFOracle
             text += choice.delta.content or ""
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks."}]
     agent.chat.completions.create(model="tiny", messages=messages, tools=tools, temperature=0, max_tokens=8)
-    sealed = served.seal(rollout_id, {"reward": 1.0})
-    assert sealed.status_code == 200, sealed.text
     calls = served.calls(rollout_id)
     assert [c["parent_call_id"] for c in calls] == [None, calls[0]["call_id"], calls[1]["call_id"]]
+    unknown = served.seal(rollout_id, {"reward": 1.0, "call_rewards": {"c-nobody": 0.5}})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "call_rewards.c-nobody"
+    turns = {calls[0]["call_id"]: 0.25, calls[2]["call_id"]: 0.75}  # process rewards for two turns
+    sealed = served.seal(rollout_id, {"reward": 1.0, "call_rewards": turns})
+    assert sealed.status_code == 200, sealed.text
     event, sample = served.rig.finalize(rollout_id, sealed=True)
     assert event.status == "accepted", event
     assert sample is not None and sample.reward == 1.0 and event.call_count == 3
+    assert [span.reward for span in sample.spans] == [0.25, None, 0.75]
     assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in served.rig.recorder.calls])
     assert_matches_hf(oracle, model_dir, sample)
 

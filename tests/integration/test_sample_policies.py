@@ -156,7 +156,11 @@ def test_a_history_rewritten_at_turn_4_gives_two_samples_under_chains(outcome: O
     assert outcomes_by_leaf(outcome, "rewritten-chains") == {"t3": "accepted", "t6": "accepted"}
     first = assert_exact(outcome, "rewritten-chains", "t3")
     assert 77 not in first.token_ids  # the abandoned retry of turn 2 is in no sample
-    assert_exact(outcome, "rewritten-chains", "t6")
+    second = assert_exact(outcome, "rewritten-chains", "t6")
+    # The seal's per-call rewards, through the broker, the ledger and the finalizer, on the
+    # spans of the calls they name (read back from the data plane).
+    assert [span.reward for span in first.spans] == [None, None, 0.3]
+    assert [span.reward for span in second.spans] == [None, None, 0.6]
 
 
 def test_retries_collapse_and_branches_stay(outcome: Outcome) -> None:

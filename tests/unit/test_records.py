@@ -242,6 +242,7 @@ def test_seal_rules() -> None:
     rejects(RolloutSeal, {**seal, "status": "failed"}, "failure_reason")
     rejects(RolloutSeal, {**seal, "terminal_call_id": "c1", "terminal_response_id": "x"}, "terminal_call_id")
     rejects(RolloutSeal, {**seal, "reward": math.inf}, "reward")
+    rejects(RolloutSeal, {**seal, "call_rewards": {"c1": math.inf}}, "call_rewards")
     rejects(RolloutSeal, {**seal, "sample_policy": "every"}, "sample_policy")
     rejects(RolloutSeal, {**seal, "terminal_call_id": "c1", "sample_policy": "leaves"}, "sample_policy")
 
@@ -254,6 +255,9 @@ def test_fields_added_to_schema_4_are_written_only_when_used() -> None:
     written = orjson.loads(encode_payload(leaves))
     assert (written["sample_policy"], written["all_or_nothing"]) == ("leaves", False)
     assert RolloutSeal.model_validate_json(encode_payload(leaves)) == leaves
+    assert b"call_rewards" not in encode_payload(seal)
+    turns = seal.model_copy(update={"call_rewards": {"c1": 0.5}})
+    assert RolloutSeal.model_validate_json(encode_payload(turns)).call_rewards == {"c1": 0.5}
 
 
 def test_receipt_rules() -> None:

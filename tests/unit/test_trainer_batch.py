@@ -68,6 +68,15 @@ def test_tensors_are_padded_and_aligned_with_the_samples() -> None:
     assert [m.event.rollout_id for m in batch.groups[0].rejected] == ["c"]  # the hole is visible
 
 
+def test_a_calls_own_reward_is_on_the_last_token_of_its_span() -> None:
+    plain = sample("a", 5, 1.0)
+    rewarded = plain.model_copy(update={"spans": [plain.spans[0].model_copy(update={"reward": 0.4})]})
+    group = Group("g", [member("a", rewarded), member("b", sample("b", 3, 0.0))])
+    batch = build_batch([group], policy_version=0, staleness=StalenessPolicy())
+    assert batch.call_rewards[0].tolist() == pytest.approx([0, 0, 0, 0, 0.4])
+    assert batch.call_rewards[1].tolist() == [0.0] * 5
+
+
 def test_every_chain_of_a_multi_sample_rollout_counts_in_its_group() -> None:
     chains = (sample("a@c1", 4, 1.0), sample("a@c2", 4, 1.0))
     group = Group("g", [FinalizedRollout(event("a"), chains), member("b", sample("b", 4, 0.0))])

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 from rowkit import FIRST, PROMPT, SECOND, TOOL, two_calls
 
-from pipeline.trainer.trl import REWARD_FIELD, distinct_in_order, environment_reward, rollout_fields
+from pipeline.trainer.trl import (
+    CALL_REWARDS_FIELD,
+    REWARD_FIELD,
+    distinct_in_order,
+    environment_reward,
+    rollout_fields,
+)
 
 
 def test_each_member_is_one_completion_with_its_mask_logprobs_and_reward() -> None:
@@ -35,3 +41,12 @@ def test_trl_repeats_each_prompt_num_generations_times() -> None:
         distinct_in_order([a, b, a, b], 2)
     with pytest.raises(ValueError, match="multiple"):
         distinct_in_order([a, a, b], 2)
+
+
+def test_per_call_rewards_sit_on_the_last_token_of_each_call_in_the_completion() -> None:
+    sample = two_calls("r1", 1.0)
+    rewarded = sample.model_copy(
+        update={"spans": [sample.spans[0].model_copy(update={"reward": 0.2}), sample.spans[1]]}
+    )
+    out, _ = rollout_fields([[rewarded, two_calls("r2", 0.0)]])
+    assert out[CALL_REWARDS_FIELD] == [[0.0, 0.2, 0.0, 0.0, 0.0, 0.0], [0.0] * 6]
