@@ -4,11 +4,17 @@ inspector's run (a rejected and a multi-sample rollout beside a real run's)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pipeline.dataplane import encoding as rows_codec
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
-from stages.capture.core import CaptureCore
+from pipeline.kafka.producer import KafkaEventSink
+from stages.capture.cache import ChainCache
+from stages.capture.core import AckPolicy, CaptureCore
+from stages.capture.resolve import PrefixResolver
+from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient
 from topics.records import CommitCoords, SamplePolicy, StagedCall
 
@@ -95,6 +101,23 @@ def chain_tokens(nodes: tuple[Node, ...], leaf: str) -> tuple[list[int], list[fl
         mask += [0.0] * len(node.prompt) + [1.0] * len(node.gen)
         logprobs += [0.0] * len(node.prompt) + [-0.5] * len(node.gen)
     return ids, mask, logprobs
+
+
+@contextlib.asynccontextmanager
+async def capturing(
+    plane: TransferQueueDataPlane, sink: KafkaEventSink, worker_id: str
+) -> AsyncIterator[tuple[CaptureCore, RolloutClient]]:
+    """A worker's capture core over the real data plane and broker; its writer drained on exit."""
+    cache = ChainCache()
+    writer = StagingWriter(plane, sink, worker_id=worker_id, batch_delay_s=0.002)
+    writer.start()
+    try:
+        yield (
+            CaptureCore(PrefixResolver(plane, cache, wait_s=5.0), writer, cache, ack_policy=AckPolicy.STAGED),
+            RolloutClient(sink),
+        )
+    finally:
+        await writer.stop()
 
 
 async def capture(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from inspectkit import RunDir
-from scenariokit import SCENARIOS, capture
+from scenariokit import SCENARIOS, capture, capturing
 
 from pipeline.dataplane.embedded import EmbeddedDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
@@ -34,11 +34,6 @@ from pipeline.kafka.producer import KafkaEventSink
 from pipeline.replay.rebuild import read_log
 from pipeline.samples.archive import SampleArchive, archive_path, sample_record
 from pipeline.stagehost.runner import serve_stage
-from stages.capture.cache import ChainCache
-from stages.capture.core import AckPolicy, CaptureCore
-from stages.capture.resolve import PrefixResolver
-from stages.capture.writer import StagingWriter
-from stages.client import RolloutClient
 from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.specs import FINALIZER, LEDGER
@@ -58,17 +53,10 @@ async def _play_extra(
         await TransferQueueDataPlane.attach(server.addresses, timeout_s=20.0) as plane,
         KafkaEventSink(config) as sink,
     ):
-        cache = ChainCache()
-        writer = StagingWriter(plane, sink, worker_id="w-inspect", batch_delay_s=0.002)
-        writer.start()
-        core = CaptureCore(
-            PrefixResolver(plane, cache, wait_s=5.0), writer, cache, ack_policy=AckPolicy.STAGED
-        )
-        client = RolloutClient(sink)
-        for suffix, scenario in EXTRA.items():
-            rollout_id = f"{run_id}.{suffix}"
-            call_ids[rollout_id] = await capture(core, client, plane, rollout_id, SCENARIOS[scenario])
-        await writer.stop()
+        async with capturing(plane, sink, "w-inspect") as (core, client):
+            for suffix, scenario in EXTRA.items():
+                rollout_id = f"{run_id}.{suffix}"
+                call_ids[rollout_id] = await capture(core, client, plane, rollout_id, SCENARIOS[scenario])
         stop = asyncio.Event()
         finalizer = FinalizerStage(plane, sink)
         tasks = [

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scenariokit import SCENARIOS, capture, chain_tokens
+from scenariokit import SCENARIOS, capture, capturing, chain_tokens
 
 from pipeline.dataplane.embedded import EmbeddedDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
@@ -29,11 +29,6 @@ from pipeline.kafka.producer import KafkaEventSink
 from pipeline.replay.rebuild import compare, materialize, read_log, rebuild
 from pipeline.replay.store import LedgerStore
 from pipeline.stagehost.runner import serve_stage
-from stages.capture.cache import ChainCache
-from stages.capture.core import AckPolicy, CaptureCore
-from stages.capture.resolve import PrefixResolver
-from stages.capture.writer import StagingWriter
-from stages.client import RolloutClient
 from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.specs import FINALIZER, LEDGER
@@ -61,16 +56,9 @@ async def run_pipeline(server: EmbeddedDataPlane, config: KafkaConfig, tmp: Path
         await TransferQueueDataPlane.attach(server.addresses, timeout_s=20.0) as plane,
         KafkaEventSink(config) as sink,
     ):
-        cache = ChainCache()
-        writer = StagingWriter(plane, sink, worker_id="w0", batch_delay_s=0.002)
-        writer.start()
-        core = CaptureCore(
-            PrefixResolver(plane, cache, wait_s=5.0), writer, cache, ack_policy=AckPolicy.STAGED
-        )
-        client = RolloutClient(sink)
-        for name, scenario in SCENARIOS.items():
-            outcome.call_ids[name] = await capture(core, client, plane, name, scenario)
-        await writer.stop()
+        async with capturing(plane, sink, "w0") as (core, client):
+            for name, scenario in SCENARIOS.items():
+                outcome.call_ids[name] = await capture(core, client, plane, name, scenario)
 
         stop = asyncio.Event()
         ledger = LedgerStage(sink, LedgerConfig(seal_grace_s=30))
