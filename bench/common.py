@@ -8,14 +8,16 @@ run says how much the figures may be off.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
 import shlex
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,36 @@ def _memory_gib() -> float:
     return round(pages * size / 2**30, 1)
 
 
+@contextlib.contextmanager
+def started(argv: list[str], log: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
+    """A ``tokentrail`` verb run with ``--json``; yields it and its first JSON document."""
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr)
+    try:
+        try:
+            ready = _first_document(process)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n{log.read_text(errors='replace')[-3000:]}") from None
+        yield process, ready
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _first_document(process: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """The verb's ready line; a verb that cannot start exits (its own timeouts decide)."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith(b"{"):
+            document: dict[str, Any] = json.loads(line)
+            return document
+    raise RuntimeError(f"{process.args!r} exited {process.wait()} before it was ready")
+
+
 __all__ = [
     "cdf",
     "emit",
@@ -179,6 +211,7 @@ __all__ = [
     "percentiles",
     "process_cpu_s",
     "standalone",
+    "started",
     "tree_cpu_s",
     "versions",
 ]

@@ -46,10 +46,10 @@ from bench.common import (
     percentiles,
     process_cpu_s,
     standalone,
+    started,
     tree_cpu_s,
     versions,
 )
-from bench.vllm import started
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker

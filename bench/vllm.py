@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ from bench.common import (
     percentiles,
     process_cpu_s,
     standalone,
+    started,
     thread_cpu_s,
     tree_cpu_s,
     versions,
@@ -155,36 +154,6 @@ def trial(url: str, model: str, config: VllmBenchConfig, mode: str, processes: P
     }
     result["worker_threads_ms_per_call"] = {name: ms for name, ms in per_thread.items() if ms > 0}
     return result
-
-
-@contextmanager
-def started(argv: list[str], log: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
-    """A ``tokentrail`` verb run with ``--json``; yields it and its first JSON document."""
-    with log.open("wb") as stderr:
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr)
-    try:
-        try:
-            ready = _first_document(process)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}\n{log.read_text(errors='replace')[-3000:]}") from None
-        yield process, ready
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _first_document(process: subprocess.Popen[bytes]) -> dict[str, Any]:
-    """The verb's ready line; a verb that cannot start exits (its own timeouts decide)."""
-    assert process.stdout is not None
-    for line in process.stdout:
-        if line.startswith(b"{"):
-            document: dict[str, Any] = json.loads(line)
-            return document
-    raise RuntimeError(f"{process.args!r} exited {process.wait()} before it was ready")
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
