@@ -324,7 +324,10 @@ async def publish(
     sends: Sequence[Send], case: str, sink: KafkaEventSink, producer: AIOKafkaProducer, names: TopicNames
 ) -> list[Sent]:
     """In order: records through the stages' own sink, raw ones through a plain producer
-    (each awaited, so the order in the log is this order)."""
+    (each awaited, so the order in the log is this order). After a raw event the next one
+    is sent in a later millisecond: the ledger merges its topics by log time and puts a
+    staged event first among equal timestamps, so one stamped in a raw seal's millisecond
+    would overtake it."""
     topics = {"admission": names.admission, "staged": names.staged, "committed": names.committed}
     sent: list[Sent] = []
     records: list[Record] = []
@@ -338,6 +341,7 @@ async def publish(
         future = await producer.send(topic, value=item.value, key=item.key, headers=list(item.headers))
         meta = await future
         sent.append(Sent(case, item, (topic, meta.partition, meta.offset)))
+        await asyncio.sleep(0.002)
     await sink.publish(records)
     return sent
 
