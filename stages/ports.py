@@ -147,6 +147,9 @@ class StageGauges:
     late: int | None = None
     swept: Mapping[str, int] | None = None
     """Staging rows a janitor deleted, by why (``finished``, ``expired``)."""
+    retained: Mapping[str, int] | None = None
+    """The finalizer's copies of samples their owners have not acknowledged (``held``,
+    ``held_bytes``) and what became of the others (``released``, ``over_budget``, ``restored``)."""
 
 
 class StagePort(StageHandler, Protocol):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stages.finalize.janitor import JanitorConfig
+from stages.finalize.retain import RetainedSamples
 from stages.finalize.stage import FinalizerStage
 from stages.finalize.verify import MixedVersionPolicy
 from stages.ledger.stage import LedgerConfig, LedgerStage
@@ -33,6 +34,9 @@ class StageSettings:
     """Rollouts a stage remembers as answered (recalled from its output topic's tail)."""
     janitor: JanitorConfig = field(default_factory=JanitorConfig)
     """The finalizer's sweep of staging rows nobody else will delete."""
+    retained: RetainedSamples | None = None
+    """The finalizer's copies of samples until their owners have them (DESIGN §7.4), built
+    by the host, which knows the broker and the data plane; None keeps none."""
 
 
 def staging_ttl(ledger: LedgerConfig) -> float:
@@ -87,6 +91,7 @@ def _finalizer(sink: EventSink, data_plane: DataPlane | None, settings: StageSet
         all_or_nothing=settings.all_or_nothing,
         remember=settings.remember,
         janitor=settings.janitor,
+        retained=settings.retained,
     )
 
 

@@ -25,9 +25,10 @@ from pipeline.stagehost.metrics import Health, StageMetrics
 from pipeline.stagehost.runner import serve_stage
 from pipeline.stagehost.server import MetricsServer
 from stages.finalize.janitor import JanitorConfig
+from stages.finalize.retain import DEFAULT_BUDGET_BYTES, TRAINER_GROUP, RetainedSamples, RetentionConfig
 from stages.finalize.verify import MixedVersionPolicy
 from stages.ledger.stage import LedgerConfig
-from stages.specs import STAGES, StageSettings, staging_ttl
+from stages.specs import FINALIZER, STAGES, StageSettings, staging_ttl
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,25 @@ def add_parser(subparsers: Any) -> None:
         help=(
             "finalizer: under a multi-sample policy, one rejected chain rejects every sample of its rollout, "
             "for rollouts whose seal does not say (default: each chain stands alone)"
+        ),
+    )
+    parser.add_argument(
+        "--sample-owner",
+        action="append",
+        metavar="GROUP",
+        help=(
+            "finalizer: a consumer group that owns the samples; a copy of each sample is kept until every owner "
+            "committed past its outcome, and put back into a restarted data plane (repeatable; default "
+            f"{TRAINER_GROUP})"
+        ),
+    )
+    parser.add_argument(
+        "--retain-samples-bytes",
+        type=int,
+        default=DEFAULT_BUDGET_BYTES,
+        help=(
+            "finalizer: memory for copies of samples their owners have not acknowledged; over it the oldest are "
+            "let go, counted (default %(default)s; 0: keep none)"
         ),
     )
     parser.add_argument(
@@ -311,6 +331,26 @@ async def _serve_through_outages(
             backoff = min(backoff * 2, RECONNECT_MAX_S)
 
 
+async def _retention(
+    args: argparse.Namespace, config: KafkaConfig, plane: Any, stack: contextlib.AsyncExitStack
+) -> RetainedSamples | None:
+    """The finalizer's copies of unacknowledged samples (DESIGN §7.4), put back into the data
+    plane whenever it re-attaches to a restarted owner."""
+    from pipeline.dataplane.reattach import ReattachingDataPlane
+    from pipeline.kafka.lag import LagReader
+    from pipeline.kafka.owners import KafkaSampleOwners
+
+    if args.name != FINALIZER.name or args.retain_samples_bytes == 0:
+        return None
+    reader = await stack.enter_async_context(LagReader(config))
+    owners = KafkaSampleOwners(reader, args.sample_owner or [TRAINER_GROUP])
+    retained = RetainedSamples(owners, RetentionConfig(budget_bytes=args.retain_samples_bytes))
+    if isinstance(plane, ReattachingDataPlane):
+        plane.on_reattach(retained.restore)
+    await retained.reclaim(plane)
+    return retained
+
+
 async def _serve_stage(
     args: argparse.Namespace,
     config: KafkaConfig,
@@ -349,7 +389,9 @@ async def _serve_stage(
                 restage_grace_s=RESTAGE_GRACE_S,  # missing rows may be on their way back
                 **({"addresses_file": args.dataplane_addresses} if args.dataplane_addresses else {}),
             )
-            plane = metrics.data_plane(await stack.enter_async_context(open_data_plane(plane_config)))
+            opened = await stack.enter_async_context(open_data_plane(plane_config))
+            plane = metrics.data_plane(opened)
+            settings = replace(settings, retained=await _retention(args, config, opened, stack))
         started = asyncio.Event()
         announce = asyncio.create_task(ready.announce_when(started), name="ready-notice")
         stack.callback(announce.cancel)

@@ -4,12 +4,14 @@ When the process that owns the data plane dies and a new one starts, it publishe
 addresses. Attached clients (workers, the finalizer) notice by themselves: a watcher
 reads the address file every ``poll_s``, and a call that fails looks at it too. On a
 new owner the client attaches to it, tells whoever registered (a worker stages the rows
-it holds again), and retries the failed call once.
+it holds again, the finalizer puts back the samples their owners have not acknowledged),
+and retries the failed call once.
 
-Rows come back only as fast as workers stage them again, so a reader that decides rows
-are lost (the finalizer) sets ``restage_grace_s``: while the owner is younger than that
-(it has just started: after a crash, the workers are staging again what they hold) a
-read that finds rows missing waits for them instead of reporting them lost at once. That
+Rows and samples come back only as fast as their holders put them back, so a reader
+that decides they are lost (the finalizer, a trainer feed) sets ``restage_grace_s``:
+while the owner is younger than that (it has just started: after a crash, the holders
+are putting back what they keep) a read that finds rows or samples missing waits for
+them instead of reporting them lost at once. That
 holds as well for a client that attached to the new owner from scratch, such as a
 finalizer restarted after the old owner died. Other readers keep their own bounds.
 """
@@ -131,7 +133,7 @@ class ReattachingDataPlane:
         await self._call(lambda plane: plane.put_samples(samples))
 
     async def get_samples(self, keys: Sequence[str]) -> dict[str, TrainingSample]:
-        return await self._call(lambda plane: plane.get_samples(keys))
+        return await self._read(lambda plane: plane.get_samples(keys))
 
     async def delete_samples(self, keys: Sequence[str]) -> None:
         await self._call(lambda plane: plane.delete_samples(keys))

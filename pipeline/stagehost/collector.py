@@ -79,8 +79,27 @@ class StateCollector(Collector):
             "Staging rows the finalizer's janitor deleted: of finalized rollouts, or past the TTL",
             labels=[*labels, "why"],
         )
+        retained = GaugeMetricFamily(
+            "tokentrail_finalizer_samples_retained",
+            "Copies of samples the finalizer keeps until their owners committed past them",
+            labels=labels,
+        )
+        retained_bytes = GaugeMetricFamily(
+            "tokentrail_finalizer_samples_retained_bytes", "Memory those copies take", labels=labels
+        )
+        retention = CounterMetricFamily(
+            "tokentrail_finalizer_samples_retention",
+            "Kept copies by what became of them: released (acknowledged), over_budget (let go unread), "
+            "restored (put back into a restarted data plane)",
+            labels=[*labels, "what"],
+        )
         if self.stage_source is not None:
             gauges = self.stage_source.gauges()
+            if gauges.retained is not None:
+                retained.add_metric([self.stage], gauges.retained["held"])
+                retained_bytes.add_metric([self.stage], gauges.retained["held_bytes"])
+                for what in ("released", "over_budget", "restored"):
+                    retention.add_metric([self.stage, what], gauges.retained[what])
             duplicates.add_metric([self.stage], gauges.duplicates)
             if gauges.open_rollouts is not None:
                 open_rollouts.add_metric([self.stage], gauges.open_rollouts)
@@ -88,7 +107,7 @@ class StateCollector(Collector):
                 late.add_metric([self.stage], gauges.late)
             for why, count in (gauges.swept or {}).items():
                 swept.add_metric([self.stage, why], count)
-        yield from (open_rollouts, duplicates, late, swept)
+        yield from (open_rollouts, duplicates, late, swept, retained, retained_bytes, retention)
 
     def _loop(self) -> Iterator[Metric]:
         labels = ["stage", "group"]

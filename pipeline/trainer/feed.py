@@ -38,6 +38,7 @@ from pipeline.kafka.producer import KafkaEventSink
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S, poll_lag
 from pipeline.stagehost.metrics import MeteredHandler, StageMetrics
 from stages.finalize.reader import FinalizedRollout, Group, GroupCollector
+from stages.finalize.retain import TRAINER_GROUP
 from stages.ports import Consumed, DataPlane, TopicPartition, read_samples
 from stages.recent import DEFAULT_REMEMBER, RecentIds
 from stages.trainer.batch import StalenessPolicy, TrainBatch, build_batch
@@ -45,7 +46,6 @@ from topics.records import FinalizedEvent, TrainingSample
 
 log = logging.getLogger(__name__)
 
-TRAINER_GROUP = "tokentrail-trainer"
 COMMIT_WAIT_S = 30.0
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TypedDict
 
 from stages.finalize.janitor import JanitorConfig, StagingJanitor
+from stages.finalize.retain import RetainedSamples
 from stages.finalize.verify import Linearized, MixedVersionPolicy, Rejected, chain_records, linearize
 from stages.ports import Consumed, DataPlane, EventSink, MissingRows, StageGauges, TopicPartition, read_calls
 from stages.recent import DEFAULT_REMEMBER, RecentIds
@@ -83,6 +84,7 @@ class FinalizerStage:
         all_or_nothing: bool = False,
         remember: int = DEFAULT_REMEMBER,
         janitor: JanitorConfig | None = None,
+        retained: RetainedSamples | None = None,
     ) -> None:
         self.data_plane = data_plane
         self.sink = sink
@@ -95,11 +97,14 @@ class FinalizerStage:
         from the tail of the finalized topic when partitions are assigned (the recall rule, DESIGN §7)."""
         self.janitor = StagingJanitor(data_plane, self.answered, janitor) if janitor is not None else None
         """Sweeps the staging partition for rows nobody else will delete (DESIGN §7.3)."""
+        self.retained = retained
+        """Copies of written samples until their owners have them (DESIGN §7.4)."""
 
     def gauges(self) -> StageGauges:
         janitor = self.janitor.stats if self.janitor is not None else None
         swept = {"finished": janitor.finished, "expired": janitor.expired} if janitor is not None else None
-        return StageGauges(duplicates=self.stats.duplicates, swept=swept)
+        retained = self.retained.stats.as_dict() if self.retained is not None else None
+        return StageGauges(duplicates=self.stats.duplicates, swept=swept, retained=retained)
 
     async def handle(self, batch: Sequence[Consumed]) -> None:
         receipts: dict[str, RolloutReceipt] = {}
@@ -113,15 +118,23 @@ class FinalizerStage:
             receipts[payload.rollout_id] = payload
         if not receipts:
             return
-        events = await self._finalize_all(list(receipts.values()))
+        restores = self.retained.restores if self.retained is not None else 0
+        events, written = await self._finalize_all(list(receipts.values()))
         await self.sink.publish(events)
         for event in events:
             self.answered.add(event.rollout_id)
             self._count(event)
+        if self.retained is not None:
+            self.retained.hold(written)
+            if self.retained.restores != restores:  # restored before these were held: put them too
+                await self.data_plane.put_samples(written)
         # Only after the broker acknowledged every event above.
         await self.data_plane.delete_calls([key for r in receipts.values() for key in _staging_keys(r)])
 
-    async def _finalize_all(self, receipts: list[RolloutReceipt]) -> list[FinalizedEvent]:
+    async def _finalize_all(
+        self, receipts: list[RolloutReceipt]
+    ) -> tuple[list[FinalizedEvent], list[TrainingSample]]:
+        """Each receipt's outcome, and the samples written for them."""
         verdicts = {receipt.rollout_id: self._plan(receipt) for receipt in receipts}
         wanted = [key for chains in verdicts.values() for chain in chains for key in chain.keys]
         rows, missing = await read_calls(self.data_plane, wanted)
@@ -134,7 +147,7 @@ class FinalizerStage:
         fresh = [c.result.sample for chains in verdicts.values() for c in chains if c.result and not c.stored]
         await self.data_plane.put_samples(fresh)
         self.stats.samples += len(fresh)
-        return [_event(receipt, verdicts[receipt.rollout_id]) for receipt in receipts]
+        return [_event(receipt, verdicts[receipt.rollout_id]) for receipt in receipts], fresh
 
     def _plan(self, receipt: RolloutReceipt) -> list[_ChainVerdict]:
         chains = [_ChainVerdict(target) for target in receipt.sample_chains()]
@@ -183,6 +196,8 @@ class FinalizerStage:
         del now  # the janitor keeps wall time of its own
         if self.janitor is not None:
             await self.janitor.maybe_sweep()
+        if self.retained is not None:
+            await self.retained.maybe_check()
 
     def committable(self, positions: Mapping[TopicPartition, int]) -> Mapping[TopicPartition, int]:
         return positions

@@ -38,7 +38,7 @@ from pipeline.replay.rebuild import compare, materialize, read_log, rebuild
 from pipeline.replay.store import LedgerStore
 from pipeline.stagehost.lag import StageLagProbe
 from stages.ledger.stage import LedgerConfig
-from stages.ports import SAMPLES_PARTITION, STAGING_PARTITION, MissingRows
+from stages.ports import STAGING_PARTITION, MissingRows
 from topics.digest import cumulative_hash
 from topics.names import TopicNames
 from topics.records import CaptureAdmission, FinalizedEvent, RolloutSeal, TrainingSample
@@ -125,8 +125,6 @@ class Cluster:
     broker: EmbeddedBroker = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
     dataplane_restarts: list[float] = field(default_factory=list)
-    harvested: dict[str, TrainingSample] = field(default_factory=dict)
-    """Samples read before a data-plane kill, as a trainer reading promptly would have."""
     injected: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -273,7 +271,6 @@ class Cluster:
             self.supervise(DATAPLANE_TIMEOUT_S + rng.uniform(1.0, 3.0))
             owner.kill(signal.SIGCONT)
         elif fault == "data-plane owner killed":
-            self.harvested.update(asyncio.run(_read_samples(self.root)))
             owner, worker = self.procs["dataplane"], self.procs["worker"]
             worker_pid = worker.pid if worker.alive() else None
             owner.kill()
@@ -349,12 +346,6 @@ async def redeliver(config: KafkaConfig, topics: list[str], rng: random.Random) 
     finally:
         await producer.stop()
     return copied
-
-
-async def _read_samples(root: Path) -> dict[str, TrainingSample]:
-    async with open_data_plane(DataPlaneConfig(mode="attach", data_dir=root, timeout_s=30)) as plane:
-        keys = await plane.list_keys(SAMPLES_PARTITION)
-        return await plane.get_samples(keys) if keys else {}
 
 
 def events_on(config: KafkaConfig, topic: str) -> int:
@@ -525,7 +516,7 @@ async def _check_sample(
     try:
         sample: TrainingSample | None = (await plane.get_samples([rollout_id]))[rollout_id]
     except MissingRows:
-        sample = cluster.harvested.get(rollout_id)
+        sample = None
     if event.status == "rejected":
         return (
             [f"{rollout_id}: rejected ({event.rejection_reason}) but its sample is stored"] if sample else []

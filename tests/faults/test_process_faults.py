@@ -25,7 +25,8 @@ WHAT_HAPPENS = {
     BROKER_KILL: "restarted on its store; clients reconnect or are restarted, nothing re-decided",
     "data plane stops answering": "writes fail as capture_failed; the finalizer crashes, restarts, retries",
     "data-plane owner killed": (
-        "workers and the finalizer re-attach; workers stage the rows they hold again: no row lost"
+        "workers and the finalizer re-attach; workers stage the rows they hold again, the finalizer "
+        "puts back the samples nobody acknowledged: no row or sample lost"
     ),
     "segment delivered twice, reordered": "duplicates dropped as late; no second outcome",
 }
@@ -73,6 +74,7 @@ def settle_and_check(cluster: Cluster) -> Verdict:
     verdict = check(cluster)
     assert verdict.problems == [], "\n".join(verdict.problems[:40])
     assert verdict.samples_checked > 0
+    assert verdict.samples_lost_with_dataplane == 0  # the finalizer kept copies until the restart
     return verdict
 
 

@@ -31,7 +31,9 @@ from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import FAST_GROUPS
 from pipeline.kafka.lag import LagReader, total_lag
+from pipeline.kafka.owners import KafkaSampleOwners
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.replay.rebuild import read_log
 from pipeline.stagehost.runner import serve_stage
 from pipeline.trainer.feed import TRAINER_GROUP, FeedSettings, TrainerFeed
 from stages.capture.cache import ChainCache
@@ -39,6 +41,7 @@ from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient
+from stages.finalize.retain import RetainedSamples
 from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.ports import MissingRows
@@ -89,7 +92,9 @@ def pipeline(server: EmbeddedDataPlane, kafka_broker: Any, tmp_path: Path) -> Pi
     return Pipeline(config, server.addresses.write(tmp_path / "dataplane.json"), server)
 
 
-async def produce(pipeline: Pipeline, rollouts: list[Rollout]) -> None:
+async def produce(
+    pipeline: Pipeline, rollouts: list[Rollout], retained: RetainedSamples | None = None
+) -> None:
     """Two-turn rollouts captured for real, then ledger and finalizer until all are finalized."""
     config = pipeline.config
     await ensure_topics(config)
@@ -118,7 +123,7 @@ async def produce(pipeline: Pipeline, rollouts: list[Rollout]) -> None:
             await client.seal(rollout.rollout_id, group_id=rollout.group_id, reward=rollout.reward)
         await writer.stop()
         stop = asyncio.Event()
-        finalizer = FinalizerStage(plane, sink)
+        finalizer = FinalizerStage(plane, sink, retained=retained)
         tasks = [
             asyncio.create_task(serve_stage(stage, spec, config, sink, stop=stop, tuning=FAST_GROUPS))
             for stage, spec in (
@@ -169,6 +174,39 @@ def test_complete_groups_as_tensors_then_acknowledged_and_gone(pipeline: Pipelin
                 await plane.get_samples(keys[:1])
             assert not {k for k in await plane.list_keys("samples") if k in keys}
         assert await trainer_lag(pipeline.config) == 0
+
+    asyncio.run(go())
+
+
+def test_the_finalizer_keeps_each_sample_until_the_trainer_acknowledged_it(pipeline: Pipeline) -> None:
+    """Samples lost with the data plane before the trainer read them are put back from the
+    finalizer's copies; once the trainer acknowledged them, the copies are let go."""
+    rollouts = two_groups()
+
+    async def go() -> None:
+        async with LagReader(pipeline.config) as reader:
+            owners = KafkaSampleOwners(reader, [TRAINER_GROUP])
+            retained = RetainedSamples(owners)
+            await produce(pipeline, rollouts, retained)
+            assert len(retained) == 8
+            placed = {}
+            async for events, _, _ in read_log(pipeline.config, [pipeline.config.names.finalized]):
+                placed |= {item.event.key: item.partition for item in events}
+            assert placed == {r.rollout_id: owners.partition_of(r.rollout_id) for r in rollouts}
+            await retained.check()
+            assert len(retained) == 8  # the trainer has not committed anything
+            assert sorted(await owners.unacknowledged()) == sorted(placed)
+            async with pipeline.feed(group_size=4, groups_per_batch=2) as (plane, feed):
+                keys = [r.rollout_id for r in rollouts]
+                await plane.delete_samples(keys)  # gone with the data plane, unread
+                await retained.restore(plane)
+                assert retained.stats.restored == 8
+                batch = await asyncio.wait_for(feed.next_batch(), 60)
+                assert sorted(s.rollout_id for s in batch.samples) == sorted(keys)
+                await feed.ack(batch)
+            await retained.check()
+            assert len(retained) == 0 and retained.stats.released == 8
+            assert await owners.unacknowledged() == []
 
     asyncio.run(go())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from stages.capture.resolve import PrefixResolver
 from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient
 from stages.finalize.reader import FinalizedRollout, GroupCollector
+from stages.finalize.retain import OwnerProgress, RetainedSamples
 from stages.finalize.stage import FinalizerStage
 from stages.finalize.verify import MixedVersionPolicy
 from stages.ledger.stage import LedgerConfig, LedgerStage
@@ -82,6 +84,8 @@ def run_stages(
     policy: MixedVersionPolicy = MixedVersionPolicy.ALLOW,
     tamper: Any = None,
     all_or_nothing: bool = False,
+    retained: RetainedSamples | None = None,
+    final_out: RecordingSink | None = None,
 ) -> tuple[FinalizedEvent, RecordingSink, FinalizerStage]:
     async def go() -> tuple[FinalizedEvent, RecordingSink, FinalizerStage]:
         ledger_out = RecordingSink()
@@ -90,10 +94,12 @@ def run_stages(
         receipt = ledger_out.payloads(RolloutReceipt)[0]
         if tamper is not None:
             receipt = tamper(receipt) or receipt
-        final_out = RecordingSink()
-        finalizer = FinalizerStage(data_plane, final_out, policy=policy, all_or_nothing=all_or_nothing)
+        out = final_out or RecordingSink()
+        finalizer = FinalizerStage(
+            data_plane, out, policy=policy, all_or_nothing=all_or_nothing, retained=retained
+        )
         await finalizer.handle([Consumed("c", 0, 0, envelope(receipt))])
-        return final_out.payloads(FinalizedEvent)[0], final_out, finalizer  # type: ignore[return-value]
+        return out.payloads(FinalizedEvent)[0], out, finalizer  # type: ignore[return-value]
 
     return asyncio.run(go())
 
@@ -210,6 +216,53 @@ def test_replayed_receipt_after_cleanup_publishes_same_event_no_second_sample() 
     assert second.status == "accepted"
     assert second.model_dump(exclude={"finalized_at"}) == first.model_dump(exclude={"finalized_at"})
     assert list(data_plane.samples) == ["r1"]
+
+
+class NobodyCommitted:
+    def partition_of(self, rollout_id: str) -> int:
+        return 0
+
+    async def progress(self) -> OwnerProgress:
+        return OwnerProgress(ends={0: 1}, acknowledged={})
+
+
+class RestartDuringPublish(RecordingSink):
+    """The data plane's owner restarts (empty) while the outcome is being published, and
+    the finalizer's follower restores what it held by then."""
+
+    def __init__(self, plane: MemoryDataPlane, retained: RetainedSamples) -> None:
+        super().__init__()
+        self.plane, self.retained = plane, retained
+
+    async def publish(self, records: Sequence[Record]) -> None:
+        self.plane.samples.clear()
+        await self.retained.restore(self.plane)
+        await super().publish(records)
+
+
+def test_written_samples_are_held_and_survive_a_restart_in_the_middle_of_their_batch() -> None:
+    data_plane = MemoryDataPlane()
+    events, ids, _ = asyncio.run(captured_rollout(data_plane))
+    retained = RetainedSamples(NobodyCommitted())
+    sink = RestartDuringPublish(data_plane, retained)
+    event, _, finalizer = run_stages(events, data_plane, retained=retained, final_out=sink)
+    assert event.status == "accepted"
+    assert len(retained) == 1 and finalizer.gauges().retained == {
+        "held": 1,
+        "held_bytes": retained.stats.held_bytes,
+        "released": 0,
+        "over_budget": 0,
+        "restored": 0,
+    }
+    assert data_plane.samples["r1"].token_ids == ids  # put again: the restore came before it was held
+
+
+def test_a_rejected_rollout_holds_nothing() -> None:
+    data_plane = MemoryDataPlane()
+    events, _, _ = asyncio.run(captured_rollout(data_plane, versions=(0, 1, 1)))
+    retained = RetainedSamples(NobodyCommitted())
+    event, _, _ = run_stages(events, data_plane, policy=MixedVersionPolicy.REJECT, retained=retained)
+    assert event.status == "rejected" and len(retained) == 0
 
 
 def test_group_collector_marks_rejected_members() -> None:
