@@ -96,7 +96,10 @@ async def process_members(
 
     with tempfile.TemporaryDirectory(prefix="bench-stages-") as scratch:
         addresses_file = addresses.write(Path(scratch) / "dataplane.json")
-        plane = ("--dataplane-mode", "attach", "--dataplane-addresses", str(addresses_file))
+        plane = (
+            "--dataplane-mode", "attach", "--dataplane-addresses", str(addresses_file),
+            "--retain-dir", str(Path(scratch) / "retained-samples"),
+        )  # fmt: skip
         commands = {
             f"{spec.name}-{index}": stage_command(
                 spec.name,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
-from pipeline.dataplane.config import RESTAGE_GRACE_S, add_dataplane_addresses_argument
+from pipeline.dataplane.config import OWNER_WAIT_S, RESTAGE_GRACE_S, add_dataplane_addresses_argument
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.consumer import DEFAULT_TUNING
@@ -32,6 +32,7 @@ from stages.specs import FINALIZER, STAGES, StageSettings, staging_ttl
 
 log = logging.getLogger(__name__)
 
+RETAIN_DIR_NAME = "retained-samples"
 RECONNECT_MIN_S = 0.5
 RECONNECT_MAX_S = 10.0
 
@@ -134,6 +135,14 @@ def add_parser(subparsers: Any) -> None:
         help=(
             "finalizer: memory for copies of samples their owners have not acknowledged; over it the oldest are "
             "let go, counted (default %(default)s; 0: keep none)"
+        ),
+    )
+    parser.add_argument(
+        "--retain-dir",
+        type=Path,
+        help=(
+            "finalizer: where the copies of unacknowledged samples are spooled, so that a restarted finalizer "
+            "still has them (default: DATA_DIR/retained-samples)"
         ),
     )
     parser.add_argument(
@@ -339,12 +348,14 @@ async def _retention(
     from pipeline.dataplane.reattach import ReattachingDataPlane
     from pipeline.kafka.lag import LagReader
     from pipeline.kafka.owners import KafkaSampleOwners
+    from pipeline.samples.spool import DirectorySpool
 
     if args.name != FINALIZER.name or args.retain_samples_bytes == 0:
         return None
     reader = await stack.enter_async_context(LagReader(config))
     owners = KafkaSampleOwners(reader, args.sample_owner or [TRAINER_GROUP])
-    retained = RetainedSamples(owners, RetentionConfig(budget_bytes=args.retain_samples_bytes))
+    spool = DirectorySpool(args.retain_dir or args.data_dir / RETAIN_DIR_NAME)
+    retained = RetainedSamples(owners, RetentionConfig(budget_bytes=args.retain_samples_bytes), spool)
     if isinstance(plane, ReattachingDataPlane):
         plane.on_reattach(retained.restore)
     await retained.reclaim(plane)
@@ -387,6 +398,7 @@ async def _serve_stage(
                 data_dir=args.data_dir,
                 ray_address=args.ray_address,
                 restage_grace_s=RESTAGE_GRACE_S,  # missing rows may be on their way back
+                owner_wait_s=OWNER_WAIT_S,  # outlive a dead owner: the sample copies live here
                 **({"addresses_file": args.dataplane_addresses} if args.dataplane_addresses else {}),
             )
             opened = await stack.enter_async_context(open_data_plane(plane_config))

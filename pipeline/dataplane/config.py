@@ -57,6 +57,9 @@ def is_loopback(host: str) -> bool:
 
 RESTAGE_GRACE_S = 10.0
 """How long the finalizer waits for rows missing from a data plane that has just started."""
+OWNER_WAIT_S = 30.0
+"""How long the finalizer waits for a dead owner's successor instead of failing its batch:
+a stage that died with the owner would lose the sample copies it keeps (DESIGN §7.4)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,8 @@ class DataPlaneConfig:
     timeout, so without it a dead controller hangs the caller forever.
     ``restage_grace_s``: for a reader that decides rows are lost (the finalizer), how long
     after an owner started missing rows are waited for, as workers stage them again.
+    ``owner_wait_s``: how long a call that failed because the owner died waits for a new
+    owner to be published before it fails (0: at once, as a worker's capture should).
     """
 
     mode: DataPlaneMode = "embedded"
@@ -79,6 +84,7 @@ class DataPlaneConfig:
     staging_partition: str = "staging"
     samples_partition: str = "samples"
     restage_grace_s: float = 0.0
+    owner_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in get_args(DataPlaneMode):

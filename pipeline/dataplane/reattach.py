@@ -5,7 +5,9 @@ addresses. Attached clients (workers, the finalizer) notice by themselves: a wat
 reads the address file every ``poll_s``, and a call that fails looks at it too. On a
 new owner the client attaches to it, tells whoever registered (a worker stages the rows
 it holds again, the finalizer puts back the samples their owners have not acknowledged),
-and retries the failed call once.
+and retries the failed call once. A client that must not fail while an owner is being
+replaced (the finalizer, whose sample copies die with it) sets ``owner_wait_s``: a call
+that failed because its owner's process is gone waits that long for the successor.
 
 Rows and samples come back only as fast as their holders put them back, so a reader
 that decides they are lost (the finalizer, a trainer feed) sets ``restage_grace_s``:
@@ -51,11 +53,13 @@ class ReattachingDataPlane:
         *,
         options: dict[str, Any],
         restage_grace_s: float = 0.0,
+        owner_wait_s: float = 0.0,
     ) -> None:
         self._plane = plane
         self.addresses_path = addresses_path
         self._options = options
         self.restage_grace_s = restage_grace_s
+        self.owner_wait_s = owner_wait_s
         self.reattaches = 0
         self._listeners: list[Reattached] = []
         self._retiring: set[asyncio.Task[None]] = set()
@@ -150,10 +154,22 @@ class ReattachingDataPlane:
         except MissingRows:
             raise
         except DataPlaneError:
-            moved = plane is not self._plane or await self.follow()
+            moved = plane is not self._plane or await self._successor(plane)
             if not moved:
                 raise
         return await work(self._plane)
+
+    async def _successor(self, failed: TransferQueueDataPlane) -> bool:
+        """Attach to a new owner if one is published now or, while the failed call's owner is
+        dead, within ``owner_wait_s`` (a restarted owner takes seconds to publish)."""
+        deadline = time.monotonic() + self.owner_wait_s
+        while not await self.follow():
+            addresses = failed.addresses
+            dead = addresses is not None and addresses.owner_alive() is False
+            if not dead or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(RETRY_READ_S)
+        return True
 
     async def _read(self, work: Callable[[TransferQueueDataPlane], Awaitable[T]]) -> T:
         """A read that, while the owner is young, waits for rows still being staged again."""

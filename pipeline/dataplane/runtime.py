@@ -50,7 +50,11 @@ async def open_data_plane(
             attach_options: dict[str, Any] = {"timeout_s": config.timeout_s, **options}
             first = await TransferQueueDataPlane.attach(DataPlaneAddresses.read(path), **attach_options)
             following = ReattachingDataPlane(
-                first, path, options=attach_options, restage_grace_s=config.restage_grace_s
+                first,
+                path,
+                options=attach_options,
+                restage_grace_s=config.restage_grace_s,
+                owner_wait_s=config.owner_wait_s,
             )
             watcher = asyncio.create_task(following.watch(), name="dataplane-follower")
             try:

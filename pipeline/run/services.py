@@ -189,13 +189,17 @@ async def stage_children(
         yield started
 
 
+NO_COPIES = ("--retain-samples-bytes", "0")
+"""A finalizer beside a data plane it cannot outlive keeps no sample copies (DESIGN §7.4)."""
+
+
 def data_plane_flags(config: RunConfig, addresses_file: Path) -> tuple[str, ...]:
     """How a stage process reaches the run's data plane: the embedded one through the
     address file it published, TransferQueue on Ray as the run does."""
-    if config.dataplane_mode == "embedded":
-        return ("--dataplane-mode", "attach", "--dataplane-addresses", str(addresses_file))
+    if config.dataplane_mode == "embedded":  # the run owns it: copies of samples would die with it
+        return ("--dataplane-mode", "attach", "--dataplane-addresses", str(addresses_file), *NO_COPIES)
     ray = ("--ray-address", config.ray_address) if config.ray_address else ()
-    return ("--dataplane-mode", "ray", *ray)
+    return ("--dataplane-mode", "ray", *ray, "--retain-dir", str(config.data_dir / "retained-samples"))
 
 
 @contextlib.asynccontextmanager

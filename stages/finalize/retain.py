@@ -1,23 +1,22 @@
 """Samples the finalizer keeps until their owner has them, so a data plane that restarts
-empty loses none that nobody has read.
+empty loses none that nobody has read (DESIGN §7.4).
 
 The data plane keeps samples in its owner's memory. A trainer reads a sample some time
 after its ``FinalizedEvent``; if the data plane's owner dies in between, the sample is
 gone although its rollout was accepted. So the finalizer keeps a copy of every sample it
-wrote until each owning consumer group (the trainer feed, the samples archive) has
-committed past the sample's ``FinalizedEvent``, which a group does only once it has the
-sample (the feed commits after ``ack``). When the finalizer re-attaches to a restarted
-data plane it puts every held sample back.
+wrote, in memory and in a spool on its disk (written before the outcome is published),
+until each owning consumer group (the trainer feed, the samples archive) has committed
+past the sample's ``FinalizedEvent``, which a group does only once it has the sample
+(the feed commits after ``ack``). When the finalizer re-attaches to a restarted data
+plane, and whenever it starts, it puts every copy back.
 
 Which offset a ``FinalizedEvent`` got is not known to the finalizer, only its
 partition. So each held sample is marked, at the first check after it was published,
 with its partition's end offset then (the event lies below it), and let go once every
 owner's committed offset on that partition reaches the mark: at most one check later
-than exact, never earlier. A finalizer that starts takes copies of the unacknowledged
-samples still in the data plane (read from the finalized topic past the owners'
-commits), so a finalizer restart followed by a data-plane restart loses nothing either.
-Memory is bounded: over ``budget_bytes`` the oldest samples are let go and counted
-(``over_budget``), the only ones a restart can still lose.
+than exact, never earlier. Memory and spool are bounded: over ``budget_bytes`` the
+oldest samples are let go and counted (``over_budget``), the only ones a restart can
+still lose.
 """
 
 from __future__ import annotations
@@ -56,6 +55,21 @@ class OwnerProgress:
     """Partition → end offset (the next offset to be written) when read."""
     acknowledged: Mapping[int, int]
     """Partition → the lowest committed offset among the owners (absent: one never committed)."""
+
+
+class SampleSpool(Protocol):
+    """Where the copies outlive the finalizer's process: a file a batch, removed once none
+    of its samples is needed."""
+
+    def write(self, samples: Sequence[TrainingSample]) -> str:
+        """Store a batch's samples; returns the id to remove them by."""
+        ...
+
+    def remove(self, spool_id: str) -> None: ...
+
+    def load(self) -> list[tuple[str, list[TrainingSample]]]:
+        """Every batch stored and not removed, oldest first."""
+        ...
 
 
 class SampleOwners(Protocol):
@@ -111,34 +125,44 @@ class _Held:
     sample: TrainingSample
     partition: int
     size: int
+    spool_id: str | None
     mark: int | None = None
 
 
 @dataclass
 class RetainedSamples:
-    """Written samples by key, oldest first, until their owners have them."""
+    """Written samples by key, oldest first, until their owners have them; with a spool,
+    also on disk, so that a restarted finalizer has them again."""
 
     owners: SampleOwners
     config: RetentionConfig = field(default_factory=RetentionConfig)
+    spool: SampleSpool | None = None
     clock: Callable[[], float] = time.monotonic
     stats: RetentionStats = field(default_factory=RetentionStats)
     _held: OrderedDict[str, _Held] = field(default_factory=OrderedDict, init=False)
+    _spooled: dict[str, int] = field(default_factory=dict, init=False)
+    """Spool id → how many of its samples are still held; removed at 0."""
     _checked_at: float = field(default=float("-inf"), init=False)
     restores: int = field(default=0, init=False)
     """Restarted data planes seen: a batch that saw this change put its samples again."""
 
-    def hold(self, samples: Sequence[TrainingSample]) -> None:
-        """Keep samples whose ``FinalizedEvent`` the broker has just acknowledged."""
+    def store(self, samples: Sequence[TrainingSample]) -> str | None:
+        """Before their outcomes are published: the samples on disk (no-op without a spool).
+        Returns the spool id to ``hold`` them with."""
+        return self.spool.write(samples) if self.spool is not None and samples else None
+
+    def hold(self, samples: Sequence[TrainingSample], spool_id: str | None = None) -> None:
+        """Keep samples whose ``FinalizedEvent`` the broker has acknowledged."""
+        if spool_id is not None:
+            self._spooled[spool_id] = self._spooled.get(spool_id, 0) + len(samples)
         for sample in samples:
-            previous = self._held.pop(sample.key, None)
-            if previous is not None:
-                self.stats.held_bytes -= previous.size
-            held = _Held(sample, self.owners.partition_of(sample.rollout_id), sample_bytes(sample))
+            if sample.key in self._held:  # written again: the latest copy is the one to keep
+                self._drop(sample.key)
+            held = _Held(sample, self.owners.partition_of(sample.rollout_id), sample_bytes(sample), spool_id)
             self._held[sample.key] = held
             self.stats.held_bytes += held.size
         while self._held and self.stats.held_bytes > self.config.budget_bytes:
-            _, oldest = self._held.popitem(last=False)
-            self.stats.held_bytes -= oldest.size
+            self._drop(next(iter(self._held)))
             self.stats.over_budget += 1
         self.stats.held = len(self._held)
 
@@ -164,8 +188,7 @@ class RetainedSamples:
                 held.mark = progress.ends.get(held.partition)
             acknowledged = progress.acknowledged.get(held.partition)
             if held.mark is not None and acknowledged is not None and acknowledged >= held.mark:
-                del self._held[key]
-                self.stats.held_bytes -= held.size
+                self._drop(key)
                 self.stats.released += 1
         self.stats.held = len(self._held)
 
@@ -180,16 +203,33 @@ class RetainedSamples:
             log.warning("put %d unacknowledged sample(s) back into the restarted data plane", len(samples))
 
     async def reclaim(self, plane: DataPlane) -> None:
-        """On start: copies of the unacknowledged samples still in the data plane, so that a
-        finalizer restarted before the data plane's owner dies still has them to put back."""
-        stored = set(await plane.list_keys(SAMPLES_PARTITION))
-        if not stored:  # a fresh data plane: nothing to keep, and no need to read the topic
-            return
-        keys = [key for key in await self.owners.unacknowledged() if key in stored]
-        for start in range(0, len(keys), RECLAIM_CHUNK):
-            found, _ = await read_samples(plane, keys[start : start + RECLAIM_CHUNK])
-            self.hold(list(found.values()))
+        """On start: the copies a previous process left in the spool, put back into the data
+        plane (it may have restarted meanwhile), then copies of any other unacknowledged
+        sample the data plane still has (a spool lost with its disk)."""
+        if self.spool is not None:
+            for spool_id, samples in self.spool.load():
+                self.hold(samples, spool_id)
+        await self.restore(plane)
+        stored = set(await plane.list_keys(SAMPLES_PARTITION)) - set(self._held)
+        if stored:  # a fresh data plane has none: no need to read the topic
+            keys = [key for key in await self.owners.unacknowledged() if key in stored]
+            for start in range(0, len(keys), RECLAIM_CHUNK):
+                found, _ = await read_samples(plane, keys[start : start + RECLAIM_CHUNK])
+                self.hold(list(found.values()), self.store(list(found.values())))
         log.info("keeping copies of %d unacknowledged sample(s)", len(self))
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def _drop(self, key: str) -> None:
+        held = self._held.pop(key)
+        self.stats.held_bytes -= held.size
+        if held.spool_id is None:
+            return
+        left = self._spooled[held.spool_id] - 1
+        if left:
+            self._spooled[held.spool_id] = left
+            return
+        del self._spooled[held.spool_id]
+        assert self.spool is not None
+        self.spool.remove(held.spool_id)

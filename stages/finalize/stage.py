@@ -118,15 +118,17 @@ class FinalizerStage:
             receipts[payload.rollout_id] = payload
         if not receipts:
             return
-        restores = self.retained.restores if self.retained is not None else 0
+        retained = self.retained
+        restores = retained.restores if retained is not None else 0
         events, written = await self._finalize_all(list(receipts.values()))
+        spool_id = retained.store(written) if retained is not None else None  # durable before published
         await self.sink.publish(events)
         for event in events:
             self.answered.add(event.rollout_id)
             self._count(event)
-        if self.retained is not None:
-            self.retained.hold(written)
-            if self.retained.restores != restores:  # restored before these were held: put them too
+        if retained is not None:
+            retained.hold(written, spool_id)
+            if retained.restores != restores:  # restored before these were held: put them too
                 await self.data_plane.put_samples(written)
         # Only after the broker acknowledged every event above.
         await self.data_plane.delete_calls([key for r in receipts.values() for key in _staging_keys(r)])

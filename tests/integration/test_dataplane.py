@@ -754,3 +754,35 @@ async def test_an_attached_client_follows_a_restarted_owner_and_rows_held_come_b
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+@pytest.mark.anyio
+async def test_a_call_made_while_the_owner_is_dead_waits_for_its_successor_only_when_asked(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """The finalizer's client (``owner_wait_s``) outlives a dead owner: its call waits for
+    the successor and goes through there; a worker's client (no wait) fails at once."""
+    calls = build_rollout(rng, unique("successor"), [200])
+    first = start_cli(tmp_path)
+    second: subprocess.Popen[str] | None = None
+    try:
+        cli_addresses(first)
+        impatient = DataPlaneConfig(mode="attach", data_dir=tmp_path, timeout_s=2.0)
+        patient = replace(impatient, owner_wait_s=60.0)
+        async with open_data_plane(impatient) as worker, open_data_plane(patient) as finalizer:
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=30)
+            with pytest.raises(DataPlaneError):
+                await worker.put_calls(calls)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(finalizer.put_calls, calls)
+                second = start_cli(tmp_path)
+                await anyio.to_thread.run_sync(cli_addresses, second)
+            got = await finalizer.get_calls([c.staging_key for c in calls])
+            assert isinstance(finalizer, ReattachingDataPlane) and finalizer.reattaches == 1
+            assert_same_call(got[calls[0].staging_key], calls[0])
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()

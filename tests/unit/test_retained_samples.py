@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from rowkit import two_calls
 
+from pipeline.samples.spool import DirectorySpool
 from stages.finalize.retain import OwnerProgress, RetainedSamples, RetentionConfig, sample_bytes
 from stages.memory import MemoryDataPlane
 
@@ -98,12 +100,41 @@ def test_restore_puts_back_every_unacknowledged_sample_and_counts_the_restart() 
     assert retained.stats.restored == 1 and retained.restores == 1
 
 
-def test_a_starting_finalizer_reclaims_the_unacknowledged_samples_still_stored() -> None:
+def test_a_starting_finalizer_reclaims_the_unacknowledged_samples_still_stored(tmp_path: Path) -> None:
     plane = MemoryDataPlane()
     asyncio.run(plane.put_samples([two_calls("a1", 1.0), two_calls("b1", 0.0), two_calls("c1", 0.0)]))
-    retained = RetainedSamples(Owners(pending=["a1", "b1", "gone"]))  # c1 acknowledged, "gone" read
+    spool = DirectorySpool(tmp_path)
+    retained = RetainedSamples(Owners(pending=["a1", "b1", "gone"]), spool=spool)  # c1 acknowledged
     asyncio.run(retained.reclaim(plane))
     assert held_keys(retained) == ["a1", "b1"]
+    assert sorted(s.key for _, batch in spool.load() for s in batch) == ["a1", "b1"]  # on disk too
+
+
+def test_copies_on_disk_outlive_the_process_and_go_with_their_last_sample(tmp_path: Path) -> None:
+    owners = Owners(ends={0: 3, 1: 3})
+    first = RetainedSamples(owners, spool=DirectorySpool(tmp_path))
+    batch = [two_calls("a1", 1.0), two_calls("b1", 0.0)]
+    first.hold(batch, first.store(batch))
+    del first  # the process dies: a new one, on the same directory, after the data plane restarted
+    plane = MemoryDataPlane()
+    second = RetainedSamples(owners, spool=DirectorySpool(tmp_path))
+    asyncio.run(second.reclaim(plane))
+    assert sorted(plane.samples) == ["a1", "b1"] and plane.samples["a1"] == batch[0]
+    owners.acknowledged = {0: 3}  # a1 acknowledged: its file stays for b1
+    asyncio.run(second.check())
+    assert len(list(tmp_path.glob("*.jsonl"))) == 1
+    owners.acknowledged = {0: 3, 1: 3}
+    asyncio.run(second.check())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreadable_spool_file_is_set_aside_and_a_partial_one_deleted(tmp_path: Path) -> None:
+    spool = DirectorySpool(tmp_path)
+    good = spool.write([two_calls("a1", 1.0)])
+    (tmp_path / "0-1-0.jsonl").write_bytes(b'{"rollout_id": "x"}\n')
+    (tmp_path / "0-1-1.jsonl.partial").write_bytes(b"{")
+    assert [(name, [s.key for s in batch]) for name, batch in spool.load()] == [(good, ["a1"])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0-1-0.jsonl.unreadable", good]
 
 
 def test_with_the_broker_away_everything_is_kept_and_the_failure_counted() -> None:

@@ -75,15 +75,19 @@ def test_a_group_is_passed_when_given() -> None:
 
 
 def test_the_stage_processes_reach_the_runs_data_plane() -> None:
+    """Beside the run's own data plane the finalizer keeps no sample copies (they would die
+    with the run); beside a Ray data plane it spools them under the run's data directory."""
     embedded = data_plane_flags(RunConfig(), RunConfig().data_dir / "dataplane.json")
-    assert embedded == ("--dataplane-mode", "attach", "--dataplane-addresses", ".tokentrail/dataplane.json")
+    assert embedded == (
+        "--dataplane-mode", "attach", "--dataplane-addresses", ".tokentrail/dataplane.json",
+        "--retain-samples-bytes", "0",
+    )  # fmt: skip
+    spool = ("--retain-dir", ".tokentrail/retained-samples")
     assert data_plane_flags(RunConfig(dataplane_mode="ray", ray_address="auto"), RunConfig().data_dir) == (
-        "--dataplane-mode",
-        "ray",
-        "--ray-address",
-        "auto",
-    )
+        "--dataplane-mode", "ray", "--ray-address", "auto", *spool,
+    )  # fmt: skip
     assert data_plane_flags(RunConfig(dataplane_mode="ray"), RunConfig().data_dir) == (
         "--dataplane-mode",
         "ray",
+        *spool,
     )
