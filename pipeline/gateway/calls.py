@@ -52,6 +52,14 @@ class CallCounters:
     children: int = 0
     retries: int = 0
     worker_failures: int = 0
+    template_changes: int = 0
+    """Roots whose template variables differ from their session's previous call's."""
+
+
+def _template_changed(session: Session, history: History) -> bool:
+    """The previous call of the session was rendered with other ``chat_template_kwargs``."""
+    previous = next((c for c in reversed(session.calls) if c.template_start is not None), None)
+    return previous is not None and history.start is not None and previous.template_start != history.start
 
 
 class Forwarder:
@@ -78,6 +86,8 @@ class Forwarder:
         resolution = resolve(session.calls, history, session.by_id)
         logical = resolution.retry_of.logical_call_id if resolution.retry_of else logical_call_id(history)
         self._count(resolution.parent, resolution.retry_of is not None)
+        if resolution.parent is None and resolution.retry_of is None and _template_changed(session, history):
+            self.counters.template_changes += 1
         hidden = hidden_fields(bool(body.get("logprobs") or body.get("top_logprobs")))
         tried: list[str] = []
         session.in_flight += 1
@@ -167,6 +177,7 @@ class Forwarder:
                 kind=history.kind,
                 request_length=history.length,
                 request_digest=history.digest,
+                template_start=history.start,
             )
             session.add(call)
             calls.append((call, admission))

@@ -37,6 +37,8 @@ class GatewayCall:
     coords: CommitCoords | None = None
     worker: str | None = None
     recovered: bool = False
+    template_start: bytes | None = None
+    """The empty history's digest under the call's template variables (turn histories)."""
 
     def answered(self, length: int, digest: bytes, coords: CommitCoords | None, worker: str) -> None:
         self.extended_length, self.extended_digest = length, digest

@@ -42,6 +42,11 @@ class GatewayCollector(Collector):
             calls.add_metric([lineage], value)
         yield calls
         yield CounterMetricFamily(
+            "tokentrail_gateway_template_kwargs_changes",
+            "calls started as new roots because their chat_template_kwargs differ from the session's previous call's",
+            counters.template_changes,
+        )
+        yield CounterMetricFamily(
             "tokentrail_gateway_worker_failures",
             "calls a worker failed before replying (retried)",
             counters.worker_failures,

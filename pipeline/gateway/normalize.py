@@ -62,6 +62,8 @@ _IGNORED_BLOCKS = ("thinking", "redacted_thinking")
 _DIGEST_SIZE = 16
 _EMPTY_HISTORY = hashlib.blake2b(b"tokentrail-history", digest_size=_DIGEST_SIZE).digest()
 _TEXT_PERSON = b"tokentrail-text"
+_KWARGS_PERSON = b"tt-template-args"
+TEMPLATE_KWARGS = "chat_template_kwargs"
 _FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete")
 _BLOCK_DELTAS = {
     "text_delta": ("text", "text"),
@@ -549,12 +551,28 @@ def extend(digest: bytes, turn: Turn) -> bytes:
     return hashlib.blake2b(digest + turn.canonical(), digest_size=_DIGEST_SIZE).digest()
 
 
-def turn_digests(turns: Sequence[Turn]) -> list[bytes]:
-    """Element k identifies the first k turns, so any prefix is matched by one lookup."""
-    digests = [_EMPTY_HISTORY]
+def turn_digests(turns: Sequence[Turn], start: bytes = _EMPTY_HISTORY) -> list[bytes]:
+    """Element k identifies the first k turns, so any prefix is matched by one lookup;
+    ``start`` is the empty history's digest (``template_start``)."""
+    digests = [start]
     for turn in turns:
         digests.append(extend(digests[-1], turn))
     return digests
+
+
+def template_start(body: Mapping[str, Any]) -> bytes:
+    """The empty history's digest under the request's ``chat_template_kwargs``: a history
+    rendered with other template variables (thinking switched off, ...) shares no prefix
+    with this one, so a call that changes them starts a new root (DESIGN §13)."""
+    kwargs = body.get(TEMPLATE_KWARGS)
+    if kwargs is None or kwargs == {}:
+        return _EMPTY_HISTORY
+    if not isinstance(kwargs, Mapping):
+        raise _malformed(TEMPLATE_KWARGS, "must be an object")
+    canonical = orjson.dumps(kwargs, option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(
+        _EMPTY_HISTORY + canonical, digest_size=_DIGEST_SIZE, person=_KWARGS_PERSON
+    ).digest()
 
 
 def text_digest(text: str) -> bytes:
@@ -593,6 +611,11 @@ class History:
         return self.roles[index] if 0 <= index < len(self.roles) else None
 
     @property
+    def start(self) -> bytes | None:
+        """The empty history's digest (turn histories): it differs with the template variables."""
+        return self.digests[0] if self.kind == "turns" else None
+
+    @property
     def digest(self) -> bytes:
         """The digest of the whole history."""
         if self.kind == "turns":
@@ -608,7 +631,8 @@ def history_of(dialect: Dialect, body: Mapping[str, Any]) -> History:
             raise _malformed("prompt", "must be a string (token-id and batched prompts are not supported)")
         return History("text", len(prompt), (), prompt)
     turns = request_turns(dialect, body)
-    return History("turns", len(turns), tuple(turn_digests(turns)), roles=tuple(turn.role for turn in turns))
+    digests = turn_digests(turns, template_start(body))
+    return History("turns", len(turns), tuple(digests), roles=tuple(turn.role for turn in turns))
 
 
 def extended(history: History, reply: Turn) -> tuple[int, bytes]:

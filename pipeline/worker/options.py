@@ -56,9 +56,6 @@ COMMON: dict[str, Refusal] = {
     "prompt_embeds": Refusal("embeddings have no token ids to capture", captured_only=True),
     "continue_final_message": Refusal(_INEXACT, _truthy, True),
     "add_generation_prompt": Refusal(_INEXACT, _is_false, True),
-    "chat_template_kwargs": Refusal(
-        "the splice renders the history with the served template as configured", captured_only=True
-    ),
 }
 
 RESPONSES: dict[str, Refusal] = {

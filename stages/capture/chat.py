@@ -18,6 +18,10 @@ from typing import Any
 from stages.capture.splice import SpliceError, splice_prefix
 
 Message = Mapping[str, Any]
+RENDER_OWNED = frozenset(
+    {"add_generation_prompt", "continue_final_message", "tools", "tokenize", "chat_template", "return_dict"}
+)
+"""Template arguments the renderer sets itself; a request's kwargs never override them."""
 Tool = Mapping[str, Any]
 
 
@@ -43,22 +47,35 @@ class ChatRenderer:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
         return cls(tokenizer, eos_token_ids_of(Path(model_dir), tokenizer), chat_template=chat_template)
 
-    def render(self, messages: Sequence[Message], tools: Sequence[Tool] | None = None) -> list[int]:
+    def render(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """The full prompt: every message, then the assistant generation prompt."""
-        return self._ids(messages, tools, add_generation_prompt=True)
+        return self._ids(messages, tools, template_kwargs, add_generation_prompt=True)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids, without special tokens (the tail of a completion prompt)."""
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
+    @property
+    def template_text(self) -> str | None:
+        """The template renders use: the override, else the tokenizer's own."""
+        return self.chat_template or getattr(self.tokenizer, "chat_template", None)
+
     def render_history(
-        self, messages: Sequence[Message], tools: Sequence[Tool] | None = None
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int] | None:
         """The conversation through its last assistant turn, or None if it has none."""
         last = last_assistant_index(messages)
         if last is None:
             return None
-        return self._ids(messages[: last + 1], tools, add_generation_prompt=False)
+        return self._ids(messages[: last + 1], tools, template_kwargs, add_generation_prompt=False)
 
     def spliced(
         self,
@@ -66,19 +83,26 @@ class ChatRenderer:
         messages: Sequence[Message],
         tools: Sequence[Tool] | None,
         full: Sequence[int],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The prompt to send for a continuation: exact prefix, then the template's new tail.
 
-        Raises ``SpliceError`` when the conversation has no assistant turn or the EOS
-        count cannot be matched.
+        ``template_kwargs`` are the template variables ``full`` was rendered with (thinking
+        on or off, ...): the history is rendered with the same ones. Raises ``SpliceError``
+        when the conversation has no assistant turn or the EOS count cannot be matched.
         """
-        history = self.render_history(messages, tools)
+        history = self.render_history(messages, tools, template_kwargs)
         if history is None:
             raise SpliceError("a continuation needs an assistant turn in its messages")
         return splice_prefix(exact_prefix, history, full, self.eos_token_ids)
 
     def _ids(
-        self, messages: Sequence[Message], tools: Sequence[Tool] | None, *, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        *,
+        add_generation_prompt: bool,
     ) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages],
@@ -87,6 +111,7 @@ class ChatRenderer:
             chat_template=self.chat_template,
             tokenize=True,
             return_dict=False,
+            **{k: v for k, v in (template_kwargs or {}).items() if k not in RENDER_OWNED},
         )
         return [int(t) for t in ids]
 

@@ -265,6 +265,44 @@ def test_an_agent_that_compacts_its_history_gives_one_sample_per_segment(
         assert_matches_hf(oracle, model_dir, sample)
 
 
+def test_template_kwargs_pass_through_and_a_change_starts_a_new_root(
+    served: Served, oracle: HFOracle, model_dir: Path
+) -> None:
+    """``chat_template_kwargs`` reach the worker under capture; calls that keep them form
+    one chain, and the call that changes them starts a new root, counted."""
+    opened = served.session(group_id="g3")
+    rollout_id = opened["rollout_id"]
+    agent = agent_of(opened)
+
+    def ask(messages: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+        reply = agent.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            temperature=0,
+            max_tokens=6,
+            extra_body={"chat_template_kwargs": kwargs},
+        )
+        return [*messages, reply.choices[0].message]
+
+    history = ask([{"role": "user", "content": "What is 2 + 3?"}], {"enable_thinking": False})
+    history = ask([*history, {"role": "user", "content": "And times 4?"}], {"enable_thinking": False})
+    before = served.built.forwarder.counters.template_changes
+    history = ask([*history, {"role": "user", "content": "Think it over."}], {"enable_thinking": True})
+    ask([*history, {"role": "user", "content": "Sure?"}], {"enable_thinking": True})
+    calls = served.calls(rollout_id)
+    assert [c["parent_call_id"] for c in calls] == [None, calls[0]["call_id"], None, calls[2]["call_id"]]
+    assert served.built.forwarder.counters.template_changes == before + 1
+
+    assert served.seal(rollout_id, {"reward": 1.0, "sample_policy": "chains"}).status_code == 200
+    event, _ = served.rig.finalize(rollout_id, sealed=True)
+    assert event.status == "accepted" and [s.status for s in event.samples] == ["accepted", "accepted"], event
+    engine_calls = served.rig.recorder.calls
+    for key, segment_calls in zip(event.sample_keys, (engine_calls[:2], engine_calls[2:]), strict=True):
+        sample = served.rig.data_plane.samples[key]
+        assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in segment_calls])
+        assert_matches_hf(oracle, model_dir, sample)
+
+
 def test_bad_input_is_refused_and_nothing_stays_open(served: Served) -> None:
     opened = served.session()
     rollout_id = opened["rollout_id"]

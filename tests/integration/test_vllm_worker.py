@@ -13,6 +13,7 @@ engine serves both.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,47 @@ def test_reasoning_stripping_template_keeps_exact_prefixes(
     think = rig.worker.renderer.tokenizer.convert_tokens_to_ids("<think>")
     assert think in calls[0].prompt_ids and think in sample.token_ids
     assert think not in plain_renders[-1]
+    assert_matches_hf(oracle, models.chatml, sample)
+
+
+def with_system_switch(template: str) -> str:
+    """The template with one more turn (the default system prompt) when the request's
+    ``chat_template_kwargs`` say ``with_system``: a variable that changes the history's
+    render, so a splice that ignored it would miscount the turns."""
+    switched = template.replace(
+        "{%- if system_text is not none or tools -%}",
+        "{%- if system_text is not none or tools or with_system is true -%}",
+    )
+    assert switched != template
+    return switched
+
+
+def test_template_kwargs_are_honoured_under_capture(
+    host: EngineHost, models: Models, oracle: HFOracle
+) -> None:
+    """``chat_template_kwargs`` reach the render of the history the splice counts turns in:
+    each call's prompt is the exact prefix followed by exactly the template's new tail."""
+    rig = start_rig(host, models.chatml, chat_template=with_system_switch(reasoning_stripping_template()))
+    kwargs = {"chat_template_kwargs": {"with_system": True}}
+    im_start = rig.worker.renderer.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    try:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Add 2 and 3."}]
+        reply, coords = captured_call(rig, "r-kwargs", messages, None, **kwargs, **GREEDY)
+        for question in ["Now multiply by 4.", "Thanks."]:
+            messages += [assistant(reply), {"role": "user", "content": question}]
+            reply, coords = captured_call(rig, "r-kwargs", messages, coords, **kwargs, **GREEDY)
+        event, sample = rig.finalize("r-kwargs")
+    finally:
+        rig.close()
+    assert event.status == "accepted", event
+    assert sample is not None and event.call_count == 3
+    calls = rig.recorder.calls
+    assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in calls])
+    assert calls[0].prompt_ids.count(im_start) == 3  # the switched-on system turn, the user's, the reply's
+    for parent, child in itertools.pairwise(calls):
+        exact = parent.prompt_ids + parent.only.token_ids
+        assert child.prompt_ids[: len(exact)] == exact
+        assert child.prompt_ids[len(exact) :].count(im_start) == 2  # the new user turn, the reply's
     assert_matches_hf(oracle, models.chatml, sample)
 
 

@@ -618,6 +618,22 @@ def test_history_prefix_identifies_each_turn_count() -> None:
         assert full.prefix_digest(k) == prefix.digest
 
 
+def test_template_kwargs_give_a_history_of_its_own() -> None:
+    """A history rendered with other template variables shares no prefix with this one, so
+    lineage makes a call that changes them a new root; none, null or {} read alike."""
+    body = chat({"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"})
+    plain = history_of("chat", body)
+    assert history_of("chat", {**body, "chat_template_kwargs": None}) == plain
+    assert history_of("chat", {**body, "chat_template_kwargs": {}}) == plain
+    off = history_of("chat", {**body, "chat_template_kwargs": {"enable_thinking": False, "x": 1}})
+    same = history_of("chat", {**body, "chat_template_kwargs": {"x": 1, "enable_thinking": False}})
+    on = history_of("chat", {**body, "chat_template_kwargs": {"enable_thinking": True, "x": 1}})
+    assert off == same  # key order is not a difference
+    assert len({plain.start, off.start, on.start}) == 3
+    assert not {plain.prefix_digest(k) for k in range(3)} & {off.prefix_digest(k) for k in range(3)}
+    assert history_of("completions", {"prompt": "p", "chat_template_kwargs": {"a": 1}}).start is None
+
+
 # --- malformed histories ----------------------------------------------------------------
 
 
@@ -672,6 +688,7 @@ def test_history_prefix_identifies_each_turn_count() -> None:
         ),
         ("messages", {"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
         ("messages", {"system": 5, "messages": []}, "system"),
+        ("chat", {"messages": [], "chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
         ("completions", {"prompt": [1, 2, 3]}, "prompt"),
         ("completions", {"model": "m"}, "prompt"),
     ],

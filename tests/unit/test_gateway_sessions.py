@@ -52,6 +52,19 @@ def test_child_retry_and_root() -> None:
     )
 
 
+def test_a_call_with_other_template_kwargs_is_a_new_root() -> None:
+    thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
+    first = answered("c1", {**chat("hi"), **thinking_off}, "hello")
+    by_id = {"c1": first}
+    same = history_of("chat", {**chat("hi", "hello", "more"), **thinking_off})
+    assert resolve([first], same, by_id).parent is first
+    for other in ({}, {"chat_template_kwargs": {"enable_thinking": True}}):
+        assert (
+            resolve([first], history_of("chat", {**chat("hi", "hello", "more"), **other}), by_id).parent
+            is None
+        )
+
+
 def test_unanswered_calls_are_never_parents() -> None:
     history = history_of("chat", chat("hi"))
     pending = GatewayCall("c1", logical_call_id(history), None, history.kind, history.length, history.digest)

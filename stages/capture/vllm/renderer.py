@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.renderers.hf import resolve_chat_template_kwargs
 from vllm.renderers.online_renderer import OnlineRenderer
 
 from stages.capture.vllm.client import tag_engine_input
-from stages.capture.vllm.scope import CURRENT_SCOPE
+from stages.capture.vllm.scope import CURRENT_SCOPE, CaptureScope
 
 PROMPT_IDS = "prompt_token_ids"
 
@@ -27,13 +28,34 @@ class CaptureRefused(ValueError):
 class CapturingRenderer(OnlineRenderer):  # type: ignore[misc]
     """``OnlineRenderer`` that splices and tags the prompt of a captured request."""
 
-    async def preprocess_chat(self, request: Any, messages: list[Any], *args: Any, **kwargs: Any) -> Any:
-        conversation, engine_inputs = await super().preprocess_chat(request, messages, *args, **kwargs)
+    async def preprocess_chat(
+        self,
+        request: Any,
+        messages: list[Any],
+        default_template: str | None,
+        default_template_content_format: Any,
+        default_template_kwargs: dict[str, Any] | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        conversation, engine_inputs = await super().preprocess_chat(
+            request,
+            messages,
+            default_template,
+            default_template_content_format,
+            default_template_kwargs,
+            *args,
+            **kwargs,
+        )
         scope = CURRENT_SCOPE.get()
         if scope is not None:
-            tools = kwargs.get("tool_dicts", args[3] if len(args) > 3 else None)
+            tools = kwargs.get("tool_dicts", args[0] if args else None)
+            params = request.build_chat_params(default_template, default_template_content_format)
+            template_kwargs = _as_rendered(scope, params.with_defaults(default_template_kwargs))
             engine_input = _one_token_prompt(engine_inputs)
-            engine_input[PROMPT_IDS] = scope.splice_chat(conversation, tools, list(engine_input[PROMPT_IDS]))
+            engine_input[PROMPT_IDS] = scope.splice_chat(
+                conversation, tools, list(engine_input[PROMPT_IDS]), template_kwargs
+            )
             tag_engine_input(engine_input, scope)
         return conversation, engine_inputs
 
@@ -51,6 +73,19 @@ class CapturingRenderer(OnlineRenderer):  # type: ignore[misc]
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.renderer.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def _as_rendered(scope: CaptureScope, params: Any) -> dict[str, Any]:
+    """The template variables vLLM rendered the request with (its own kwargs, the server's
+    defaults, ``reasoning_effort`` as ``enable_thinking``), filtered as vLLM filters them."""
+    template = scope.renderer.template_text
+    if template is None:
+        return {}
+    return dict(
+        resolve_chat_template_kwargs(
+            scope.renderer.tokenizer, template, params.chat_template_kwargs, raise_on_unexpected=False
+        )
+    )
 
 
 def _one_token_prompt(engine_inputs: list[Any]) -> dict[str, Any]:

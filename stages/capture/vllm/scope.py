@@ -104,15 +104,17 @@ class CaptureScope:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None,
         full: list[int],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt for a chat render: the exact prefix over the re-rendered history."""
+        """The prompt for a chat render: the exact prefix over the history re-rendered with
+        the template variables ``full`` was rendered with."""
         if self.failure is not None:
             self._log_failure(self.failure)
             return full
         if not self.prefix_ids:
             return full
         try:
-            return self.renderer.spliced(self.prefix_ids, messages, tools, full)
+            return self.renderer.spliced(self.prefix_ids, messages, tools, full, template_kwargs)
         except SpliceError as exc:
             return self._splice_failed(exc, full)
 
