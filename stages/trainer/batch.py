@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -23,23 +23,46 @@ from stages.trainer.advantages import group_advantages
 from topics.records import TrainingSample
 
 StaleMode = Literal["drop", "downweight"]
+StaleMeasure = Literal["oldest", "newest", "admission"]
 
 
 @dataclass(frozen=True, slots=True)
 class StalenessPolicy:
     """How far behind the trainer's weights a sample may be (AReaL-style bounded staleness).
 
-    A sample's staleness is the trainer's current weight version minus the oldest version
-    that produced any of its tokens. Beyond ``max_staleness`` it is dropped, or trained
-    with weight ``1 / (1 + excess)`` under ``downweight``; None admits every sample.
+    A sample's staleness is the trainer's current weight version minus the sample's
+    version, by ``measure``: the oldest of its tokens' versions, the newest, or its
+    admission's (the version its first call was admitted under: the first token's, since
+    a call's prompt carries the version the worker served when the call came in). Beyond
+    ``max_staleness`` it is dropped, or trained with weight ``1 / (1 + excess)`` under
+    ``downweight``; None admits every sample. Pacing (``stages.trainer.pacing``) keeps
+    samples from getting that old; this is the safety net behind it.
     """
 
     max_staleness: int | None = None
     mode: StaleMode = "drop"
+    measure: StaleMeasure = "oldest"
 
     def __post_init__(self) -> None:
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.mode not in get_args(StaleMode):
+            raise ValueError(f"mode: must be one of {get_args(StaleMode)}, got {self.mode!r}")
+        if self.measure not in get_args(StaleMeasure):
+            raise ValueError(f"measure: must be one of {get_args(StaleMeasure)}, got {self.measure!r}")
+
+    def staleness(self, sample: TrainingSample, policy_version: int) -> int:
+        """How many versions the sample is behind ``policy_version``, by ``measure`` (0 without tokens)."""
+        versions = sample.weight_versions
+        if not versions:
+            return 0
+        if self.measure == "oldest":
+            version = min(versions)
+        elif self.measure == "newest":
+            version = max(versions)
+        else:
+            version = versions[0]
+        return policy_version - version
 
     def weight(self, staleness: int) -> float | None:
         """The sample's weight, or None to drop it."""
@@ -69,7 +92,10 @@ class TrainBatch:
     sample_weights: torch.Tensor
     """``[B]`` float32: the staleness policy's weight (0 without a reward)."""
     weight_versions: torch.Tensor
-    """``[B, 2]`` int64: the oldest and newest weight version of each sample's tokens."""
+    """``[B, 2]`` int64: the oldest and newest weight version of each sample's tokens
+    (every token's version stays on ``samples[b].weight_versions``)."""
+    staleness: torch.Tensor
+    """``[B]`` int64: each sample's staleness as the policy measured it."""
     call_rewards: torch.Tensor
     """``[B, T]`` float32: each call's own reward (the seal's ``call_rewards``) on the last
     token of its span, 0 elsewhere and where the seal gave none."""
@@ -87,14 +113,17 @@ def build_batch(
 ) -> TrainBatch:
     """One batch of every accepted sample of ``groups`` the staleness policy keeps."""
     kept: list[tuple[TrainingSample, float, int]] = []  # sample, weight, group index
+    ages: list[int] = []
     stale: list[str] = []
     for index, group in enumerate(groups):
         for sample in group.samples:
-            weight = staleness.weight(policy_version - min(sample.weight_versions, default=policy_version))
+            age = staleness.staleness(sample, policy_version)
+            weight = staleness.weight(age)
             if weight is None:
                 stale.append(sample.key)
             else:
                 kept.append((sample, weight if sample.reward is not None else 0.0, index))
+                ages.append(age)
     samples = [sample for sample, _, _ in kept]
     by_group: dict[int, list[float | None]] = {}  # kept lists each group's samples together
     for sample, _, index in kept:
@@ -125,6 +154,7 @@ def build_batch(
         weight_versions=torch.tensor(
             [[min(s.weight_versions), max(s.weight_versions)] for s in samples], dtype=torch.int64
         ).reshape(len(samples), 2),
+        staleness=torch.tensor(ages, dtype=torch.int64),
         call_rewards=call_rewards,
         samples=samples,
         groups=list(groups),
