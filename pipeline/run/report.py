@@ -110,6 +110,8 @@ class RunSummary:
     """``--train-steps``: one object per step (``pipeline.run.training.TrainStep``)."""
     dataplane_samples_left: int | None = None
     """``--train-steps``: samples still in the data plane at the end (0: all consumed)."""
+    paced_waits: int | None = None
+    """``--train-steps`` with ``--max-staleness``: rollouts held back until the trainer caught up."""
     stages: str | None = None
     """How the run hosted its stages (``processes`` or ``inline``); None: the cluster's (drive)."""
 
@@ -168,7 +170,11 @@ class RunSummary:
             "closed_interrupted": self.closed_interrupted,
             **({"stages": self.stages} if self.stages is not None else {}),
             **(
-                {"train_steps": self.train_steps, "dataplane_samples_left": self.dataplane_samples_left}
+                {
+                    "train_steps": self.train_steps,
+                    "dataplane_samples_left": self.dataplane_samples_left,
+                    "paced_waits": self.paced_waits,
+                }
                 if self.train_steps is not None
                 else {}
             ),

@@ -43,7 +43,7 @@ from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.ports import MissingRows
 from stages.specs import FINALIZER, LEDGER
-from stages.trainer.batch import StalenessPolicy
+from stages.trainer.staleness import StalenessPolicy
 from topics.names import TopicNames
 
 pytestmark = [pytest.mark.broker, pytest.mark.dataplane]

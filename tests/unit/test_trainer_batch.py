@@ -10,7 +10,8 @@ import torch
 
 from stages.finalize.reader import FinalizedRollout, Group, GroupCollector
 from stages.trainer.advantages import group_advantages
-from stages.trainer.batch import StalenessPolicy, build_batch
+from stages.trainer.batch import build_batch
+from stages.trainer.staleness import StalenessPolicy
 from topics import digest
 from topics.records import FinalizedEvent, TrainingSample
 
