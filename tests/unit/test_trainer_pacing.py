@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.commands.gateway import pacing_from_args
+from pipeline.gateway.pacing import Pacing
 from stages.trainer.pacing import Pacer, admissible
 
 
@@ -75,3 +77,29 @@ def test_a_trainer_in_admission_order_never_sees_more_than_max_staleness(
             assert all(version - born <= max_staleness for born in batch), (version, batch)
             version += 1
     assert len(admitted_at) <= (steps + max_staleness) * per_step
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ((1, None), "rollouts-per-step"),
+        ((None, 4), "max-staleness"),
+        ((-1, 4), "max_staleness"),
+        ((1, 0), "rollouts_per_step"),
+    ],
+)
+def test_the_gateways_pacing_flags_come_together_and_are_checked(
+    flags: tuple[int | None, int | None], named: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{named}:"):
+        pacing_from_args(*flags)
+
+
+def test_the_gateway_paces_only_when_asked_and_tells_a_whole_retry_after() -> None:
+    assert pacing_from_args(None, None) is None
+    pacing = pacing_from_args(0, 8)
+    assert pacing is not None and (pacing.max_staleness, pacing.rollouts_per_step) == (0, 8)
+    assert Pacing(max_staleness=0, rollouts_per_step=1, retry_after_s=0.2).retry_after == "1"
+    assert Pacing(max_staleness=0, rollouts_per_step=1, retry_after_s=2.5).retry_after == "3"
+    with pytest.raises(ValueError, match=r"^refresh_s:"):
+        Pacing(max_staleness=0, rollouts_per_step=1, refresh_s=0)
