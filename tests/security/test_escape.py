@@ -28,6 +28,7 @@ from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import unguarded_routes
 from pipeline.gateway.app import gateway_policy
 from pipeline.gateway.main import Gateway, GatewayConfig, gateway
+from pipeline.gateway.pacing import Pacing
 from pipeline.inspect.app import create_inspect_app, inspect_policy
 from pipeline.inspect.log import LogUnavailable
 from pipeline.inspect.source import RunSource
@@ -86,7 +87,10 @@ def perimeter(
     host: EngineHost, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Perimeter]:
     rig = start_rig(host, model_dir, credentials=CREDENTIALS)
-    config = GatewayConfig(workers=(rig.url,), port=0, credentials=CREDENTIALS)
+    # Paced, and full after the two rollouts below: an attack that got past the gate to
+    # POST /rollouts would see 429, so each 401 there shows the credential is checked first.
+    pacing = Pacing(max_staleness=0, rollouts_per_step=2)
+    config = GatewayConfig(workers=(rig.url,), port=0, credentials=CREDENTIALS, pacing=pacing)
     data_dir = tmp_path_factory.mktemp("inspected")
     archive_path(data_dir).touch()
     inspected = RunSource(data_dir, LogUnavailable("no log in this test"), None)
@@ -108,6 +112,10 @@ def perimeter(
             ).json()
             for _ in range(2)
         ]
+        paced = httpx.post(
+            f"{server.url}/rollouts", json={}, headers=CREDENTIALS.authorization(Role.ENVIRONMENT)
+        )
+        assert paced.status_code == 429, paced.text
         yield Perimeter(rig, built, server, inspector, opened[0], opened[1])
     finally:
 
