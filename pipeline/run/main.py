@@ -635,6 +635,15 @@ class Run:
         steps = self.training.steps if self.training is not None else self.trl.steps if self.trl else None
         return None if steps is None else [step.as_json() for step in steps]
 
+    def _paced_waits(self) -> int | None:
+        """Rollouts held back by the paced loop or a paced gateway; None when nothing paced."""
+        paced = self.progress.driver.paced
+        if self.training is not None and self.config.max_staleness is not None:
+            paced += self.training.paced_waits
+        elif not paced:
+            return None
+        return paced
+
     def status(self) -> RunStatus:
         if self.completed and self.error is None and self.shutdown.failure is None:
             return "completed"  # a signal while --keep served a finished run is the normal stop
@@ -703,9 +712,7 @@ class Run:
             closed_interrupted=self.closed_interrupted,
             train_steps=self._train_steps(),
             dataplane_samples_left=self.samples_left,
-            paced_waits=self.training.paced_waits
-            if self.training is not None and config.max_staleness is not None
-            else None,
+            paced_waits=self._paced_waits(),
             stages=config.stages if config.attach is None else None,
         )
 
