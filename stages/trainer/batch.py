@@ -19,7 +19,7 @@ import torch
 
 from stages.finalize.reader import Group
 from stages.trainer.advantages import group_advantages
-from stages.trainer.staleness import StalenessPolicy
+from stages.trainer.staleness import StaleMeasure, StaleMode, StalenessPolicy
 from topics.records import TrainingSample
 
 
@@ -123,3 +123,13 @@ def span_end_rewards(sample: TrainingSample) -> list[tuple[int, float]]:
 
 def _reward(sample: TrainingSample) -> float:
     return math.nan if sample.reward is None else sample.reward
+
+
+__all__ = [  # the policy lives in its torch-free module; importable here as it always was
+    "StaleMeasure",
+    "StaleMode",
+    "StalenessPolicy",
+    "TrainBatch",
+    "build_batch",
+    "span_end_rewards",
+]
