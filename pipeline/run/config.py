@@ -127,6 +127,8 @@ class RunConfig:
             raise ValueError("train_steps: a training run does not --keep serving")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.max_staleness is not None and not self.train_steps:
+            raise ValueError("max_staleness: paces (and drops) the samples of --train-steps only")
         if self.staleness_measure not in get_args(StaleMeasure):
             raise ValueError(
                 f"staleness_measure: must be one of {get_args(StaleMeasure)}, got {self.staleness_measure!r}"

@@ -103,6 +103,7 @@ def test_config_refuses_what_cannot_run(bad: dict[str, Any]) -> None:
         ({"train_steps": 2, "staleness_measure": "middle"}, "staleness_measure"),
         ({"train_steps": 2, "trainer_delay_s": -1.0}, "trainer_delay_s"),
         ({"trainer_delay_s": 1.0}, "trainer_delay_s"),  # nothing to slow down without training
+        ({"max_staleness": 1}, "max_staleness"),  # nothing to pace either
         ({"train_steps": 2, "trainer": "trl", "trainer_delay_s": 1.0}, "trainer_delay_s"),
     ],
 )
