@@ -35,6 +35,8 @@ class DriverStats:
     calls: int = 0
     capture_failed: int = 0
     broken: int = 0
+    paced: int = 0
+    """Times a rollout was held back before it started (a paced gateway's 429)."""
 
 
 @dataclass(frozen=True, slots=True)

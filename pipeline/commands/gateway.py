@@ -13,6 +13,7 @@ from aiokafka.errors import KafkaError
 
 from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
+from pipeline.gateway.pacing import Pacing
 from pipeline.gateway.quotas import Quotas
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.worker import add_body_limit_argument
@@ -70,6 +71,21 @@ def add_parser(subparsers: Any) -> None:
     for spec in fields(Quotas):
         flag = "--" + spec.name.replace("_", "-")
         quotas.add_argument(flag, type=int, default=spec.default, metavar="N", help="(default: %(default)s)")
+    pacing = parser.add_argument_group(
+        "pacing (POST /rollouts answers 429 with Retry-After while the trainer is too far behind)"
+    )
+    pacing.add_argument(
+        "--max-staleness",
+        type=int,
+        metavar="VERSIONS",
+        help="admit at most this many weight versions ahead of what the workers serve (default: no pacing)",
+    )
+    pacing.add_argument(
+        "--rollouts-per-step",
+        type=int,
+        metavar="N",
+        help="rollouts the trainer takes per step (its batch); required with --max-staleness",
+    )
     add_auth_arguments(parser, server=True, client=True)
     add_kafka_arguments(parser, bootstrap_required=True)
     parser.add_argument("--json", action="store_true", help="print one JSON document once serving")
@@ -92,6 +108,7 @@ async def _serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         credentials=credentials_from_args(args),
         quotas=Quotas(**{spec.name: getattr(args, spec.name) for spec in fields(Quotas)}),
+        pacing=pacing_from_args(args.max_staleness, args.rollouts_per_step),
         insecure_no_auth=args.insecure_no_auth,
         tls=tls_from_args(args),
         ssl_cafile=args.http_ssl_cafile,
@@ -105,6 +122,16 @@ async def _serve(args: argparse.Namespace) -> None:
 
     async with KafkaEventSink(kafka) as sink:
         await run_gateway(config, sink, on_ready=ready)
+
+
+def pacing_from_args(max_staleness: int | None, rollouts_per_step: int | None) -> Pacing | None:
+    """``--max-staleness`` and ``--rollouts-per-step``: both, or neither."""
+    if max_staleness is None and rollouts_per_step is None:
+        return None
+    if max_staleness is None or rollouts_per_step is None:
+        missing = "max-staleness" if max_staleness is None else "rollouts-per-step"
+        raise ValueError(f"{missing}: pacing needs both --max-staleness and --rollouts-per-step")
+    return Pacing(max_staleness=max_staleness, rollouts_per_step=rollouts_per_step)
 
 
 def run(args: argparse.Namespace) -> int:

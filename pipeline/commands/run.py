@@ -23,6 +23,7 @@ from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_
 from pipeline.process.guard import guard_descendants
 from pipeline.run.config import RunConfig, TrainerKind
 from stages.envs.arithmetic import read_tasks
+from stages.trainer.staleness import StaleMeasure
 
 if TYPE_CHECKING:
     from pipeline.run.terminal import Screen
@@ -146,7 +147,23 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=defaults.max_staleness,
         metavar="VERSIONS",
-        help="drop samples more weight versions behind the trainer than this (default: keep all)",
+        help=(
+            "let generation run ahead of the built-in trainer by at most this many weight versions, "
+            "pacing new rollouts (and drop samples further behind); default: play each step, then train"
+        ),
+    )
+    training.add_argument(
+        "--staleness-measure",
+        choices=get_args(StaleMeasure),
+        default=defaults.staleness_measure,
+        help="a sample's version for staleness: its oldest token's, newest's or admission's (default: %(default)s)",
+    )
+    training.add_argument(
+        "--trainer-delay-s",
+        type=float,
+        default=defaults.trainer_delay_s,
+        metavar="SECONDS",
+        help="a deliberately slow trainer: sleep this long before each built-in step (default: %(default)s)",
     )
     parser.add_argument(
         "--keep",
@@ -276,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
             learning_rate=args.learning_rate,
             trainer=args.trainer,
             max_staleness=args.max_staleness,
+            staleness_measure=args.staleness_measure,
+            trainer_delay_s=args.trainer_delay_s,
             **rollout_settings(args),
         )
     except (ConfigError, ValueError, OSError) as exc:

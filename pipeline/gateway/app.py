@@ -3,6 +3,7 @@
 - ``POST /rollouts`` (optional ``rollout_id``, ``group_id``; the environment's credential)
   → ``{rollout_id, group_id, base_url, anthropic_base_url, api_key}``: what the agent
   gets, and nothing more. ``api_key`` is the agent's capability for this one rollout.
+  Paced (``pacing``), a 429 with ``Retry-After`` while the trainer is too far behind.
 - ``{gateway}/rollouts/{id}/v1`` is an OpenAI base URL (chat completions, completions,
   Responses) and ``{gateway}/rollouts/{id}`` an Anthropic one (``/v1/messages``); they
   take only that rollout's capability, and only for a rollout opened before.
@@ -32,6 +33,7 @@ from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs, principal_of
 from pipeline.gateway.calls import Forwarder
 from pipeline.gateway.metrics import gateway_registry
 from pipeline.gateway.normalize import MalformedHistory, history_of
+from pipeline.gateway.pacing import AdmissionPacer, Paced
 from pipeline.gateway.previous import PREVIOUS
 from pipeline.gateway.quotas import QuotaExceeded, QuotaGuard, Quotas
 from pipeline.gateway.sessions import SessionError, Sessions
@@ -112,12 +114,14 @@ def create_gateway_app(
     credentials: Credentials | None = None,
     capabilities: AgentCapabilities | None = None,
     quotas: Quotas | None = None,
+    pacer: AdmissionPacer | None = None,
 ) -> FastAPI:
     """The app; its lifespan runs the idle-session sweeper.
 
     ``credentials``: the environment and operator secrets it checks (none: those routes
     are open, loopback only). ``capabilities``: how agent keys are issued and checked
-    (default: a key in memory, so they end with the process).
+    (default: a key in memory, so they end with the process). ``pacer``: holds new
+    rollouts back while the trainer is too far behind (None: never).
     """
     credentials = credentials or Credentials()
     capabilities = capabilities or AgentCapabilities(credentials.agent_key)
@@ -142,7 +146,7 @@ def create_gateway_app(
         redirect_slashes=False,
     )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    registry = gateway_registry(sessions, forwarder, guard)
+    registry = gateway_registry(sessions, forwarder, guard, pacer)
     app.add_middleware(
         AuthGate,
         router=app.router,
@@ -163,7 +167,16 @@ def create_gateway_app(
     @app.post("/rollouts")
     async def open_rollout(request: Request) -> JSONResponse:
         body = parse_body(OpenRollout, await _body(request, allow_empty=True))
+        if pacer is not None:
+            try:
+                await pacer.check()
+            except Paced as exc:
+                refused = api_error(SESSION_ERRORS, 429, exc.message, param="max_staleness")
+                refused.headers["Retry-After"] = pacer.pacing.retry_after
+                return refused
         session = sessions.open(body.rollout_id, body.group_id)
+        if pacer is not None:
+            pacer.opened()
         base = str(request.base_url).rstrip("/")
         return JSONResponse(
             {

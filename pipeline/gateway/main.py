@@ -20,6 +20,7 @@ from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.transport import TlsFiles, check_bind, client_verify
 from pipeline.gateway.app import create_gateway_app
 from pipeline.gateway.calls import Forwarder
+from pipeline.gateway.pacing import AdmissionPacer, Pacing
 from pipeline.gateway.quotas import Quotas
 from pipeline.gateway.recovery import recover
 from pipeline.gateway.sessions import Sessions
@@ -49,6 +50,8 @@ class GatewayConfig:
     """Checks environment and operator callers, signs agent keys (``agent.key``), and
     presents the service credential to the workers (DESIGN §15)."""
     quotas: Quotas = field(default_factory=Quotas)
+    pacing: Pacing | None = None
+    """Hold new rollouts back while the trainer is too far behind (None: never)."""
     insecure_no_auth: bool = False
     tls: TlsFiles | None = None
     ssl_cafile: Path | None = None
@@ -82,7 +85,9 @@ async def gateway(
     ) as http:
         if config.kafka is not None:
             await recover(config.kafka, sessions)
-        forwarder = Forwarder(client, Workers(config.workers), http)
+        workers = Workers(config.workers)
+        forwarder = Forwarder(client, workers, http)
+        pacer = None if config.pacing is None else AdmissionPacer(config.pacing, lambda: workers.urls, http)
         app = create_gateway_app(
             sessions,
             forwarder,
@@ -91,6 +96,7 @@ async def gateway(
             credentials=credentials,
             capabilities=AgentCapabilities(credentials.agent_key),
             quotas=config.quotas,
+            pacer=pacer,
         )
         yield Gateway(app, sessions, forwarder)
 

@@ -9,17 +9,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pipeline.gateway.calls import Forwarder
+from pipeline.gateway.pacing import AdmissionPacer
 from pipeline.gateway.quotas import QuotaGuard
 from pipeline.gateway.sessions import Sessions
 
 
 class GatewayCollector(Collector):
-    """Sessions open and abandoned, calls by lineage, worker failures and load."""
+    """Sessions open and abandoned, calls by lineage, worker failures and load, pacing."""
 
-    def __init__(self, sessions: Sessions, forwarder: Forwarder, quotas: QuotaGuard) -> None:
+    def __init__(
+        self, sessions: Sessions, forwarder: Forwarder, quotas: QuotaGuard, pacer: AdmissionPacer | None
+    ) -> None:
         self.sessions = sessions
         self.forwarder = forwarder
         self.quotas = quotas
+        self.pacer = pacer
 
     def collect(self) -> Iterator[Metric]:
         counters = self.forwarder.counters
@@ -68,9 +72,22 @@ class GatewayCollector(Collector):
         for limit, value in sorted(self.quotas.refused.items()):
             refused.add_metric([limit], value)
         yield refused
+        if self.pacer is not None:
+            yield CounterMetricFamily(
+                "tokentrail_gateway_paced",
+                "POST /rollouts answered 429: the trainer's version too far behind the admissions",
+                self.pacer.held,
+            )
+            yield GaugeMetricFamily(
+                "tokentrail_gateway_policy_version",
+                "the lowest weight version the workers reported last (-1: none yet)",
+                -1 if self.pacer.version is None else self.pacer.version,
+            )
 
 
-def gateway_registry(sessions: Sessions, forwarder: Forwarder, quotas: QuotaGuard) -> CollectorRegistry:
+def gateway_registry(
+    sessions: Sessions, forwarder: Forwarder, quotas: QuotaGuard, pacer: AdmissionPacer | None = None
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GatewayCollector(sessions, forwarder, quotas))
+    registry.register(GatewayCollector(sessions, forwarder, quotas, pacer))
     return registry

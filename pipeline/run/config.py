@@ -13,12 +13,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pipeline.kafka.broker import StorageMode
 from pipeline.kafka.config import KafkaConfig
 from stages.driver import Job
 from stages.envs.arithmetic import Task, make_tasks
+from stages.trainer.staleness import StaleMeasure
 
 RunDataPlaneMode = Literal["embedded", "ray"]
 DEFAULT_DATA_DIR = Path(".tokentrail")
@@ -90,7 +91,14 @@ class RunConfig:
     trainer: TrainerKind = "builtin"
     """Who takes the train steps: the built-in GRPO step, or TRL's ``GRPOTrainer``."""
     max_staleness: int | None = None
-    """Train steps: samples more weight versions behind the trainer than this are dropped."""
+    """Train steps: generation runs ahead of the built-in trainer by at most this many weight
+    versions (paced, ``stages.trainer.pacing``); samples further behind are dropped.
+    None: each step's rollouts are played, then trained on (staleness 0)."""
+    staleness_measure: StaleMeasure = "oldest"
+    """Which version of a sample staleness is measured by: its oldest token's, its newest's,
+    or its admission's (``StalenessPolicy``)."""
+    trainer_delay_s: float = 0.0
+    """A deliberately slow trainer: each built-in step sleeps this long first (benchmarks, tests)."""
 
     def __post_init__(self) -> None:
         for name in ("rollouts", "group_size", "turns", "concurrency", "max_tokens"):
@@ -117,6 +125,18 @@ class RunConfig:
             raise ValueError(f"train_steps: must be >= 0, got {self.train_steps}")
         if self.train_steps and self.keep:
             raise ValueError("train_steps: a training run does not --keep serving")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.max_staleness is not None and not self.train_steps:
+            raise ValueError("max_staleness: paces (and drops) the samples of --train-steps only")
+        if self.staleness_measure not in get_args(StaleMeasure):
+            raise ValueError(
+                f"staleness_measure: must be one of {get_args(StaleMeasure)}, got {self.staleness_measure!r}"
+            )
+        if not self.trainer_delay_s >= 0:
+            raise ValueError(f"trainer_delay_s: must be >= 0, got {self.trainer_delay_s}")
+        if self.trainer_delay_s and (not self.train_steps or self.trainer != "builtin"):
+            raise ValueError("trainer_delay_s: slows the built-in trainer's --train-steps only")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
         for name in ("seal_grace_s", "max_open_s", "finalize_timeout_s", "lag_timeout_s"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from pipeline.run.journal import INTERRUPTED, RunJournal
@@ -60,11 +60,17 @@ async def play_jobs(
     concurrency: int,
     *,
     seal_timeout_s: float = 5.0,
+    pace: Callable[[int], Awaitable[None]] | None = None,
 ) -> None:
-    """Play every job, at most ``concurrency`` at once; on cancellation seal the in-flight ones."""
+    """Play every job, at most ``concurrency`` at once; on cancellation seal the in-flight ones.
+
+    ``pace(index)`` is awaited before the ``index``-th job starts (the trainer's pacing):
+    a job held there is not admitted yet, so a stop then needs no seal."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(job: Job) -> None:
+    async def one(index: int, job: Job) -> None:
+        if pace is not None:
+            await pace(index)
         async with gate:
             if client.journal is not None:
                 client.journal.started(job)
@@ -81,4 +87,4 @@ async def play_jobs(
                         log.warning("could not seal interrupted rollout %s: %s", job.rollout_id, exc)
                 raise
 
-    await asyncio.gather(*(one(job) for job in jobs))
+    await asyncio.gather(*(one(index, job) for index, job in enumerate(jobs)))

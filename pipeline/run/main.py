@@ -43,7 +43,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,8 @@ from stages.client import RolloutClient
 from stages.driver import Job, RolloutDriver
 from stages.ledger.stage import LedgerConfig
 from stages.ports import SAMPLES_PARTITION, DataPlane, DataPlaneError
-from stages.trainer.batch import StalenessPolicy, TrainBatch
+from stages.trainer.batch import TrainBatch
+from stages.trainer.staleness import StalenessPolicy
 
 SERVING_FILE = "serving.json"
 """Written by ``--keep`` while it serves: the addresses of the broker, worker, gateway and data plane."""
@@ -382,7 +383,7 @@ class Run:
             group_size=config.group_size,
             groups_per_batch=config.rollouts // config.group_size,
             group_timeout_s=config.finalize_timeout_s,
-            staleness=StalenessPolicy(max_staleness=config.max_staleness),
+            staleness=StalenessPolicy(max_staleness=config.max_staleness, measure=config.staleness_measure),
         )
         feed = TrainerFeed(kafka, plane, settings, only=lambda event: event.rollout_id in wanted)
         await stack.enter_async_context(feed)
@@ -401,6 +402,7 @@ class Run:
             config.data_dir,
             batch_timeout_s=config.finalize_timeout_s,
             operator_headers=self.credentials.authorization(Role.OPERATOR),
+            trainer_delay_s=config.trainer_delay_s,
         )
 
     def _task(
@@ -507,14 +509,29 @@ class Run:
             await asyncio.sleep(0.05)
 
     async def _train(self, player: Player, client: SealTrackingClient) -> None:
-        """``--train-steps``: each step's rollouts, then its GRPO step and refit."""
+        """``--train-steps``: each step's rollouts, then its GRPO step and refit; with
+        ``--max-staleness``, every step's rollouts all along, paced, beside the steps."""
         assert self.training is not None and self._plane is not None
         config = self.config
-        for step in range(1, config.train_steps + 1):
-            jobs = self.jobs[(step - 1) * config.rollouts : step * config.rollouts]
-            self.progress.enter(f"train step {step}/{config.train_steps}")
-            play = functools.partial(play_jobs, player, client, jobs, config.concurrency)
-            await self.training.run_step(step, play, self._archived)
+        slots = [self.jobs[i : i + config.rollouts] for i in range(0, len(self.jobs), config.rollouts)]
+        if config.max_staleness is None:
+            for step, jobs in enumerate(slots, start=1):
+                self.progress.enter(f"train step {step}/{config.train_steps}")
+                play = functools.partial(play_jobs, player, client, jobs, config.concurrency)
+                await self.training.run_step(step, play, self._archived)
+        else:
+            self.progress.enter(f"training {config.train_steps} steps, paced")
+
+            async def play_paced(pace: Callable[[int], Awaitable[None]]) -> None:
+                await play_jobs(player, client, self.jobs, config.concurrency, pace=pace)
+
+            await self.training.run_paced(
+                [{job.group_id for job in jobs} for jobs in slots],
+                play_paced,
+                self._archived,
+                max_staleness=config.max_staleness,
+                rollouts_per_step=config.rollouts,
+            )
         self.samples_left = len(await self._plane.list_keys(SAMPLES_PARTITION))
 
     async def _train_trl(self, player: Player, client: SealTrackingClient) -> None:
@@ -618,6 +635,15 @@ class Run:
         steps = self.training.steps if self.training is not None else self.trl.steps if self.trl else None
         return None if steps is None else [step.as_json() for step in steps]
 
+    def _paced_waits(self) -> int | None:
+        """Rollouts held back by the paced loop or a paced gateway; None when nothing paced."""
+        paced = self.progress.driver.paced
+        if self.training is not None and self.config.max_staleness is not None:
+            paced += self.training.paced_waits
+        elif not paced:
+            return None
+        return paced
+
     def status(self) -> RunStatus:
         if self.completed and self.error is None and self.shutdown.failure is None:
             return "completed"  # a signal while --keep served a finished run is the normal stop
@@ -686,6 +712,7 @@ class Run:
             closed_interrupted=self.closed_interrupted,
             train_steps=self._train_steps(),
             dataplane_samples_left=self.samples_left,
+            paced_waits=self._paced_waits(),
             stages=config.stages if config.attach is None else None,
         )
 

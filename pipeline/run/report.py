@@ -110,6 +110,9 @@ class RunSummary:
     """``--train-steps``: one object per step (``pipeline.run.training.TrainStep``)."""
     dataplane_samples_left: int | None = None
     """``--train-steps``: samples still in the data plane at the end (0: all consumed)."""
+    paced_waits: int | None = None
+    """Rollouts held back until the trainer caught up: by the paced closed loop
+    (``--max-staleness``), or by a paced gateway's 429 the agent waited out; None: not paced."""
     stages: str | None = None
     """How the run hosted its stages (``processes`` or ``inline``); None: the cluster's (drive)."""
 
@@ -166,6 +169,7 @@ class RunSummary:
             "signal": None if self.signal is None else signal.Signals(self.signal).name,
             "error": self.error,
             "closed_interrupted": self.closed_interrupted,
+            "paced_waits": self.paced_waits,
             **({"stages": self.stages} if self.stages is not None else {}),
             **(
                 {"train_steps": self.train_steps, "dataplane_samples_left": self.dataplane_samples_left}

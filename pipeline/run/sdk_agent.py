@@ -4,10 +4,13 @@
 plain ``openai`` calls on a session's base URL, the assistant message appended as the
 SDK returns it, no admission, no coordinates. It shows (and tests) that an unmodified
 agent is captured exactly; the gateway does the bookkeeping the built-in driver does.
+A paced gateway answers the environment's ``POST /rollouts`` with 429 and ``Retry-After``
+while the trainer is too far behind: the rollout waits that long and asks again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -52,8 +55,8 @@ class SdkAgent:
 
     async def play(self, job: Job) -> Episode:
         episode = Episode(job.task, self.max_turns)
+        opened = await self._open(job)
         self.stats.admitted += 1
-        opened = await self._post("/rollouts", {"rollout_id": job.rollout_id, "group_id": job.group_id})
         try:
             async with openai.AsyncOpenAI(
                 base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=self.timeout_s
@@ -82,6 +85,18 @@ class SdkAgent:
             request["seed"] = episode_seed(self.seed, job.rollout_id, episode.turns)
         return request
 
+    async def _open(self, job: Job) -> dict[str, Any]:
+        """The rollout's session; while the gateway paces admissions, wait as it says."""
+        body = {"rollout_id": job.rollout_id, "group_id": job.group_id}
+        while True:
+            response = await self._http.post(f"{self.gateway_url}/rollouts", json=body)
+            if response.status_code != 429 or "retry-after" not in response.headers:
+                response.raise_for_status()
+                opened: dict[str, Any] = response.json()
+                return opened
+            self.stats.paced += 1
+            await asyncio.sleep(_seconds(response.headers["retry-after"]))
+
     async def _seal(self, job: Job, body: dict[str, Any]) -> None:
         await self._post(f"/rollouts/{job.rollout_id}/seal", body)
         self.stats.sealed += 1
@@ -91,6 +106,14 @@ class SdkAgent:
         response.raise_for_status()
         document: dict[str, Any] = response.json()
         return document
+
+
+def _seconds(retry_after: str) -> float:
+    """``Retry-After`` in seconds (the gateway sends whole seconds; 1 if it is unreadable)."""
+    try:
+        return min(60.0, max(0.0, float(retry_after)))
+    except ValueError:
+        return 1.0
 
 
 __all__ = ["SdkAgent"]

@@ -6,16 +6,23 @@ one batch, takes one GRPO step on the trainer's copy of the weights, saves them,
 refits the worker through its admin endpoints (pause, reload, set the version, resume),
 so the next step's rollouts carry the next weight version. Only then is the batch
 acknowledged: its samples leave the data plane and the feed commits past them.
+
+Paced (``--max-staleness K``): generation runs ahead of the trainer instead of waiting
+for each step, held back by the pacer (``stages.trainer.pacing``): the rollouts of step
+``s`` start only once the worker serves version ``s - 1 - K`` or later, and step ``s``
+trains exactly step ``s``'s groups, so none of its samples is more than ``K`` versions
+behind the trainer and none is dropped for staleness.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +32,7 @@ import httpx
 from pipeline.trainer.feed import TrainerFeed
 from pipeline.trainer.grpo import GrpoTrainer
 from stages.trainer.batch import TrainBatch
+from stages.trainer.pacing import admissible
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +44,8 @@ WEIGHTS_DIR = "weights"
 class TrainStep:
     step: int
     weight_version: int
-    """The weight version the step's rollouts were sampled with."""
+    """The trainer's policy version when it took the step: what the step's rollouts were
+    sampled with in the synchronous loop; paced, they may be up to ``max_staleness`` older."""
     samples: int
     reward_mean: float | None
     ratio_max_abs_dev: float
@@ -44,15 +53,21 @@ class TrainStep:
     update_norm: float
     policy_shift: float
     seconds: dict[str, float]
-    """Where the step's time went: ``rollout`` (playing its rollouts), ``wait`` (until they
-    were finalized and archived), ``optimizer`` (the GRPO step and saving), ``refit``."""
+    """Where the step's time went: ``rollout`` (playing its rollouts; not when paced, where
+    they play all along), ``wait`` (until they were finalized and archived), ``optimizer``
+    (the GRPO step and saving, and ``trainer_delay_s``), ``refit``."""
+    staleness_max: int | None
+    """The most versions any of the step's trained samples was behind, by the feed's measure."""
+    stale_dropped: int
+    """Samples the feed's staleness policy dropped from the step's batch."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class ClosedLoop:
-    """Steps ``play`` → feed batch → GRPO step → refit, recording each step."""
+    """Steps ``play`` → feed batch → GRPO step → refit, recording each step; or, paced,
+    generation all along and one step per step's groups."""
 
     def __init__(
         self,
@@ -63,14 +78,20 @@ class ClosedLoop:
         *,
         batch_timeout_s: float,
         operator_headers: Mapping[str, str] | None = None,
+        trainer_delay_s: float = 0.0,
     ) -> None:
+        """``trainer_delay_s``: sleep this long before each optimizer step (a slow trainer)."""
         self.feed = feed
         self.batch_timeout_s = batch_timeout_s
         self.trainer = trainer
         self.worker_url = worker_url
         self.operator_headers = dict(operator_headers or {})
         self.weights_dir = data_dir / WEIGHTS_DIR
+        self.trainer_delay_s = trainer_delay_s
         self.steps: list[TrainStep] = []
+        self.paced_waits = 0
+        """Rollouts that waited for the policy version before they started."""
+        self._advanced = asyncio.Condition()
 
     async def run_step(
         self,
@@ -79,25 +100,83 @@ class ClosedLoop:
         archived: Callable[[TrainBatch], Awaitable[None]],
     ) -> TrainStep:
         """One step; ``archived`` returns once the run's archive holds the batch's samples."""
+        started = time.monotonic()
+        await play()
+        return await self._train(step, archived, {"rollout": time.monotonic() - started})
+
+    async def run_paced(
+        self,
+        steps: Sequence[Collection[str]],
+        play: Callable[[Callable[[int], Awaitable[None]]], Coroutine[Any, Any, None]],
+        archived: Callable[[TrainBatch], Awaitable[None]],
+        *,
+        max_staleness: int,
+        rollouts_per_step: int,
+    ) -> None:
+        """Train one step per entry of ``steps`` (each its groups' ids) while ``play`` plays
+        every step's rollouts, awaiting ``pace(index)`` before the ``index``-th starts."""
+
+        async def pace(index: int) -> None:
+            def allowed() -> bool:
+                version = self.feed.policy_version
+                return admissible(
+                    index, version, max_staleness=max_staleness, rollouts_per_step=rollouts_per_step
+                )
+
+            if allowed():
+                return
+            self.paced_waits += 1
+            self.feed.metrics.paced.inc()
+            async with self._advanced:
+                await self._advanced.wait_for(allowed)
+
+        generation = asyncio.create_task(play(pace), name="paced-generation")
+        try:
+            for step, groups in enumerate(steps, start=1):
+                batch = asyncio.create_task(self._train(step, archived, {}, groups=groups))
+                await asyncio.wait({batch, generation}, return_when=asyncio.FIRST_COMPLETED)
+                if generation.done() and generation.exception() is not None:
+                    batch.cancel()
+                    generation.result()  # the rollouts failed: so does the loop
+                await batch
+            await generation
+        finally:
+            if not generation.done():
+                generation.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await generation
+
+    async def _train(
+        self,
+        step: int,
+        archived: Callable[[TrainBatch], Awaitable[None]],
+        seconds: dict[str, float],
+        *,
+        groups: Collection[str] | None = None,
+    ) -> TrainStep:
+        """Take the step's batch (``groups``, or the feed's next), train, refit, acknowledge."""
         version = self.feed.policy_version
         marks = [time.monotonic()]
-        await play()
-        marks.append(time.monotonic())
         try:
-            batch = await asyncio.wait_for(self.feed.next_batch(), self.batch_timeout_s)
+            batch = await asyncio.wait_for(self.feed.next_batch(groups), self.batch_timeout_s)
         except TimeoutError:
             raise TimeoutError(
                 f"step {step}: its rollouts were not finalized within {self.batch_timeout_s:.0f}s"
             ) from None
         await archived(batch)
         marks.append(time.monotonic())
+        if self.trainer_delay_s:
+            await asyncio.sleep(self.trainer_delay_s)
         report = await asyncio.to_thread(self.trainer.step, batch)
         path = await asyncio.to_thread(self.trainer.save, self.weights_dir / f"step-{step}")
         marks.append(time.monotonic())
         await refit(self.worker_url, path, version=step, headers=self.operator_headers)
         marks.append(time.monotonic())
-        spans = zip(("rollout", "wait", "optimizer", "refit"), itertools.pairwise(marks), strict=True)
-        self.feed.policy_version = step
+        spans = zip(("wait", "optimizer", "refit"), itertools.pairwise(marks), strict=True)
+        seconds.update({name: end - start for name, (start, end) in spans})
+        async with self._advanced:  # the worker serves ``step`` now: held rollouts may start
+            self.feed.policy_version = step
+            self._advanced.notify_all()
         await self.feed.ack(batch)
         record = TrainStep(
             step=step,
@@ -108,15 +187,20 @@ class ClosedLoop:
             loss=report.loss,
             update_norm=report.update_norm,
             policy_shift=report.policy_shift,
-            seconds={name: round(end - start, 3) for name, (start, end) in spans},
+            seconds={name: round(value, 3) for name, value in seconds.items()},
+            staleness_max=int(batch.staleness.max()) if len(batch) else None,
+            stale_dropped=len(batch.stale),
         )
         log.info(
-            "train step %d: %d samples of weight version %d, reward mean %s, ratio deviation %.2e",
+            "train step %d: %d samples of weight version %d, reward mean %s, ratio deviation %.2e, "
+            "staleness at most %s, %d dropped as stale",
             step,
             record.samples,
             version,
             record.reward_mean,
             record.ratio_max_abs_dev,
+            record.staleness_max,
+            record.stale_dropped,
         )
         self.steps.append(record)
         return record

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
@@ -41,7 +41,8 @@ from stages.finalize.reader import FinalizedRollout, Group, GroupCollector
 from stages.finalize.retain import TRAINER_GROUP
 from stages.ports import Consumed, DataPlane, TopicPartition, read_samples
 from stages.recent import DEFAULT_REMEMBER, RecentIds
-from stages.trainer.batch import StalenessPolicy, TrainBatch, build_batch
+from stages.trainer.batch import TrainBatch, build_batch
+from stages.trainer.staleness import StalenessPolicy
 from topics.records import FinalizedEvent, TrainingSample
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,11 @@ class FeedMetrics:
         self.acked = Counter(
             "tokentrail_trainer_batches_acked_total",
             "Batches the trainer acknowledged",
+            registry=stage.registry,
+        )
+        self.paced = Counter(
+            "tokentrail_trainer_paced_waits_total",
+            "Rollouts held back before they started, because the policy version was too far behind",
             registry=stage.registry,
         )
         self.duplicates = Counter(
@@ -192,22 +198,31 @@ class TrainerFeed:
         while True:
             yield await self.next_batch()
 
-    async def next_batch(self) -> TrainBatch:
-        """The next ``groups_per_batch`` groups (fewer after ``batch_wait_s``), as tensors."""
+    async def next_batch(self, groups: Collection[str] | None = None) -> TrainBatch:
+        """The next ``groups_per_batch`` groups (fewer after ``batch_wait_s``), as tensors.
+
+        ``groups``: exactly these groups (by id) instead, in the order they were released:
+        a trainer that takes its batches in admission order names each step's groups, and
+        the others wait for their own step.
+        """
         first_ready: float | None = None
-        wanted, wait = self.settings.groups_per_batch, self.settings.batch_wait_s
+        wanted = self.settings.groups_per_batch if groups is None else len(groups)
+        wait = self.settings.batch_wait_s
         while True:
             self._check_running()
             self._release(self._collector.expired())
-            if self._ready and first_ready is None:
+            ready = self._ready if groups is None else [g for g in self._ready if g.group_id in groups]
+            if ready and first_ready is None:
                 first_ready = time.monotonic()
             waited = first_ready is not None and wait is not None and time.monotonic() - first_ready >= wait
-            if len(self._ready) >= wanted or (self._ready and waited):
+            if len(ready) >= wanted or (ready and waited):
                 break
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self._poll_s())
-        chosen, self._ready = self._ready[:wanted], self._ready[wanted:]
+        chosen = ready[:wanted]
+        taken = {id(group) for group in chosen}
+        self._ready = [group for group in self._ready if id(group) not in taken]
         return await self._batch(chosen)
 
     async def ack(self, batch: TrainBatch) -> None:

@@ -14,40 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from stages.finalize.reader import Group
 from stages.trainer.advantages import group_advantages
+from stages.trainer.staleness import StaleMeasure, StaleMode, StalenessPolicy
 from topics.records import TrainingSample
-
-StaleMode = Literal["drop", "downweight"]
-
-
-@dataclass(frozen=True, slots=True)
-class StalenessPolicy:
-    """How far behind the trainer's weights a sample may be (AReaL-style bounded staleness).
-
-    A sample's staleness is the trainer's current weight version minus the oldest version
-    that produced any of its tokens. Beyond ``max_staleness`` it is dropped, or trained
-    with weight ``1 / (1 + excess)`` under ``downweight``; None admits every sample.
-    """
-
-    max_staleness: int | None = None
-    mode: StaleMode = "drop"
-
-    def __post_init__(self) -> None:
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
-
-    def weight(self, staleness: int) -> float | None:
-        """The sample's weight, or None to drop it."""
-        if self.max_staleness is None or staleness <= self.max_staleness:
-            return 1.0
-        if self.mode == "drop":
-            return None
-        return 1.0 / (1 + staleness - self.max_staleness)
 
 
 @dataclass(slots=True)
@@ -69,7 +42,10 @@ class TrainBatch:
     sample_weights: torch.Tensor
     """``[B]`` float32: the staleness policy's weight (0 without a reward)."""
     weight_versions: torch.Tensor
-    """``[B, 2]`` int64: the oldest and newest weight version of each sample's tokens."""
+    """``[B, 2]`` int64: the oldest and newest weight version of each sample's tokens
+    (every token's version stays on ``samples[b].weight_versions``)."""
+    staleness: torch.Tensor
+    """``[B]`` int64: each sample's staleness as the policy measured it."""
     call_rewards: torch.Tensor
     """``[B, T]`` float32: each call's own reward (the seal's ``call_rewards``) on the last
     token of its span, 0 elsewhere and where the seal gave none."""
@@ -87,14 +63,17 @@ def build_batch(
 ) -> TrainBatch:
     """One batch of every accepted sample of ``groups`` the staleness policy keeps."""
     kept: list[tuple[TrainingSample, float, int]] = []  # sample, weight, group index
+    ages: list[int] = []
     stale: list[str] = []
     for index, group in enumerate(groups):
         for sample in group.samples:
-            weight = staleness.weight(policy_version - min(sample.weight_versions, default=policy_version))
+            age = staleness.staleness(sample, policy_version)
+            weight = staleness.weight(age)
             if weight is None:
                 stale.append(sample.key)
             else:
                 kept.append((sample, weight if sample.reward is not None else 0.0, index))
+                ages.append(age)
     samples = [sample for sample, _, _ in kept]
     by_group: dict[int, list[float | None]] = {}  # kept lists each group's samples together
     for sample, _, index in kept:
@@ -125,6 +104,7 @@ def build_batch(
         weight_versions=torch.tensor(
             [[min(s.weight_versions), max(s.weight_versions)] for s in samples], dtype=torch.int64
         ).reshape(len(samples), 2),
+        staleness=torch.tensor(ages, dtype=torch.int64),
         call_rewards=call_rewards,
         samples=samples,
         groups=list(groups),
@@ -143,3 +123,13 @@ def span_end_rewards(sample: TrainingSample) -> list[tuple[int, float]]:
 
 def _reward(sample: TrainingSample) -> float:
     return math.nan if sample.reward is None else sample.reward
+
+
+__all__ = [  # the policy lives in its torch-free module; importable here as it always was
+    "StaleMeasure",
+    "StaleMode",
+    "StalenessPolicy",
+    "TrainBatch",
+    "build_batch",
+    "span_end_rewards",
+]

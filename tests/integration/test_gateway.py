@@ -9,7 +9,9 @@ the engine's ids and logprobs and against a Hugging Face forward.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +34,11 @@ from enginekit import (
 
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.gateway.main import Gateway, GatewayConfig, gateway
+from pipeline.gateway.pacing import Pacing
+from pipeline.run.sdk_agent import SdkAgent
 from pipeline.worker.main import WorkerServer
+from stages.driver import Job
+from stages.envs.arithmetic import make_tasks
 from topics.records import RolloutSeal
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
@@ -349,6 +355,66 @@ def test_an_idle_session_is_sealed_abandoned(host: EngineHost, model_dir: Path) 
             assert shown["sealed"]["sealed_by"] == "gateway:ttl", shown
             event, _ = rig.finalize(rollout_id, sealed=True)
             assert event.status == "rejected" and event.rejection_reason == "rollout_failed", event
+    finally:
+        rig.close()
+
+
+async def play_and_close(agent: SdkAgent, job: Job) -> None:
+    try:
+        await agent.play(job)
+    finally:
+        await agent.aclose()
+
+
+def test_a_paced_gateway_holds_new_rollouts_until_the_workers_version_advances(
+    host: EngineHost, model_dir: Path
+) -> None:
+    """One version of lead, two rollouts a step: four rollouts open at version 0, the fifth
+    is a 429 with Retry-After (nothing published), admitted agents still call, and an
+    environment that waits as told opens its rollout once the trainer's refit sets the
+    workers' version to 1."""
+    rig = start_rig(host, model_dir)
+    pacing = Pacing(max_staleness=1, rollouts_per_step=2, refresh_s=0.01)
+    try:
+        for gw in serve_gateway(rig, pacing=pacing):
+            opened = [gw.session(group_id="g") for _ in range(4)]
+
+            def open_one(url: str = gw.url) -> httpx.Response:
+                return httpx.post(f"{url}/rollouts", json={}, timeout=10, headers=ENVIRONMENT)
+
+            events = len(rig.driver_sink.events)
+            held = open_one()
+            assert held.status_code == 429, held.text
+            assert held.headers["Retry-After"] == "1"
+            assert held.json()["error"]["param"] == "max_staleness", held.json()
+            assert len(rig.driver_sink.events) == events  # nothing admitted, nothing published
+            reply = agent_of(opened[0]).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            )
+            assert reply.choices[0].message is not None  # pacing holds new rollouts only
+
+            environment = SdkAgent(gw.url, "tiny", max_turns=1, max_tokens=4, seed=0, headers=ENVIRONMENT)
+            task = make_tasks(1, seed=0)[0]
+            job = Job(f"paced-{secrets.token_hex(4)}", task, "g-paced")
+            waiting = threading.Thread(target=asyncio.run, args=(play_and_close(environment, job),))
+            waiting.start()
+            deadline = time.monotonic() + 30
+            while environment.stats.paced == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert environment.stats.paced >= 1 and environment.stats.admitted == 0
+            # The trainer's refit labels the workers' weights with its new version.
+            set_version = httpx.post(f"{rig.url}/admin/weight_version", json={"version": 1}, timeout=30)
+            assert set_version.status_code == 200, set_version.text
+            waiting.join(60)
+            assert not waiting.is_alive() and environment.stats.sealed == 1, environment.stats
+            assert gw.show(job.rollout_id)["sealed"] is not None
+            assert [open_one().status_code for _ in range(2)] == [200, 429]  # six by version 1
+            metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
+            paced = 2 + environment.stats.paced
+            assert f"tokentrail_gateway_paced_total {paced}.0" in metrics, metrics
+            assert "tokentrail_gateway_policy_version 1.0" in metrics, metrics
+            for session in opened:
+                assert gw.seal(session["rollout_id"], {"reward": 0.0}).status_code == 200
     finally:
         rig.close()
 

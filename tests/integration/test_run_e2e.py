@@ -8,7 +8,8 @@ finalize only its own rollouts; it is then kept serving, and the credentials it 
 are checked); the second plays through a gateway with an SDK agent and trains the policy
 on its samples (``--train-steps``); the third interrupts a run with SIGINT and checks that
 nothing it started is left running; the fourth kills a stage process and checks that the
-run reports it as its failure; the fifth trains with TRL's GRPOTrainer (``--trainer trl``).
+run reports it as its failure; the fifth trains with TRL's GRPOTrainer (``--trainer trl``);
+the sixth lets generation run ahead of a deliberately slow trainer, paced.
 """
 
 from __future__ import annotations
@@ -164,6 +165,33 @@ def test_an_sdk_agent_trains_the_policy_through_the_gateway(tmp_path: Path) -> N
     versions = Counter(frozenset(sample["weight_versions"]) for sample in samples)
     assert versions == {frozenset({0}): 4, frozenset({1}): 4}
     assert (data_dir / "weights" / "step-2" / "config.json").is_file()
+
+
+@pytest.mark.timeout(400)
+def test_a_slow_trainer_paces_generation_instead_of_dropping_stale_samples(tmp_path: Path) -> None:
+    """``--max-staleness 1`` with a deliberately slow trainer: the rollouts run ahead of it
+    by one version and no further (the third step's wait for version 1, so some are held
+    back), every trained sample is at most one version behind, and none is dropped."""
+    data_dir = tmp_path / "tt"
+    summary = run_small(
+        data_dir,
+        tmp_path / "run.log",
+        *("--train-steps", "3", "--max-staleness", "1", "--trainer-delay-s", "5"),
+        *("--broker-storage", "memory", "--stages", "inline"),
+    )
+    assert summary["status"] == "completed" and summary["finalized"] == summary["rollouts"] == 12, summary
+    steps = summary["train_steps"]
+    assert [step["step"] for step in steps] == [1, 2, 3]
+    assert [step["weight_version"] for step in steps] == [0, 1, 2]
+    assert all(step["stale_dropped"] == 0 for step in steps), steps
+    assert all(step["staleness_max"] is not None and step["staleness_max"] <= 1 for step in steps), steps
+    assert max(step["staleness_max"] for step in steps) == 1, steps  # generation ran ahead
+    assert summary["paced_waits"] > 0, summary  # and was held back
+    assert summary["dataplane_samples_left"] == 0
+    samples = export(data_dir)
+    for sample in samples:
+        check_sample(sample)  # every token's version stays on the sample
+    assert max(max(sample["weight_versions"]) for sample in samples) >= 1  # refits reached generation
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ from stages.finalize.stage import FinalizerStage
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.ports import MissingRows
 from stages.specs import FINALIZER, LEDGER
-from stages.trainer.batch import StalenessPolicy
+from stages.trainer.staleness import StalenessPolicy
 from topics.names import TopicNames
 
 pytestmark = [pytest.mark.broker, pytest.mark.dataplane]
@@ -300,5 +300,23 @@ def test_a_group_missing_members_is_released_partial_after_its_timeout(pipeline:
             registry = feed.stage_metrics.registry
             assert registry.get_sample_value("tokentrail_trainer_groups_total", {"kind": "partial"}) == 1
             await feed.ack(batch)
+
+    asyncio.run(go())
+
+
+def test_a_trainer_in_admission_order_takes_the_groups_it_names(pipeline: Pipeline) -> None:
+    """Paced, a step trains its own groups: g1 when asked for, though g0 finished first."""
+    rollouts = two_groups(version=(0, 1))
+
+    async def go() -> None:
+        await produce(pipeline, rollouts)
+        async with pipeline.feed(group_size=4, groups_per_batch=1) as (_plane, feed):
+            feed.policy_version = 1
+            named = await asyncio.wait_for(feed.next_batch(groups={"g1"}), 60)
+            assert [g.group_id for g in named.groups] == ["g1"] and named.staleness.tolist() == [0] * 4
+            rest = await asyncio.wait_for(feed.next_batch(), 60)
+            assert [g.group_id for g in rest.groups] == ["g0"] and rest.staleness.tolist() == [1] * 4
+            await feed.ack(named)
+            await feed.ack(rest)
 
     asyncio.run(go())

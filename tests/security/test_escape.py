@@ -28,6 +28,7 @@ from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import unguarded_routes
 from pipeline.gateway.app import gateway_policy
 from pipeline.gateway.main import Gateway, GatewayConfig, gateway
+from pipeline.gateway.pacing import Pacing
 from pipeline.inspect.app import create_inspect_app, inspect_policy
 from pipeline.inspect.log import LogUnavailable
 from pipeline.inspect.source import RunSource
@@ -86,7 +87,10 @@ def perimeter(
     host: EngineHost, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Perimeter]:
     rig = start_rig(host, model_dir, credentials=CREDENTIALS)
-    config = GatewayConfig(workers=(rig.url,), port=0, credentials=CREDENTIALS)
+    # Paced: room for three rollouts at the workers' version 0 (pacing adds no route; the
+    # gate answers before it, and a paced refusal shows nothing: see the reward-authority test).
+    pacing = Pacing(max_staleness=0, rollouts_per_step=3)
+    config = GatewayConfig(workers=(rig.url,), port=0, credentials=CREDENTIALS, pacing=pacing)
     data_dir = tmp_path_factory.mktemp("inspected")
     archive_path(data_dir).touch()
     inspected = RunSource(data_dir, LogUnavailable("no log in this test"), None)
@@ -205,6 +209,12 @@ def test_wrong_roles_and_a_sealed_rollout_are_refused(perimeter: Perimeter) -> N
     agent = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=60)
     with pytest.raises(openai.ConflictError):  # the key died with the seal
         agent.chat.completions.create(**CHAT)  # type: ignore[call-overload]
+    paced = p.as_role(Role.ENVIRONMENT, "POST", f"{p.url}/rollouts", {})  # the pacer is full now
+    assert paced.status_code == 429 and paced.headers["Retry-After"] == "1", paced.text
+    agents_try = httpx.post(
+        f"{p.url}/rollouts", json={}, headers={"authorization": f"Bearer {p.mine['api_key']}"}
+    )
+    assert agents_try.status_code == 401, agents_try.text  # the gate answers before pacing
 
     metrics = httpx.get(f"{p.url}/metrics").text + httpx.get(f"{p.rig.url}/metrics").text
     assert "tokentrail_auth_refusals_total" in metrics and "tokentrail_control_actions_total" in metrics

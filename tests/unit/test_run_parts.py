@@ -96,6 +96,49 @@ def test_config_refuses_what_cannot_run(bad: dict[str, Any]) -> None:
         RunConfig(**bad)
 
 
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"train_steps": 2, "max_staleness": -1}, "max_staleness"),
+        ({"train_steps": 2, "staleness_measure": "middle"}, "staleness_measure"),
+        ({"train_steps": 2, "trainer_delay_s": -1.0}, "trainer_delay_s"),
+        ({"trainer_delay_s": 1.0}, "trainer_delay_s"),  # nothing to slow down without training
+        ({"max_staleness": 1}, "max_staleness"),  # nothing to pace either
+        ({"train_steps": 2, "trainer": "trl", "trainer_delay_s": 1.0}, "trainer_delay_s"),
+    ],
+)
+def test_config_refuses_bad_pacing_naming_the_field(bad: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=f"^{named}:"):
+        RunConfig(**bad)
+
+
+def test_a_paced_job_is_not_admitted_so_a_stop_seals_none_of_those_held() -> None:
+    async def go() -> tuple[RecordingSink, list[int]]:
+        sink = RecordingSink()
+        client = SealTrackingClient(sink)
+        driver = RolloutDriver(client, SlowEndpoint(), max_turns=2)
+        jobs = plan_jobs("run-p", rollouts=6, group_size=2, seed=0)
+        asked: list[int] = []
+
+        async def pace(index: int) -> None:
+            asked.append(index)
+            if index >= 2:  # the trainer never catches up
+                await asyncio.Event().wait()
+
+        task = asyncio.create_task(play_jobs(driver, client, jobs, concurrency=6, pace=pace))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return sink, asked
+
+    sink, asked = asyncio.run(go())
+    assert sorted(asked) == list(range(6))
+    seals = [seal for seal in sink.payloads(RolloutSeal) if isinstance(seal, RolloutSeal)]
+    first_two = [job.rollout_id for job in plan_jobs("run-p", rollouts=6, group_size=2, seed=0)[:2]]
+    assert sorted(seal.rollout_id for seal in seals) == sorted(first_two), seals
+
+
 def test_default_model_lives_in_the_data_dir() -> None:
     assert RunConfig(data_dir=Path("d")).resolved_model_dir == Path("d/tiny-model")
     assert RunConfig(model_dir=Path("m")).resolved_model_dir == Path("m")

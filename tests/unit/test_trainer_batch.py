@@ -10,7 +10,8 @@ import torch
 
 from stages.finalize.reader import FinalizedRollout, Group, GroupCollector
 from stages.trainer.advantages import group_advantages
-from stages.trainer.batch import StalenessPolicy, build_batch
+from stages.trainer.batch import build_batch
+from stages.trainer.staleness import StalenessPolicy
 from topics import digest
 from topics.records import FinalizedEvent, TrainingSample
 
@@ -144,3 +145,24 @@ def test_groups_complete_or_are_released_partial_after_the_timeout() -> None:
     assert late is not None and late.late and [m.event.rollout_id for m in late.members] == ["d"]
     complete = collector.add(FinalizedRollout(event("e", group_id="g2")))
     assert complete is not None and not complete.partial and len(complete.members) == 3
+
+
+@pytest.mark.parametrize(("measure", "age"), [("oldest", 3), ("newest", 0), ("admission", 2)])
+def test_staleness_is_measured_by_the_oldest_newest_or_admission_version(measure: Any, age: int) -> None:
+    straddler = sample("s", 5, 1.0, (3, 5))  # versions [3, 3, 3, 3, 5]: its first call came in at 3
+    straddler = straddler.model_copy(update={"weight_versions": [3, 2, 3, 4, 5]})  # oldest 2, newest 5
+    policy = StalenessPolicy(max_staleness=2, measure=measure)
+    batch = build_batch([Group("g", [member("s", straddler)])], policy_version=5, staleness=policy)
+    assert policy.staleness(straddler, 5) == age
+    assert batch.stale == ([] if age <= 2 else ["s"])
+    assert batch.staleness.tolist() == ([] if age > 2 else [age])
+    if age <= 2:
+        assert batch.samples[0].weight_versions == [3, 2, 3, 4, 5]  # every token's version stays
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"), [({"measure": "middle"}, "measure"), ({"mode": "skip"}, "mode")]
+)
+def test_a_bad_staleness_policy_is_refused_naming_the_field(fields: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        StalenessPolicy(max_staleness=1, **fields)
