@@ -2,11 +2,12 @@
 
 No engine: each family's tokenizer renders a tool-using conversation, "generated" ids
 stand in for the model's replies, and every continuation is spliced as the worker does
-(``ChatRenderer.spliced``). The engine-backed matrix is ``tests/integration/test_families.py``.
+(``ChatRenderer.spliced``). The engine-backed matrix is ``tests/families``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -126,7 +127,7 @@ def test_five_turn_episode_splices_under_every_family(
     renderer = renderer_of(models[name])
     stop = renderer.tokenizer.convert_tokens_to_ids(tinymodel.family(name).stops[0]) if ends_on_stop else None
     _, prompts = episode(renderer, stop)
-    for earlier, later in zip(prompts, prompts[1:], strict=False):
+    for earlier, later in itertools.pairwise(prompts):
         assert later[: len(earlier)] == earlier  # every prompt extends the one before
     bos = tinymodel.family(name).bos
     if bos is not None:
@@ -163,7 +164,9 @@ def test_a_template_that_drops_turns_cannot_be_spliced(models: dict[str, Path]) 
     assert caught.value.code.value == "prefix_splice_failed"
 
 
-def test_an_unknown_template_is_a_usage_error_listing_the_families(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unknown_template_is_a_usage_error_listing_the_families(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as exited:
         cli.main(["make-tiny-model", "/nonexistent/tiny", "--template", "phi"])
     assert exited.value.code == 2
