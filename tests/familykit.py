@@ -29,6 +29,7 @@ ADD_SCHEMA = {
     "required": ["a", "b"],
 }
 SYSTEM = "You add numbers."
+TOOL_REQUEST = "Use the add tool."
 TOOL_RESULTS = ("RESULT-FIVE", "RESULT-TWENTY")
 """Distinctive tool outputs: a sample that holds both reached the engine with every turn."""
 CALLS = 5
@@ -52,7 +53,7 @@ def next_messages(turn: int, reply: str) -> list[Message]:
         arguments = json.dumps({"a": 2, "b": 3 + turn})
         return [
             *messages,
-            {"role": "user", "content": "Use the add tool."},
+            {"role": "user", "content": TOOL_REQUEST},
             {
                 "role": "assistant",
                 "content": None,
@@ -240,15 +241,20 @@ def play(route: str, stream: bool, extra: Extra, **clients: Any) -> list[Reply]:
 
 @dataclass
 class FamilyReport:
-    """(family, route, streaming) -> result, for the README table; an attempt not recorded failed."""
+    """(family, route, streaming) -> result for the README table, and the bad-input outcomes
+    below it; an attempt not recorded failed."""
 
     results: dict[tuple[str, str, bool], str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def attempt(self, family: str, route: str, stream: bool) -> None:
         self.results[(family, route, stream)] = "**failed**"
 
     def record(self, family: str, route: str, stream: bool, result: str) -> None:
         self.results[(family, route, stream)] = result
+
+    def note(self, case: str, outcome: str) -> None:
+        self.notes[case] = outcome
 
     def markdown(self) -> str:
         """One row per family, one column per route; a cell is "not streaming / streaming"."""
@@ -261,4 +267,7 @@ class FamilyReport:
                 for route in routes
             ]
             lines.append(f"| {family} | " + " | ".join(cells) + " |")
+        if self.notes:
+            lines.append("")
+            lines += [f"- {case}: {outcome}" for case, outcome in self.notes.items()]
         return "\n".join(lines) + "\n"

@@ -26,7 +26,7 @@ from enginekit import (
     assert_sample_is_what_the_engine_saw,
     start_rig,
 )
-from familykit import CALLS, ROUTES, TOOL_RESULTS, FamilyReport, Reply, play
+from familykit import CALLS, ROUTES, TOOL_REQUEST, TOOL_RESULTS, FamilyReport, Reply, play
 from gatewaykit import agent_of, clean, serve_gateway
 
 from pipeline.models.tiny import family
@@ -59,7 +59,8 @@ def check_exact(
     assert_matches_hf(oracle, engine.model_dir, sample)
     tokenizer = rig.worker.renderer.tokenizer
     text = tokenizer.decode(sample.token_ids)
-    assert all(result in text for result in TOOL_RESULTS), text  # every turn reached the engine
+    # Every turn reached the engine, the agent's tool requests and their results too.
+    assert all(result in text for result in TOOL_RESULTS) and text.count(TOOL_REQUEST) == 2, text
     bos = family(engine.family).bos
     if bos is not None:
         assert sample.token_ids.count(tokenizer.convert_tokens_to_ids(bos)) == 1
@@ -132,8 +133,10 @@ def test_gateway_episode_is_exact(
 def test_a_template_that_drops_turns_rejects_only_its_chain(
     family_engine: FamilyEngine, family_report: FamilyReport, caplog: pytest.LogCaptureFixture
 ) -> None:
-    label = "chatml, served with a template that keeps the last two messages"
-    family_report.attempt(label, "worker chat", False)
+    case = (
+        "A worker serving `chatml` with a template that keeps only the last two messages (family `windowed`)"
+    )
+    family_report.note(case, "**failed**")
     rig = start_rig(
         family_engine.host, family_engine.model_dir, chat_template=WINDOWED, template_family="windowed"
     )
@@ -180,4 +183,8 @@ def test_a_template_that_drops_turns_rejects_only_its_chain(
     assert 'family="windowed"' in splice and splice.endswith(" 1.0"), splice
     assert rejected.status == "rejected" and rejected.rejection_reason == "prefix_splice_failed", rejected
     assert accepted.status == "accepted" and sample is not None, accepted
-    family_report.record(label, "worker chat", False, "`prefix_splice_failed` (only that chain)")
+    family_report.note(
+        case,
+        "its continuation is served and rejected `prefix_splice_failed`, the log and the metric "
+        "naming `windowed`; another rollout on it is accepted",
+    )
