@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
+from enginekit import EngineHost
 
 from topics.records import CommitCoords
 from topics.wire import COORDS_FIELD
@@ -64,6 +66,15 @@ def next_messages(turn: int, reply: str) -> list[Message]:
             {"role": "tool", "tool_call_id": call_id, "content": result},
         ]
     return [*messages, {"role": "user", "content": f"And {turn} more?"}]
+
+
+@dataclass(frozen=True)
+class FamilyEngine:
+    """A family's tiny model and the engine serving it."""
+
+    family: str
+    model_dir: Path
+    host: EngineHost
 
 
 # ------------------------------------------------------------------ route shapes

@@ -4,7 +4,9 @@ The pipeline needs a real engine (vLLM CPU) and a real tokenizer with a chat tem
 exercise token-in generation, prefix splicing and logprob capture end to end, but CI has
 no model hub. So the model is made here from nothing: a Llama-architecture network with
 seeded random fp32 weights and a byte-level BPE tokenizer trained on a corpus generated
-in code, with a ChatML chat template. Everything is deterministic for a given seed, so
+in code, with a ChatML chat template, or the template, special tokens and stop tokens of
+another family (``families``: Llama-3, Gemma, DeepSeek-R1, Mistral, Qwen3 style), so the
+prefix splice is exercised on each family's turn format. Everything is deterministic for a given seed, so
 two machines that build the same model get byte-identical files, and a Hugging Face
 forward can serve as the oracle for the engine's logprobs.
 
@@ -219,18 +221,18 @@ def family(name: str) -> Family:
             name,
             "ChatML (Qwen2.5): <|im_end|> and a newline after every turn",
             chatml_template(),
-            (),
-            IM_END,
-            (IM_END, ENDOFTEXT),
+            special_tokens=(),
+            eos=IM_END,
+            stops=(IM_END, ENDOFTEXT),
         )
     if name == "strip_reasoning":
         return Family(
             name,
             "ChatML that drops <think> from turns before the last user turn",
             reasoning_stripping_template(),
-            (),
-            IM_END,
-            (IM_END, ENDOFTEXT),
+            special_tokens=(),
+            eos=IM_END,
+            stops=(IM_END, ENDOFTEXT),
         )
     for known in FAMILIES:
         if known.name == name:
@@ -448,7 +450,7 @@ def _moe_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         use_sliding_window=False,
         tie_word_embeddings=False,
-        bos_token_id=None,
+        bos_token_id=None if layout.family.bos is None else layout.token_ids[layout.family.bos],
         eos_token_id=layout.token_ids[layout.family.eos],
         pad_token_id=layout.token_ids[ENDOFTEXT],
         dtype="float32",

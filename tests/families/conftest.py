@@ -10,12 +10,11 @@ the options.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from enginekit import EngineHost
-from familykit import FamilyReport
+from familykit import FamilyEngine, FamilyReport
 from readme_tables import rewrite_between_markers
 
 from pipeline.models.tiny import make_tiny_model
@@ -27,13 +26,6 @@ FAMILIES = ("chatml", "qwen3", "llama3", "gemma", "deepseek_r1", "mistral")
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("tokentrail template families")
     group.addoption("--family-table", type=Path, help="rewrite the family table in this Markdown file")
-
-
-@dataclass(frozen=True)
-class FamilyEngine:
-    family: str
-    model_dir: Path
-    host: EngineHost
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

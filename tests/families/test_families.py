@@ -26,14 +26,12 @@ from enginekit import (
     assert_sample_is_what_the_engine_saw,
     start_rig,
 )
-from familykit import CALLS, ROUTES, TOOL_REQUEST, TOOL_RESULTS, FamilyReport, Reply, play
+from familykit import CALLS, ROUTES, TOOL_REQUEST, TOOL_RESULTS, FamilyEngine, FamilyReport, Reply, play
 from gatewaykit import agent_of, clean, serve_gateway
 
 from pipeline.models.tiny import family
 from topics.records import FinalizedEvent, TrainingSample
 from topics.wire import CAPTURE_FIELD
-
-from .conftest import FamilyEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
