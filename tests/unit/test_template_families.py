@@ -174,3 +174,14 @@ def test_an_unknown_template_is_a_usage_error_listing_the_families(
     assert "--template" in error and all(name in error for name in tinymodel.TEMPLATES)
     with pytest.raises(ValueError, match="unknown template 'phi'; expected one of chatml, "):
         tinymodel.make_tiny_model(Path("/nonexistent/tiny"), template="phi")  # type: ignore[arg-type]
+
+
+def test_a_turn_closer_the_engine_does_not_stop_on_cannot_be_spliced(models: dict[str, Path]) -> None:
+    """Gemma-style turns on a model that stops only on ``<eos>``: no turn boundary exists."""
+    gemma = renderer_of(models["gemma"])
+    only_eos = ChatRenderer(gemma.tokenizer, [gemma.tokenizer.eos_token_id], family="gemma")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
+    exact = only_eos.render(messages) + only_eos.encode("five")
+    messages += [{"role": "assistant", "content": "five"}, {"role": "user", "content": "More?"}]
+    with pytest.raises(SpliceError, match="no EOS"):
+        only_eos.spliced(exact, messages, None, only_eos.render(messages))
