@@ -12,7 +12,7 @@ export TQ_NUM_THREADS ?= 2
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install run test lint bench faults-table escape-table clean
+.PHONY: install run test lint bench faults-table escape-table family-table clean
 
 $(VENV):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ faults-table: install
 # Re-run the escape suite and rewrite the table of attacks refused in README.md.
 escape-table: install
 	$(BIN)/pytest tests/security --escape-table README.md $(PYTEST_ARGS)
+
+# Re-run the template-family matrix and rewrite its table in README.md.
+family-table: install
+	$(BIN)/pytest tests/families --family-table README.md $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -12,10 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline.models.tiny import TEMPLATES, family
+
 EXAMPLE = """\
 example:
   tokentrail make-tiny-model /tmp/tiny --seed 0 --json
   tokentrail make-tiny-model /tmp/tiny-strip --template strip_reasoning
+  tokentrail make-tiny-model /tmp/tiny-llama3 --template llama3
   tokentrail make-tiny-model /tmp/tiny-moe --moe
 """
 
@@ -27,7 +30,7 @@ def add_parser(subparsers: Any) -> None:
         help="create the tiny offline model (vLLM CPU and transformers compatible)",
         description=(
             "Create a tiny Llama-architecture causal LM (or, with --moe, a Qwen2-MoE) with seeded fp32 weights, a locally "
-            "trained byte-level BPE tokenizer and a ChatML chat template in DIR. Offline and "
+            "trained byte-level BPE tokenizer and a chat template (ChatML unless --template) in DIR. Offline and "
             "idempotent: an existing identical model is left as it is."
         ),
         epilog=EXAMPLE,
@@ -38,9 +41,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size")
     parser.add_argument(
         "--template",
-        choices=("chatml", "strip_reasoning"),
+        choices=TEMPLATES,
         default="chatml",
-        help="chat template: plain ChatML, or one that strips <think> from earlier turns",
+        metavar="NAME",
+        help="chat-template family, with its special tokens and stop tokens: "
+        + "; ".join(f"{name}: {family(name).summary}" for name in TEMPLATES),
     )
     parser.add_argument(
         "--moe",

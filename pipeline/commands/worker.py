@@ -95,6 +95,12 @@ def add_parser(subparsers: Any) -> None:
         help="chat template overriding the tokenizer's, for serving and the exact-prefix splice",
     )
     parser.add_argument(
+        "--template-family",
+        metavar="NAME",
+        help="the template's name in splice-failure logs and metrics (default: what the model "
+        "records, or 'custom' with --chat-template)",
+    )
+    parser.add_argument(
         "--tool-call-parser",
         default="hermes",
         help="vLLM tool parser for tool calls in replies; 'none' turns tool parsing off (default: %(default)s)",
@@ -136,6 +142,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         max_body_bytes=args.max_body_bytes,
         retain_bytes=args.retain_bytes,
         chat_template=None if args.chat_template is None else args.chat_template.read_text(),
+        template_family=args.template_family,
         tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         credentials=credentials_from_args(args),
         insecure_no_auth=args.insecure_no_auth,

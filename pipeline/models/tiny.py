@@ -4,7 +4,9 @@ The pipeline needs a real engine (vLLM CPU) and a real tokenizer with a chat tem
 exercise token-in generation, prefix splicing and logprob capture end to end, but CI has
 no model hub. So the model is made here from nothing: a Llama-architecture network with
 seeded random fp32 weights and a byte-level BPE tokenizer trained on a corpus generated
-in code, with a ChatML chat template. Everything is deterministic for a given seed, so
+in code, with a ChatML chat template, or the template, special tokens and stop tokens of
+another family (``families``: Llama-3, Gemma, DeepSeek-R1, Mistral, Qwen3 style), so the
+prefix splice is exercised on each family's turn format. Everything is deterministic for a given seed, so
 two machines that build the same model get byte-identical files, and a Hugging Face
 forward can serve as the oracle for the engine's logprobs.
 
@@ -31,10 +33,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-TemplateName = Literal["chatml", "strip_reasoning"]
-TEMPLATES: tuple[TemplateName, ...] = ("chatml", "strip_reasoning")
+from pipeline.models.families import FAMILIES, Family
+
+TemplateName = Literal["chatml", "strip_reasoning", "qwen3", "llama3", "gemma", "deepseek_r1", "mistral"]
+TEMPLATES: tuple[TemplateName, ...] = get_args(TemplateName)
 
 # Special tokens: never produced by ordinary text, skipped when decoding for display.
 ENDOFTEXT = "<|endoftext|>"
@@ -102,11 +106,12 @@ class TokenLayout:
 
     token_ids: dict[str, int]
     vocab_size: int
+    family: Family
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """End-of-turn first (what the template writes), then end-of-text."""
-        return [self.token_ids[IM_END], self.token_ids[ENDOFTEXT]]
+        """The family's stop ids, turn closer first (what the template writes)."""
+        return [self.token_ids[token] for token in self.family.stops]
 
 
 # --------------------------------------------------------------------------- templates
@@ -209,13 +214,35 @@ def reasoning_stripping_template() -> str:
     return _render_template(strip_reasoning=True)
 
 
+def family(name: str) -> Family:
+    """The template family ``name``: its template, extra special tokens and stop tokens."""
+    if name == "chatml":
+        return Family(
+            name,
+            "ChatML (Qwen2.5): <|im_end|> and a newline after every turn",
+            chatml_template(),
+            special_tokens=(),
+            eos=IM_END,
+            stops=(IM_END, ENDOFTEXT),
+        )
+    if name == "strip_reasoning":
+        return Family(
+            name,
+            "ChatML that drops <think> from turns before the last user turn",
+            reasoning_stripping_template(),
+            special_tokens=(),
+            eos=IM_END,
+            stops=(IM_END, ENDOFTEXT),
+        )
+    for known in FAMILIES:
+        if known.name == name:
+            return known
+    raise ValueError(f"unknown template {name!r}; expected one of {', '.join(TEMPLATES)}")
+
+
 def chat_template(name: TemplateName) -> str:
     """The template text for ``name``."""
-    if name == "chatml":
-        return chatml_template()
-    if name == "strip_reasoning":
-        return reasoning_stripping_template()
-    raise ValueError(f"unknown template {name!r}; expected one of {TEMPLATES}")
+    return family(name).template
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -303,20 +330,29 @@ def _transformers() -> Any:
 
 def _save_tokenizer(out_dir: Path, spec: TinyModelSpec) -> TokenLayout:
     """Save the wrapped tokenizer; return where its chat tokens landed."""
+    from tokenizers import AddedToken
+
     hf = _transformers()
+    chosen = family(spec.template)
     backend = train_tokenizer(spec.vocab_size)
+    # After training, so the trained vocabulary (and every id below it) is the same for all.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in chosen.special_tokens])
+    extra = {} if chosen.bos is None else {"bos_token": chosen.bos}
     wrapped = hf.PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        eos_token=IM_END,
+        eos_token=chosen.eos,
         pad_token=ENDOFTEXT,
         clean_up_tokenization_spaces=False,
         model_max_length=spec.max_position_embeddings,
-        chat_template=chat_template(spec.template),
+        chat_template=chosen.template,
+        **extra,
     )
     wrapped.save_pretrained(str(out_dir))
+    tokens = (*SPECIAL_TOKENS, *ADDED_TOKENS, *chosen.special_tokens)
     return TokenLayout(
-        token_ids={token: int(backend.token_to_id(token)) for token in (*SPECIAL_TOKENS, *ADDED_TOKENS)},
+        token_ids={token: int(backend.token_to_id(token)) for token in tokens},
         vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
+        family=chosen,
     )
 
 
@@ -370,8 +406,8 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
             max_position_embeddings=spec.max_position_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             tie_word_embeddings=False,
-            bos_token_id=None,
-            eos_token_id=layout.token_ids[IM_END],
+            bos_token_id=None if layout.family.bos is None else layout.token_ids[layout.family.bos],
+            eos_token_id=layout.token_ids[layout.family.eos],
             pad_token_id=layout.token_ids[ENDOFTEXT],
             dtype="float32",
             architectures=["LlamaForCausalLM"],
@@ -414,8 +450,8 @@ def _moe_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         use_sliding_window=False,
         tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=layout.token_ids[IM_END],
+        bos_token_id=None if layout.family.bos is None else layout.token_ids[layout.family.bos],
+        eos_token_id=layout.token_ids[layout.family.eos],
         pad_token_id=layout.token_ids[ENDOFTEXT],
         dtype="float32",
         architectures=["Qwen2MoeForCausalLM"],
@@ -503,7 +539,7 @@ def make_tiny_model(
     and interrupted builds never leave a half-written model behind. Offline only.
     """
     if template not in TEMPLATES:
-        raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}")
+        raise ValueError(f"unknown template {template!r}; expected one of {', '.join(TEMPLATES)}")
     if vocab_size < 512:
         raise ValueError("vocab_size must be at least 512 (256 bytes, chat tokens and merges)")
     spec = TinyModelSpec(seed=seed, vocab_size=vocab_size, template=template, experts=experts)

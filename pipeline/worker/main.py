@@ -37,7 +37,7 @@ from pipeline.worker.retention import retaining
 from pipeline.worker.server import create_app
 from pipeline.worker.serving import DEFAULT_TOOL_PARSER, ServingOptions, build_serving
 from stages.capture.cache import ChainCache
-from stages.capture.chat import ChatRenderer
+from stages.capture.chat import ChatRenderer, template_family
 from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.resolve import PrefixResolver
 from stages.capture.retain import DEFAULT_BUDGET_BYTES, RetainedRows
@@ -75,6 +75,9 @@ class WorkerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     chat_template: str | None = None
     """Template text overriding the tokenizer's, for serving and for the splice alike."""
+    template_family: str | None = None
+    """The template's name in splice-failure logs and metrics (default: what the model
+    records, or ``custom`` for a ``chat_template`` override)."""
     tool_parser: str | None = DEFAULT_TOOL_PARSER
     engine: EngineSettings | None = None
     credentials: Credentials = field(default_factory=Credentials)
@@ -118,7 +121,12 @@ def build_worker(
         weight_version=config.weight_version,
         span_policy=config.span_policy,
     )
-    renderer = ChatRenderer.from_pretrained(config.model_dir, chat_template=config.chat_template)
+    family = config.template_family or (
+        "custom" if config.chat_template is not None else template_family(config.model_dir)
+    )
+    renderer = ChatRenderer.from_pretrained(
+        config.model_dir, chat_template=config.chat_template, family=family
+    )
     return VllmWorker(client, engine, renderer, core)
 
 

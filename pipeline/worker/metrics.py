@@ -78,6 +78,13 @@ class WorkerCollector(Collector):
         for code, count in sorted(writer.stats.failed.items()):
             failed.add_metric([self.worker_id, code], count)
         yield failed
+        splice = CounterMetricFamily(
+            "tokentrail_worker_splice_failures",
+            "continuations whose exact prefix could not be spliced under the template (prefix_splice_failed)",
+            labels=["worker", "family"],
+        )
+        splice.add_metric([self.worker_id, self.worker.renderer.family], capture.splice_failures)
+        yield splice
         yield counter(
             "tokentrail_worker_refit_straddles",
             "captured calls whose tokens span weight versions",

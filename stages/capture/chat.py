@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from stages.capture.splice import SpliceError, splice_prefix
+from stages.capture.splice import SpliceError, splice_prefix, turns_closed
 
 Message = Mapping[str, Any]
 RENDER_OWNED = frozenset(
@@ -29,23 +29,37 @@ class ChatRenderer:
     """Renders conversations to ids with a Hugging Face tokenizer's chat template."""
 
     def __init__(
-        self, tokenizer: Any, eos_token_ids: Collection[int], *, chat_template: str | None = None
+        self,
+        tokenizer: Any,
+        eos_token_ids: Collection[int],
+        *,
+        chat_template: str | None = None,
+        family: str = "unknown",
     ) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids: at least one end-of-turn id is required")
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.family = family
+        """The template's family, named in splice-failure logs and metrics."""
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, *, chat_template: str | None = None) -> ChatRenderer:
+    def from_pretrained(
+        cls, model_dir: str | Path, *, chat_template: str | None = None, family: str = "unknown"
+    ) -> ChatRenderer:
         """The tokenizer vLLM serves, and every id that ends a generation for this model.
 
         ``chat_template`` overrides the tokenizer's, as it does for the server's render.
         """
         transformers = importlib.import_module("transformers")
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-        return cls(tokenizer, eos_token_ids_of(Path(model_dir), tokenizer), chat_template=chat_template)
+        return cls(
+            tokenizer,
+            eos_token_ids_of(Path(model_dir), tokenizer),
+            chat_template=chat_template,
+            family=family,
+        )
 
     def render(
         self,
@@ -65,18 +79,6 @@ class ChatRenderer:
         """The template renders use: the override, else the tokenizer's own."""
         return self.chat_template or getattr(self.tokenizer, "chat_template", None)
 
-    def render_history(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[Tool] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int] | None:
-        """The conversation through its last assistant turn, or None if it has none."""
-        last = last_assistant_index(messages)
-        if last is None:
-            return None
-        return self._ids(messages[: last + 1], tools, template_kwargs, add_generation_prompt=False)
-
     def spliced(
         self,
         exact_prefix: Sequence[int],
@@ -87,14 +89,26 @@ class ChatRenderer:
     ) -> list[int]:
         """The prompt to send for a continuation: exact prefix, then the template's new tail.
 
-        ``template_kwargs`` are the template variables ``full`` was rendered with (thinking
-        on or off, ...): the history is rendered with the same ones. Raises ``SpliceError``
-        when the conversation has no assistant turn or the EOS count cannot be matched.
+        The history ends at the assistant turn the exact prefix ends with: the last one,
+        or an earlier one when an agent added assistant turns the engine never produced
+        (their render then closes more turns than the prefix does). Raises
+        ``SpliceError`` when the conversation has no assistant turn or no assistant turn
+        closes as many turns as the exact prefix. ``template_kwargs`` are the template
+        variables ``full`` was rendered with (thinking on or off, ...): the history is
+        rendered with the same ones.
         """
-        history = self.render_history(messages, tools, template_kwargs)
+        closed = turns_closed(exact_prefix, self.eos_token_ids) if exact_prefix else 0
+        history: list[int] | None = None
+        for index in assistant_indices(messages):
+            history = self._ids(messages[: index + 1], tools, template_kwargs, add_generation_prompt=False)
+            if self._count_eos(history) <= closed:
+                break
         if history is None:
             raise SpliceError("a continuation needs an assistant turn in its messages")
         return splice_prefix(exact_prefix, history, full, self.eos_token_ids)
+
+    def _count_eos(self, ids: Sequence[int]) -> int:
+        return sum(1 for token in ids if token in self.eos_token_ids)
 
     def _ids(
         self,
@@ -116,11 +130,27 @@ class ChatRenderer:
         return [int(t) for t in ids]
 
 
-def last_assistant_index(messages: Sequence[Message]) -> int | None:
-    for index in range(len(messages) - 1, -1, -1):
-        if messages[index].get("role") == "assistant":
-            return index
-    return None
+def assistant_indices(messages: Sequence[Message]) -> list[int]:
+    """Indices of the assistant messages, latest first."""
+    return [i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"]
+
+
+def template_family(model_dir: Path) -> str:
+    """What to call a model's own template in logs and metrics, read from its files.
+
+    A tiny model records the family it was built with (``tinymodel.json``); any other
+    model is named by config.json's ``model_type``.
+    """
+    for name, path in (("tinymodel.json", ("spec", "template")), ("config.json", ("model_type",))):
+        try:
+            value: Any = json.loads((model_dir / name).read_text())
+            for key in path:
+                value = value.get(key) if isinstance(value, dict) else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, str) and value:
+            return value
+    return "unknown"
 
 
 def eos_token_ids_of(model_dir: Path, tokenizer: Any) -> list[int]:
@@ -145,4 +175,4 @@ def eos_token_ids_of(model_dir: Path, tokenizer: Any) -> list[int]:
     return found
 
 
-__all__ = ["ChatRenderer", "eos_token_ids_of", "last_assistant_index"]
+__all__ = ["ChatRenderer", "assistant_indices", "eos_token_ids_of", "template_family"]

@@ -4,7 +4,10 @@ A chat template re-renders earlier assistant turns from text, which can change t
 tokens (reasoning stripped, different merges). The EOS tokens that close each turn
 survive re-rendering, so the boundary is found by counting EOS tokens, not by
 position: everything up to the last earlier turn's EOS is replaced by the exact ids
-the model saw and produced.
+the model saw and produced. The count is checked against the exact prefix, which closes
+one turn per EOS (its generation's own, or the one the splice adds): a template whose
+history render closes another number of turns (it drops or merges earlier turns) does
+not render the parent's tokens, and splicing it would misplace the boundary.
 """
 
 from __future__ import annotations
@@ -46,12 +49,25 @@ def splice_prefix(
     boundary = _nth_eos_position(template_ids, eos, turns)
     if boundary is None:
         raise SpliceError(f"the full render has fewer than {turns} EOS tokens")
+    closed = turns_closed(exact_prefix_ids, eos)
+    if turns != closed:
+        raise SpliceError(
+            f"the history render closes {turns} turns but the exact prefix closes {closed}: "
+            "the template does not render the parent's turns"
+        )
     ended_on_eos = exact_prefix_ids[-1] in eos
     body = list(exact_prefix_ids[:-1] if ended_on_eos else exact_prefix_ids)
     boundary_eos = exact_prefix_ids[-1] if ended_on_eos else template_ids[boundary]
     # By construction the result starts with the exact prefix: body + boundary EOS is
     # the prefix itself when the model ended on EOS, and the prefix + one EOS otherwise.
     return [*body, boundary_eos, *template_ids[boundary + 1 :]]
+
+
+def turns_closed(exact_prefix_ids: Sequence[int], eos_token_ids: Collection[int]) -> int:
+    """Turns the exact prefix closes: one per EOS, plus its last if the generation stopped otherwise."""
+    eos = frozenset(eos_token_ids)
+    count = sum(1 for token in exact_prefix_ids if token in eos)
+    return count if exact_prefix_ids and exact_prefix_ids[-1] in eos else count + 1
 
 
 def _nth_eos_position(ids: Sequence[int], eos: frozenset[int], n: int) -> int | None:

@@ -14,7 +14,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,97 +24,21 @@ import pytest
 from enginekit import (
     EngineHost,
     HFOracle,
-    Rig,
     assert_matches_hf,
     assert_sample_is_what_the_engine_saw,
     start_rig,
     token_keys,
 )
+from gatewaykit import ENVIRONMENT, Served, agent_of, clean, serve_gateway
 
-from pipeline.auth.credentials import Credentials, Role
-from pipeline.gateway.main import Gateway, GatewayConfig, gateway
 from pipeline.gateway.pacing import Pacing
 from pipeline.run.sdk_agent import SdkAgent
-from pipeline.worker.main import WorkerServer
 from stages.driver import Job
 from stages.envs.arithmetic import make_tasks
 from topics.records import RolloutSeal
-from topics.wire import CAPTURE_FIELD, COORDS_FIELD
+from topics.wire import CAPTURE_FIELD
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
-
-
-CREDENTIALS = Credentials(
-    {role: secrets.token_urlsafe(32) for role in (Role.ENVIRONMENT, Role.OPERATOR)},
-    agent_key=secrets.token_bytes(32),
-)
-ENVIRONMENT = CREDENTIALS.authorization(Role.ENVIRONMENT)
-
-
-@dataclass
-class Served:
-    """A gateway with credentials on: the environment's calls carry its token, agents their key."""
-
-    rig: Rig
-    built: Gateway
-    server: WorkerServer
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def session(self, **body: Any) -> dict[str, Any]:
-        response = httpx.post(f"{self.url}/rollouts", json=body, timeout=10, headers=ENVIRONMENT)
-        assert response.status_code == 200, response.text
-        opened: dict[str, Any] = response.json()
-        return opened
-
-    def seal(self, rollout_id: str, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(
-            f"{self.url}/rollouts/{rollout_id}/seal", json=body, timeout=10, headers=ENVIRONMENT
-        )
-
-    def show(self, rollout_id: str) -> dict[str, Any]:
-        shown: dict[str, Any] = httpx.get(
-            f"{self.url}/rollouts/{rollout_id}", timeout=10, headers=ENVIRONMENT
-        ).json()
-        return shown
-
-    def worker_models(self) -> list[str]:
-        """What the worker itself serves, asked directly."""
-        return [m["id"] for m in httpx.get(f"{self.rig.url}/v1/models", timeout=10).json()["data"]]
-
-    def calls(self, rollout_id: str) -> list[dict[str, Any]]:
-        calls: list[dict[str, Any]] = self.show(rollout_id)["calls"]
-        return calls
-
-
-def agent_of(opened: dict[str, Any], **options: Any) -> openai.OpenAI:
-    """The official SDK with exactly what the gateway handed out: a base URL and a key."""
-    return openai.OpenAI(
-        base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0, timeout=120, **options
-    )
-
-
-def serve_gateway(rig: Rig, **config: Any) -> Iterator[Served]:
-    settings: dict[str, Any] = {"workers": (rig.url,), "credentials": CREDENTIALS, **config}
-
-    async def start() -> tuple[Any, Gateway, WorkerServer]:
-        context = gateway(GatewayConfig(port=0, **settings), rig.driver_sink)
-        built = await context.__aenter__()
-        server = WorkerServer(built.app, host="127.0.0.1", port=0, graceful_timeout_s=5)
-        await server.start()
-        return context, built, server
-
-    async def stop(context: Any, server: WorkerServer) -> None:
-        await server.stop()
-        await context.__aexit__(None, None, None)
-
-    context, built, server = rig.host.run(start())
-    try:
-        yield Served(rig, built, server)
-    finally:
-        rig.host.run(stop(context, server))
 
 
 @pytest.fixture
@@ -125,10 +48,6 @@ def served(host: EngineHost, model_dir: Path) -> Iterator[Served]:
         yield from serve_gateway(rig)
     finally:
         rig.close()
-
-
-def clean(extra: dict[str, Any] | None) -> None:
-    assert not extra or COORDS_FIELD not in extra, extra
 
 
 def test_openai_agent_episode_streaming_and_not(served: Served, oracle: HFOracle, model_dir: Path) -> None:

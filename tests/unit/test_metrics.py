@@ -189,6 +189,7 @@ def test_worker_registry_times_the_writer_and_resolver_data_plane() -> None:
             requests=RequestCounters(),
             capture_counters=CaptureCounters(),
             client=SimpleNamespace(engine_errors=0),
+            renderer=SimpleNamespace(family="llama3"),
             weight_version=0,
             paused=False,
         ),
@@ -205,6 +206,7 @@ def test_worker_registry_times_the_writer_and_resolver_data_plane() -> None:
     text = render(registry).decode()
     assert 'tokentrail_worker_writer_queue_capacity{worker="w"} 4096.0' in text
     assert "tokentrail_worker_writer_backlog" in text
+    assert 'tokentrail_worker_splice_failures_total{family="llama3",worker="w"} 0.0' in text
 
 
 def test_the_finalizer_exports_what_its_janitor_swept() -> None:

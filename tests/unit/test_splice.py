@@ -96,3 +96,10 @@ def test_result_always_starts_with_exact_prefix(
     assert result[: len(exact)] == exact
     assert result[-len(tail) - 2 :] == [USER, *tail, ASSIST]
     assert len(result) == len(exact) + (0 if exact_final_turn_closed else 1) + len(tail) + 2
+
+
+def test_a_history_render_closing_other_turns_than_the_prefix_fails() -> None:
+    exact = [SYS, EOS, USER, 21, EOS, ASSIST, 30, EOS]  # three turns closed
+    partial = [USER, 21, EOS, ASSIST, 30, EOS]  # the template dropped the system turn
+    with pytest.raises(SpliceError, match="closes 2 turns but the exact prefix closes 3"):
+        splice_prefix(exact, partial, [*partial, USER, 22, EOS, ASSIST], [EOS])

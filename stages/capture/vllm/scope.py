@@ -137,7 +137,7 @@ class CaptureScope:
 
     def _splice_failed(self, exc: SpliceError, prompt: list[int]) -> list[int]:
         self.counters.splice_failures += 1
-        self._log_failure(exc)
+        self._log_failure(f"{exc} (template family {self.renderer.family})")
         self.failure = exc.code
         return prompt
 

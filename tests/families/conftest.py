@@ -1,0 +1,61 @@
+"""The template-family matrix: one vLLM CPU engine per family, and the README table.
+
+``family_engine`` is module-scoped and parametrized by family, so pytest runs every
+test of one family on one engine before starting the next (six engine starts in all).
+``--family-table PATH`` rewrites the family table in PATH (between its ``family-table``
+markers) from what this run did; the table is printed at the end of the run whatever
+the options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from enginekit import EngineHost
+from familykit import FamilyEngine, FamilyReport
+from readme_tables import rewrite_between_markers
+
+from pipeline.models.tiny import make_tiny_model
+from stages.capture.vllm.engine import EngineSettings
+
+FAMILIES = ("chatml", "qwen3", "llama3", "gemma", "deepseek_r1", "mistral")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tokentrail template families")
+    group.addoption("--family-table", type=Path, help="rewrite the family table in this Markdown file")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FamilyEngine]:
+    """The family's tiny model (seed 0) served by its own engine."""
+    family: str = request.param
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("families") / family, template=family)
+    host = EngineHost(EngineSettings(model=str(model_dir)))
+    try:
+        yield FamilyEngine(family, model_dir, host)
+    finally:
+        host.close()
+
+
+_REPORT = FamilyReport()
+
+
+@pytest.fixture(scope="session")
+def family_report() -> FamilyReport:
+    return _REPORT
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if not _REPORT.results:
+        return
+    table = _REPORT.markdown()
+    terminalreporter.section("template families: route results")
+    terminalreporter.write(table)
+    target: Path | None = config.getoption("--family-table")
+    if target is not None:
+        rewrite_between_markers(target, "family-table", table)

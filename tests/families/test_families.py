@@ -1,0 +1,224 @@
+"""Every template family, every route, streaming and not: five-call episodes captured exactly.
+
+Each family's tiny model (``make-tiny-model --template NAME``) is served by its own vLLM
+CPU engine (``family_engine``). An episode is five greedy calls with two tool calls and
+their results (``familykit``), spoken to the worker with ``ng_capture`` (the driver's
+way) and to the gateway by an unmodified SDK agent; the sample must be exactly the
+engine's prompts, ids and logprobs, and a Hugging Face forward's within 1e-4. A template
+that drops earlier turns cannot be spliced: its continuation is rejected with
+``prefix_splice_failed``, named by family, and nothing else is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from enginekit import (
+    HFOracle,
+    Rig,
+    assert_matches_hf,
+    assert_sample_is_what_the_engine_saw,
+    start_rig,
+)
+from familykit import CALLS, ROUTES, TOOL_REQUEST, TOOL_RESULTS, FamilyEngine, FamilyReport, Reply, play
+from gatewaykit import agent_of, clean, serve_gateway
+
+from pipeline.models.tiny import family
+from topics.records import FinalizedEvent, TrainingSample
+from topics.wire import CAPTURE_FIELD
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+STREAMING = pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+# Keeps only the last two messages: its render of the history drops the turns the
+# parent's exact tokens hold, so no boundary in it is the parent's.
+WINDOWED = (
+    "{%- for message in messages[-2:] -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def check_exact(
+    engine: FamilyEngine, oracle: HFOracle, rig: Rig, event: FinalizedEvent, sample: TrainingSample | None
+) -> str:
+    """The episode's sample is the engine's five calls and the HF forward's; the table's cell."""
+    assert event.status == "accepted", event
+    assert sample is not None and event.call_count == CALLS
+    calls = rig.recorder.calls
+    assert len(calls) == CALLS
+    assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in calls])
+    assert_matches_hf(oracle, engine.model_dir, sample)
+    tokenizer = rig.worker.renderer.tokenizer
+    text = tokenizer.decode(sample.token_ids)
+    # Every turn reached the engine, the agent's tool requests and their results too.
+    assert all(result in text for result in TOOL_RESULTS) and text.count(TOOL_REQUEST) == 2, text
+    bos = family(engine.family).bos
+    if bos is not None:
+        assert sample.token_ids.count(tokenizer.convert_tokens_to_ids(bos)) == 1
+    return "exact"
+
+
+def worker_episode(
+    engine: FamilyEngine, route: str, stream: bool, extra: dict[str, Any]
+) -> tuple[Rig, FinalizedEvent, TrainingSample | None]:
+    """Five calls spoken to the worker with ``ng_capture`` (and ``extra`` body fields)."""
+    rig = start_rig(engine.host, engine.model_dir)
+    rollout_id = f"r-{route}-{stream}"
+    try:
+
+        def admit(previous: Reply | None) -> dict[str, Any]:
+            admission = rig.admit(rollout_id, None if previous is None else previous.coords())
+            return {CAPTURE_FIELD: admission.model_dump(mode="json"), **extra}
+
+        replies = play(
+            route,
+            stream,
+            admit,
+            openai_client=openai.OpenAI(
+                base_url=f"{rig.url}/v1", api_key="unused", max_retries=0, timeout=120
+            ),
+            anthropic_client=anthropic.Anthropic(
+                base_url=rig.url, api_key="unused", max_retries=0, timeout=120
+            ),
+        )
+        assert [reply.coords().disposition for reply in replies] == ["staged"] * CALLS
+        event, sample = rig.finalize(rollout_id)
+    finally:
+        rig.close()
+    return rig, event, sample
+
+
+def gateway_episode(
+    engine: FamilyEngine, route: str, stream: bool, extra: dict[str, Any]
+) -> tuple[Rig, FinalizedEvent, TrainingSample | None]:
+    """Five calls from an unmodified SDK agent through the gateway (``extra`` in each body)."""
+    rig = start_rig(engine.host, engine.model_dir)
+    try:
+        with contextlib.contextmanager(serve_gateway)(rig) as served:
+            opened = served.session()
+            rollout_id = opened["rollout_id"]
+            agent = anthropic.Anthropic(
+                base_url=opened["anthropic_base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
+            )
+            replies = play(
+                route, stream, lambda _: dict(extra), openai_client=agent_of(opened), anthropic_client=agent
+            )
+            for reply in replies:
+                clean(reply.extra)
+            calls = served.calls(rollout_id)
+            assert [c["parent_call_id"] for c in calls] == [None, *(c["call_id"] for c in calls[:-1])]
+            assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
+            event, sample = rig.finalize(rollout_id, sealed=True)
+    finally:
+        rig.close()
+    return rig, event, sample
+
+
+EPISODES = {"worker": worker_episode, "gateway": gateway_episode}
+
+
+@STREAMING
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("where", list(EPISODES))
+def test_episode_is_exact(
+    family_engine: FamilyEngine,
+    where: str,
+    route: str,
+    stream: bool,
+    oracle: HFOracle,
+    family_report: FamilyReport,
+) -> None:
+    family_report.attempt(family_engine.family, f"{where} {route}", stream)
+    rig, event, sample = EPISODES[where](family_engine, route, stream, {})
+    result = check_exact(family_engine, oracle, rig, event, sample)
+    family_report.record(family_engine.family, f"{where} {route}", stream, result)
+
+
+THINKING_OFF = "qwen3, thinking off"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("where", list(EPISODES))
+@pytest.mark.parametrize("family_engine", ["qwen3"], indirect=True)
+def test_thinking_switched_off_is_captured_exactly(
+    family_engine: FamilyEngine, where: str, route: str, oracle: HFOracle, family_report: FamilyReport
+) -> None:
+    """``chat_template_kwargs: {enable_thinking: false}`` on every call: each prompt ends
+    with the pre-filled empty think block, and the sample is still exact."""
+    family_report.attempt(THINKING_OFF, f"{where} {route}", False)
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    rig, event, sample = EPISODES[where](family_engine, route, False, extra)
+    tokenizer = rig.worker.renderer.tokenizer
+    empty_think = tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    for call in rig.recorder.calls:
+        assert call.prompt_ids[-len(empty_think) :] == empty_think
+    result = check_exact(family_engine, oracle, rig, event, sample)
+    family_report.record(THINKING_OFF, f"{where} {route}", False, result)
+
+
+@pytest.mark.parametrize("family_engine", ["chatml"], indirect=True)
+def test_a_template_that_drops_turns_rejects_only_its_chain(
+    family_engine: FamilyEngine, family_report: FamilyReport, caplog: pytest.LogCaptureFixture
+) -> None:
+    case = (
+        "A worker serving `chatml` with a template that keeps only the last two messages (family `windowed`)"
+    )
+    family_report.note(case, "**failed**")
+    rig = start_rig(
+        family_engine.host, family_engine.model_dir, chat_template=WINDOWED, template_family="windowed"
+    )
+    client = openai.OpenAI(base_url=f"{rig.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    greedy: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "max_tokens": 6}
+    messages: list[Any] = [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": "2 + 3?"},
+    ]
+    try:
+        kept = rig.admit("r-kept")
+        client.chat.completions.create(
+            messages=messages, extra_body={CAPTURE_FIELD: kept.model_dump(mode="json")}, **greedy
+        )
+        first = rig.admit("r-windowed")
+        reply = client.chat.completions.create(
+            messages=messages, extra_body={CAPTURE_FIELD: first.model_dump(mode="json")}, **greedy
+        )
+        parent = Reply("", reply.model_extra).coords()
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": "More?"},
+        ]
+        second = rig.admit("r-windowed", parent)
+        with caplog.at_level(logging.WARNING, logger="stages.capture.vllm.scope"):
+            served = client.chat.completions.create(
+                messages=messages, extra_body={CAPTURE_FIELD: second.model_dump(mode="json")}, **greedy
+            )
+        failed = Reply("", served.model_extra).coords()
+        assert served.choices[0].message.content is not None  # served all the same
+        assert failed.disposition == "capture_failed" and failed.failure_reason == "prefix_splice_failed"
+        metrics = httpx.get(f"{rig.url}/metrics", timeout=10).text
+        rejected, _ = rig.finalize("r-windowed")
+        accepted, sample = rig.finalize("r-kept")
+    finally:
+        rig.close()
+    assert any(
+        "prefix_splice_failed" in r.getMessage() and "template family windowed" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
+    (splice,) = [
+        line for line in metrics.splitlines() if line.startswith("tokentrail_worker_splice_failures_total")
+    ]
+    assert 'family="windowed"' in splice and splice.endswith(" 1.0"), splice
+    assert rejected.status == "rejected" and rejected.rejection_reason == "prefix_splice_failed", rejected
+    assert accepted.status == "accepted" and sample is not None, accepted
+    family_report.note(
+        case,
+        "its continuation is served and rejected `prefix_splice_failed`, the log and the metric "
+        "naming `windowed`; another rollout on it is accepted",
+    )
