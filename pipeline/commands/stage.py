@@ -130,7 +130,7 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--retain-samples-bytes",
-        type=int,
+        type=_non_negative_int,
         default=DEFAULT_BUDGET_BYTES,
         help=(
             "finalizer: memory for copies of samples their owners have not acknowledged; over it the oldest are "
@@ -231,6 +231,13 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0 turns metrics off)")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

@@ -91,3 +91,17 @@ def test_the_stage_processes_reach_the_runs_data_plane() -> None:
         "ray",
         *spool,
     )
+
+
+def test_the_finalizers_sample_copies_are_configured_by_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """Owners, budget and spool directory reach the parser; a negative budget is a usage
+    error naming the flag."""
+    base = ["stage", "finalizer", "--bootstrap", "b:9092"]
+    args = cli.build_parser().parse_args(
+        [*base, "--sample-owner", "tokentrail-archive", "--sample-owner", "g2", "--retain-dir", "/x/spool"]
+    )
+    assert args.sample_owner == ["tokentrail-archive", "g2"] and str(args.retain_dir) == "/x/spool"
+    assert args.retain_samples_bytes == 256 * 2**20
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args([*base, "--retain-samples-bytes", "-1"])
+    assert exited.value.code == 2 and "--retain-samples-bytes" in capsys.readouterr().err
