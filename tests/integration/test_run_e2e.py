@@ -345,15 +345,18 @@ def command_line(process: psutil.Process) -> str:
 
 
 @pytest.mark.timeout(400)
-def test_trl_grpo_trainer_trains_on_the_samples(tmp_path: Path) -> None:
+@pytest.mark.parametrize("agent", ["driver", "sdk"])
+def test_trl_grpo_trainer_trains_on_the_samples(tmp_path: Path, agent: str) -> None:
     """``--trainer trl``: TRL's GRPOTrainer asks for each step's groups, trains on the verified
     samples, and its weights refit the worker: the second step's samples carry version 1,
-    and TRL's model recomputes the captured logprobs at both steps."""
+    and TRL's model recomputes the captured logprobs at both steps. The groups are played
+    by the built-in driver, or through the gateway by an agent that only knows the SDK."""
     data_dir = tmp_path / "tt"
     summary = run_small(
         data_dir,
         tmp_path / "run.log",
         *("--trainer", "trl", "--train-steps", "2", "--broker-storage", "memory", "--stages", "inline"),
+        *("--agent", agent),
     )
     assert summary["status"] == "completed" and summary["accepted"] == summary["rollouts"] == 8, summary
     first, second = summary["train_steps"]
