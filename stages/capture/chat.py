@@ -96,7 +96,14 @@ class ChatRenderer:
         closes as many turns as the exact prefix. ``template_kwargs`` are the template
         variables ``full`` was rendered with (thinking on or off, ...): the history is
         rendered with the same ones.
+
+        A render that already starts with the exact prefix, which ends on a turn-closing
+        token (an append-only template, the model's reply re-rendered as it was produced),
+        is the splice's own result: it is sent as it is, without rendering the history, so
+        the call costs nothing that grows with the conversation beyond that comparison.
         """
+        if _extends(full, exact_prefix, self.eos_token_ids):
+            return list(full)
         closed = turns_closed(exact_prefix, self.eos_token_ids) if exact_prefix else 0
         history: list[int] | None = None
         for index in assistant_indices(messages):
@@ -151,6 +158,12 @@ def template_family(model_dir: Path) -> str:
         if isinstance(value, str) and value:
             return value
     return "unknown"
+
+
+def _extends(full: Sequence[int], exact_prefix: Sequence[int], eos: Collection[int]) -> bool:
+    """``full`` begins with the whole exact prefix, which ends on a turn-closing token."""
+    size = len(exact_prefix)
+    return bool(size) and exact_prefix[-1] in eos and len(full) > size and full[:size] == exact_prefix
 
 
 def eos_token_ids_of(model_dir: Path, tokenizer: Any) -> list[int]:

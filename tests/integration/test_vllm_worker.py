@@ -38,6 +38,7 @@ from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
 
 @dataclass(frozen=True)
@@ -129,31 +130,38 @@ def test_reasoning_stripping_template_keeps_exact_prefixes(
 
 
 def with_system_switch(template: str) -> str:
-    """The template with one more turn (the default system prompt) when the request's
+    """The template with one more turn first (a brief system note) when the request's
     ``chat_template_kwargs`` say ``with_system``: a variable that changes the history's
     render, so a splice that ignored it would miscount the turns."""
-    switched = template.replace(
-        "{%- if system_text is not none or tools -%}",
-        "{%- if system_text is not none or tools or with_system is true -%}",
-    )
-    assert switched != template
-    return switched
+    note = "{%- if with_system is true -%}{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' -}}{%- endif -%}"
+    return note + template
 
 
 def test_template_kwargs_are_honoured_under_capture(
     host: EngineHost, models: Models, oracle: HFOracle
 ) -> None:
     """``chat_template_kwargs`` reach the render of the history the splice counts turns in:
-    each call's prompt is the exact prefix followed by exactly the template's new tail."""
+    each call's prompt is the exact prefix followed by exactly the template's new tail. The
+    first call's reasoning is stripped from later renders, so those do not start with the
+    exact prefix and the splice renders the history."""
     rig = start_rig(host, models.chatml, chat_template=with_system_switch(reasoning_stripping_template()))
     kwargs = {"chat_template_kwargs": {"with_system": True}}
     im_start = rig.worker.renderer.tokenizer.convert_tokens_to_ids("<|im_start|>")
     try:
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "Add 2 and 3."}]
-        reply, coords = captured_call(rig, "r-kwargs", messages, None, **kwargs, **GREEDY)
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+        }
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": "Add 2 and 3."},
+            {"role": "assistant", "content": "<think>\nI should add.\n</think>\n\n", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"result": 5}'},
+        ]
+        reply, coords = captured_call(rig, "r-kwargs", messages, None, tools=TOOLS, **kwargs, **GREEDY)
         for question in ["Now multiply by 4.", "Thanks."]:
             messages += [assistant(reply), {"role": "user", "content": question}]
-            reply, coords = captured_call(rig, "r-kwargs", messages, coords, **kwargs, **GREEDY)
+            reply, coords = captured_call(rig, "r-kwargs", messages, coords, tools=TOOLS, **kwargs, **GREEDY)
         event, sample = rig.finalize("r-kwargs")
     finally:
         rig.close()
@@ -161,7 +169,11 @@ def test_template_kwargs_are_honoured_under_capture(
     assert sample is not None and event.call_count == 3
     calls = rig.recorder.calls
     assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in calls])
-    assert calls[0].prompt_ids.count(im_start) == 3  # the switched-on system turn, the user's, the reply's
+    assert (
+        calls[0].prompt_ids.count(im_start) == 6
+    )  # the note, the tools' system turn, 3 messages, the reply's
+    think = rig.worker.renderer.tokenizer.convert_tokens_to_ids("<think>")
+    assert think in calls[0].prompt_ids and think in sample.token_ids  # kept exact, stripped in renders
     for parent, child in itertools.pairwise(calls):
         exact = parent.prompt_ids + parent.only.token_ids
         assert child.prompt_ids[: len(exact)] == exact

@@ -151,6 +151,30 @@ def test_an_agent_added_assistant_turn_keeps_the_boundary_at_the_parents(models:
     assert tail.endswith("<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_render_that_already_holds_the_exact_prefix_is_sent_without_rendering_the_history(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Append-only: the render starts with the exact prefix, closed on a stop id, so the
+    splice renders nothing more (its cost does not grow with the conversation); a render
+    whose history differs from the exact tokens (reasoning stripped, the reply sent back
+    otherwise than produced) still goes through the history render."""
+    renderer = renderer_of(models["chatml"])
+    stop = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
+    exact = renderer.render(messages) + renderer.encode("five") + [stop]
+    messages += [{"role": "assistant", "content": "five"}, {"role": "user", "content": "More?"}]
+    full = renderer.render(messages)
+    thinking = renderer.render(messages[:1]) + renderer.encode("<think>\nadd\n</think>\n\nfive") + [stop]
+    renders: list[int] = []
+    original = renderer._ids
+    monkeypatch.setattr(renderer, "_ids", lambda *a, **k: renders.append(1) or original(*a, **k))
+    assert renderer.spliced(exact, messages, None, full) == full and renders == []
+    cut_short = exact[:-1]  # no stop id: the rule puts one in, so the history is rendered
+    assert renderer.spliced(cut_short, messages, None, full) == full and len(renders) == 1
+    spliced = renderer.spliced(thinking, messages, None, full)
+    assert spliced[: len(thinking)] == thinking and spliced != full and len(renders) == 2
+
+
 def test_a_template_that_drops_turns_cannot_be_spliced(models: dict[str, Path]) -> None:
     renderer = renderer_of(models["chatml"], chat_template=WINDOWED)
     messages: list[dict[str, Any]] = [
