@@ -303,3 +303,17 @@ def test_quotas_summary_pairs_each_round_per_gateway() -> None:
     summary = quotas.summarize(trials)
     assert summary["ratios"] == {"max_in_flight=8": [1.5, 1.0], "unlimited": [4.0]}
     assert summary["flooded_over_alone"] == {"max_in_flight=8": 1.25, "unlimited": 4.0}
+
+
+def test_splice_bench_smallest_configuration() -> None:
+    """The splice bench at 10 turns reports both templates' costs (what they compare to is
+    bench/RESULTS.md's business; which path the splice takes is tested in the unit tests)."""
+    from bench import splice
+
+    parsed = cli.build_parser().parse_args(["bench", "splice", "--quick", "--turns", "10", "--rounds", "1"])
+    config = splice.config_from_args(parsed)
+    assert config == splice.SpliceBenchConfig(turns=(10,), rounds=1, calls=5)
+    rows = {row["template"]: row for row in splice.run(config)["rows"]}
+    assert rows.keys() == {"chatml", "strip_reasoning"}
+    assert all(row["turns"] == 10 and row["prompt_tokens"] > 100 for row in rows.values())
+    assert all(row["vllm_render_ms"] > 0 and row["splice_ms"] >= 0 for row in rows.values())
