@@ -121,6 +121,8 @@ class Cluster:
     think_s: float = 0.05
     max_open_s: float = MAX_OPEN_S
     remember: int = 100_000
+    retain_bytes: int | None = None
+    """The finalizer's budget for sample copies (None: its default)."""
     names: TopicNames = field(init=False)
     broker: EmbeddedBroker = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -166,6 +168,7 @@ class Cluster:
             "--max-open", str(self.max_open_s), "--session-timeout-ms", "1000", "--heartbeat-ms", "300",
             "--dataplane-mode", "attach", "--data-dir", str(self.root), "--remember", str(self.remember),
             "--staging-sweep", str(STAGING_SWEEP_S),
+            *(("--retain-samples-bytes", str(self.retain_bytes)) if self.retain_bytes is not None else ()),
         )  # fmt: skip
 
     def _worker(self) -> list[str]:
