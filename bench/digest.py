@@ -8,28 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import numpy as np
 
+from bench.common import best_of
 from topics import digest
 from topics.staging import staging_row
 
 SIZES = (1_000, 8_000, 32_000)
-
-
-def _best_of(fn: Callable[[], object], repeats: int, rounds: int = 5) -> float:
-    """Seconds per call, best round of ``rounds`` (the machine has 2 cores and neighbours)."""
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
 
 
 def _row_for(n: int, rng: np.random.Generator) -> tuple[list[int], digest.Delta]:
@@ -48,11 +36,11 @@ def run(sizes: tuple[int, ...] = SIZES, seed: int = 0) -> dict[str, Any]:
         ids_array = np.asarray(ids_list, dtype=np.int64)
         repeats = max(10, 2_000_000 // n)
         mb = n * 8 / 1e6
-        hash_list = _best_of(partial(digest.cumulative_hash, ids_list), repeats)
-        hash_array = _best_of(partial(digest.cumulative_hash, ids_array), repeats)
+        hash_list = best_of(partial(digest.cumulative_hash, ids_list), repeats)
+        hash_array = best_of(partial(digest.cumulative_hash, ids_array), repeats)
         prefix, delta = _row_for(n, rng)
         row_repeats = max(5, repeats // 10)
-        full_row = _best_of(
+        full_row = best_of(
             partial(
                 staging_row,
                 rollout_id="r",

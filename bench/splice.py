@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit, machine, parse_list, standalone, versions
+from bench.common import best_of, emit, machine, parse_list, standalone, versions
 from pipeline.models.tiny import chatml_template, make_tiny_model, reasoning_stripping_template
 from stages.capture.chat import ChatRenderer
 
@@ -60,14 +60,8 @@ def conversation(turns: int) -> list[dict[str, Any]]:
     return messages
 
 
-def _cpu_ms_per_call(work: Callable[[], object], calls: int, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.process_time()
-        for _ in range(calls):
-            work()
-        best = min(best, (time.process_time() - start) / calls)
-    return round(best * 1e3, 3)
+def _cpu_ms(work: Callable[[], object], calls: int, rounds: int) -> float:
+    return round(best_of(work, calls, rounds, clock=time.process_time) * 1e3, 3)
 
 
 def measure(renderer: ChatRenderer, turns: int, config: SpliceBenchConfig) -> dict[str, Any]:
@@ -78,8 +72,8 @@ def measure(renderer: ChatRenderer, turns: int, config: SpliceBenchConfig) -> di
     exact = history[: last_eos + 1]  # what the engine saw and produced through its last reply
     full = renderer.render(messages)
     calls = max(2, config.calls * 10 // max(10, turns))
-    render_ms = _cpu_ms_per_call(lambda: renderer.render(messages), calls, config.rounds)
-    splice_ms = _cpu_ms_per_call(lambda: renderer.spliced(exact, messages, None, full), calls, config.rounds)
+    render_ms = _cpu_ms(lambda: renderer.render(messages), calls, config.rounds)
+    splice_ms = _cpu_ms(lambda: renderer.spliced(exact, messages, None, full), calls, config.rounds)
     return {
         "turns": turns,
         "prompt_tokens": len(full),

@@ -79,29 +79,26 @@ def assistant(reply: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {**kept, **extra}
 
 
+def reasoned_tool_call(question: str) -> list[dict[str, Any]]:
+    """A question, then an assistant turn that reasons inline and calls ``add``, and the
+    tool's result: the turn is rendered with its <think> block while it follows the last
+    user turn and stripped once a new user turn comes, so later renders of the history
+    differ from the ids the engine saw."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "<think>\nI should call add.\n</think>\n\n", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"result": 5}'},
+    ]
+
+
 def test_reasoning_stripping_template_keeps_exact_prefixes(
     host: EngineHost, models: Models, oracle: HFOracle
 ) -> None:
-    tool_call = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
-    }
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    tools = TOOLS
     rig = start_rig(host, models.chatml, chat_template=reasoning_stripping_template())
     try:
-        # An earlier assistant turn reasons inline and calls a tool: rendered with its
-        # <think> block while it follows the last user turn, stripped once a new user
-        # turn comes, so the re-rendered history differs from the ids the engine saw.
-        messages: list[dict[str, Any]] = [
-            {"role": "user", "content": "What is 2 + 3? Use a tool."},
-            {
-                "role": "assistant",
-                "content": "<think>\nI should call add.\n</think>\n\n",
-                "tool_calls": [tool_call],
-            },
-            {"role": "tool", "tool_call_id": "call_1", "content": '{"result": 5}'},
-        ]
+        messages = reasoned_tool_call("What is 2 + 3? Use a tool.")
         plain_renders = []
         reply, coords = captured_call(rig, "r-strip", messages, None, tools=tools, **GREEDY)
         for question in ["Now multiply by 4.", "Thanks."]:
@@ -148,16 +145,7 @@ def test_template_kwargs_are_honoured_under_capture(
     kwargs = {"chat_template_kwargs": {"with_system": True}}
     im_start = rig.worker.renderer.tokenizer.convert_tokens_to_ids("<|im_start|>")
     try:
-        call = {
-            "id": "call_1",
-            "type": "function",
-            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
-        }
-        messages: list[dict[str, Any]] = [
-            {"role": "user", "content": "Add 2 and 3."},
-            {"role": "assistant", "content": "<think>\nI should add.\n</think>\n\n", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_1", "content": '{"result": 5}'},
-        ]
+        messages = reasoned_tool_call("Add 2 and 3.")
         reply, coords = captured_call(rig, "r-kwargs", messages, None, tools=TOOLS, **kwargs, **GREEDY)
         for question in ["Now multiply by 4.", "Thanks."]:
             messages += [assistant(reply), {"role": "user", "content": question}]
