@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stages.ports import EventSink
-from topics.records import CaptureAdmission, CommitCoords, RolloutSeal, SamplePolicy
+from topics.records import CaptureAdmission, CommitCoords, HistoryPolicy, RolloutSeal, SamplePolicy
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 
@@ -39,11 +39,13 @@ class RolloutClient:
         group_id: str | None = None,
         logical_call_id: str | None = None,
         call_id: str | None = None,
+        history: HistoryPolicy = "exact",
     ) -> CaptureAdmission:
         """A root admission, or a token-in child of ``parent``.
 
         A parent whose capture failed cannot anchor exact tokens, so its child starts a
-        new root: the failed call then lies off the terminal chain.
+        new root: the failed call then lies off the terminal chain. ``history`` is the
+        rollout's history policy (DESIGN §5.1), carried by every admission.
         """
         call_id = call_id or self.new_call_id()
         if parent is None or parent.disposition != "staged":
@@ -55,6 +57,7 @@ class RolloutClient:
                 logical_call_id=logical_call_id,
                 group_id=group_id,
                 admitted_at=self.clock(),
+                history=history,
             )
         if parent.rollout_id != rollout_id:
             raise ValueError(f"parent: call {parent.call_id} belongs to rollout {parent.rollout_id}")
@@ -69,6 +72,7 @@ class RolloutClient:
             logical_call_id=logical_call_id,
             group_id=group_id,
             admitted_at=self.clock(),
+            history=history,
         )
 
     async def publish_admission(self, admission: CaptureAdmission) -> None:

@@ -272,7 +272,7 @@ class FamilyReport:
         families = list(dict.fromkeys(family for family, _, _ in self.results))
         seen = list(dict.fromkeys(route for _, route, _ in self.results))
         routes = sorted(seen, key=lambda route: (not route.startswith("worker"), seen.index(route)))
-        lines = ["| family | " + " | ".join(routes) + " |", "|---|" + "---|" * len(routes)]
+        lines = ["| family | " + " | ".join(routes) + " |", "|---|" + "---|" * len(routes)] if routes else []
         for family in families:
             cells = [
                 " / ".join(self.results.get((family, route, stream), "-") for stream in (False, True))

@@ -46,5 +46,6 @@ def check_shared_prefix(admissions: Sequence[CaptureAdmission]) -> None:
             or admission.prev_len != first.prev_len
             or admission.staging_chain != first.staging_chain
             or admission.parent_chain_hash != first.parent_chain_hash
+            or admission.history != first.history
         ):
             raise ValueError(f"[{index}]: every choice must continue the prefix of [0]")

@@ -73,6 +73,10 @@ Mode = Literal["text", "token_in"]
 SamplePolicy = Literal["terminal", "leaves", "chains"]
 """Which chains of a rollout's call tree become samples (DESIGN §4.4): the one terminal
 chain, every root-to-leaf chain, or each root's longest chain."""
+HistoryPolicy = Literal["exact", "render"]
+"""What a continuation's prompt holds of the earlier turns: their exact tokens (``exact``,
+the default), or what the chat template renders of them (``render``: where that does not
+extend the parent's tokens, the call starts a new segment, DESIGN §5.1)."""
 Disposition = Literal["staged", "capture_failed"]
 ExtrasDict = dict[str, Any]
 # Codes are enums in Python and plain strings on the wire: accept the string form.
@@ -229,6 +233,9 @@ class CaptureAdmission(EventRecord):
     logical_call_id: Label | None = None
     group_id: Label | None = None
     admitted_at: Timestamp
+    history: HistoryPolicy = Field("exact", exclude_if=lambda policy: policy == "exact")
+    """Added to schema 4 after it shipped: written only when ``render``, so an admission of
+    the default policy is byte for byte what older readers know."""
 
     @model_validator(mode="after")
     def _rules(self) -> CaptureAdmission:

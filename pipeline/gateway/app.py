@@ -41,7 +41,7 @@ from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render
 from pipeline.worker.protocol import InvalidRequest, api_error, parse_body
-from topics.records import IDENT_PATTERN, FiniteFloat, SamplePolicy
+from topics.records import IDENT_PATTERN, FiniteFloat, HistoryPolicy, SamplePolicy
 from topics.wire import CAPTURE_FIELD, Dialect
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,9 @@ class OpenRollout(BaseModel):
 
     rollout_id: str | None = Field(None, pattern=IDENT_PATTERN, max_length=200)
     group_id: str | None = Field(None, min_length=1, max_length=200)
+    history: HistoryPolicy = "exact"
+    """What continuations' prompts hold of earlier turns: their exact tokens, or the
+    template's render (a render that rewrites them starts a new segment, DESIGN §5.1)."""
 
 
 class SealBody(BaseModel):
@@ -174,7 +177,7 @@ def create_gateway_app(
                 refused = api_error(SESSION_ERRORS, 429, exc.message, param="max_staleness")
                 refused.headers["Retry-After"] = pacer.pacing.retry_after
                 return refused
-        session = sessions.open(body.rollout_id, body.group_id)
+        session = sessions.open(body.rollout_id, body.group_id, body.history)
         if pacer is not None:
             pacer.opened()
         base = str(request.base_url).rstrip("/")
@@ -182,6 +185,7 @@ def create_gateway_app(
             {
                 "rollout_id": session.rollout_id,
                 "group_id": session.group_id,
+                "history": session.history,
                 "base_url": f"{base}/rollouts/{session.rollout_id}/v1",
                 "anthropic_base_url": f"{base}/rollouts/{session.rollout_id}",
                 "api_key": capabilities.issue(session.rollout_id),

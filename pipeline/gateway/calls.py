@@ -161,6 +161,7 @@ class Forwarder:
             parent.coords if parent is not None else None,
             group_id=session.group_id,
             logical_call_id=logical,
+            history=session.history,
         )
         admissions = choice_admissions(base, n)
         if n > 1:  # choices are siblings, not attempts: each its own logical call

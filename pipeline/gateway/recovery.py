@@ -52,7 +52,7 @@ async def recover(kafka: KafkaConfig, sessions: Sessions) -> int:
     for rollout_id, admissions in found.admissions.items():
         if rollout_id in found.sealed:
             continue
-        session = sessions.open(rollout_id, admissions[0].group_id)
+        session = sessions.open(rollout_id, admissions[0].group_id, admissions[0].history)
         known = {call.call_id for call in session.calls}
         for admission in admissions:
             if admission.call_id not in known:
@@ -75,8 +75,9 @@ def _recovered(admission: CaptureAdmission, coords: CallCoords | None) -> Gatewa
         request_digest=digest,
         recovered=True,
     )
-    if coords is not None:
-        chain = [*(admission.staging_chain or []), admission.staging_key]
+    if coords is not None:  # a call staged as a new segment's root has no ancestors
+        ancestors = admission.staging_chain if coords.parent_call_id is not None else None
+        chain = [*(ancestors or []), admission.staging_key]
         call.coords = CommitCoords.model_validate({**coords.model_dump(), "staging_chain": chain})
     return call
 

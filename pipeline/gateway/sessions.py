@@ -23,7 +23,7 @@ from pipeline.gateway.previous import ResponseLog
 from pipeline.gateway.quotas import Usage
 from pipeline.worker.protocol import InvalidRequest
 from stages.client import RolloutClient
-from topics.records import IDENT_PATTERN, RolloutSeal, SamplePolicy
+from topics.records import IDENT_PATTERN, HistoryPolicy, RolloutSeal, SamplePolicy
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class Session:
     worker: str | None = None
     responses: ResponseLog = field(default_factory=ResponseLog)
     usage: Usage = field(default_factory=Usage)
+    history: HistoryPolicy = "exact"
+    """What continuations' prompts hold of earlier turns (DESIGN §5.1), chosen at open."""
 
     def add(self, call: GatewayCall) -> None:
         self.calls.append(call)
@@ -64,6 +66,7 @@ class Session:
         return {
             "rollout_id": self.rollout_id,
             "group_id": self.group_id,
+            "history": self.history,
             "sealed": None if self.seal is None else self.seal.model_dump(mode="json"),
             "calls": [
                 {
@@ -102,8 +105,11 @@ class Sessions:
         self.remember_sealed = remember_sealed
         self.abandoned = 0
 
-    def open(self, rollout_id: str | None = None, group_id: str | None = None) -> Session:
-        """The session of ``rollout_id`` (created if new; a fresh id when None)."""
+    def open(
+        self, rollout_id: str | None = None, group_id: str | None = None, history: HistoryPolicy = "exact"
+    ) -> Session:
+        """The session of ``rollout_id`` (created if new; a fresh id when None). Reopening
+        one keeps its history policy: a different one is a 409."""
         rollout_id = rollout_id or f"rollout-{uuid.uuid4().hex[:16]}"
         if len(rollout_id) > 200 or not _ROLLOUT_ID.match(rollout_id):
             raise SessionError(400, f"rollout_id: {rollout_id[:80]!r} does not match {IDENT_PATTERN}")
@@ -111,10 +117,12 @@ class Sessions:
             raise SessionError(409, f"rollout {rollout_id} is already sealed")
         session = self._open.get(rollout_id)
         if session is None:
-            session = Session(rollout_id, group_id, self.clock())
+            session = Session(rollout_id, group_id, self.clock(), history=history)
             self._open[rollout_id] = session
         elif group_id is not None and session.group_id not in (None, group_id):
             raise SessionError(409, f"rollout {rollout_id} is in group {session.group_id}, not {group_id}")
+        elif history != session.history:
+            raise SessionError(409, f"rollout {rollout_id} keeps history {session.history}, not {history}")
         session.last_seen = self.clock()
         return session
 
@@ -168,7 +176,7 @@ class Sessions:
             group_id=session.group_id,
             reward=reward,
             failed=failed,
-            sample_policy=sample_policy or self.sample_policy,
+            sample_policy=sample_policy or self._default_policy(session),
             all_or_nothing=all_or_nothing,
             sealed_by=sealed_by,
             call_rewards=call_rewards,
@@ -178,6 +186,13 @@ class Sessions:
         while len(self._sealed) > self.remember_sealed:
             self._sealed.popitem(last=False)
         return seal
+
+    def _default_policy(self, session: Session) -> SamplePolicy:
+        """The gateway's policy; ``chains`` for a ``render`` session under ``terminal``, whose
+        segments are separate roots that the terminal rule would find ambiguous."""
+        if session.history == "render" and self.sample_policy == "terminal":
+            return "chains"
+        return self.sample_policy
 
     async def sweep(self) -> list[str]:
         """Seal every session idle past the TTL (none of its calls in flight) as ``abandoned``."""

@@ -86,6 +86,11 @@ class WorkerCollector(Collector):
         splice.add_metric([self.worker_id, self.worker.renderer.family], capture.splice_failures)
         yield splice
         yield counter(
+            "tokentrail_worker_history_segments",
+            "continuations of a render-policy rollout whose render did not extend the parent (new roots)",
+            capture.segments_started,
+        )
+        yield counter(
             "tokentrail_worker_refit_straddles",
             "captured calls whose tokens span weight versions",
             capture.refit_straddles,

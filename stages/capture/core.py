@@ -43,6 +43,20 @@ class PreparedCall:
     parent_chain_hash: str | None
     failure: CaptureFailure | None = None
 
+    def as_segment_root(self) -> PreparedCall:
+        """The call staged as a root of its rollout: under the ``render`` history policy a
+        prompt that does not extend the parent's tokens starts a new segment (DESIGN §5.1)."""
+        root = self.admission.model_copy(
+            update={
+                "parent_call_id": None,
+                "mode": "text",
+                "prev_len": 0,
+                "staging_chain": None,
+                "parent_chain_hash": None,
+            }
+        )
+        return PreparedCall(root, _EMPTY, None, self.failure)
+
 
 @dataclass(frozen=True, slots=True)
 class Completion:
@@ -201,15 +215,21 @@ def capture_row(
 ) -> CapturedRow:
     """Delta, hashes, digest and coords of a finished call; raises ``CaptureFailure``.
 
+    A prompt that does not start with the exact prefix fails ``prefix_splice_failed``,
+    except under the ``render`` history policy, where the call is staged as the root of
+    a new segment (the template rewrote an earlier turn, DESIGN §5.1).
+
     Pure computation on its arguments (no shared state), so an engine thread may call it
     and hand the result to ``CaptureCore.submit`` on the event loop.
     """
+    if not starts_with(prompt_ids, prepared.prefix_ids):
+        if prepared.admission.history != "render":
+            raise CaptureFailure(
+                WorkerFailure.PREFIX_SPLICE_FAILED, "prompt does not start with the exact prefix"
+            )
+        prepared = prepared.as_segment_root()
     admission = prepared.admission
     prefix = prepared.prefix_ids
-    if not starts_with(prompt_ids, prefix):
-        raise CaptureFailure(
-            WorkerFailure.PREFIX_SPLICE_FAILED, "prompt does not start with the exact prefix"
-        )
     try:
         delta = build_delta(prompt_ids, generated_ids, generated_logprobs, admission.prev_len)
         row = build_row(

@@ -17,6 +17,7 @@ from topics.records import (
     CallRecord,
     CaptureAdmission,
     FailedCall,
+    HistoryPolicy,
     ManifestEntry,
     Mode,
     ReceiptChain,
@@ -45,6 +46,7 @@ class Admitted(NamedTuple):
     logical_call_id: str | None
     group_id: str | None
     admitted_at: float
+    history: HistoryPolicy
     ancestry: bytes
     """Fingerprint of the admission's chain (its ancestors' keys)."""
     lineage: bytes
@@ -62,6 +64,7 @@ class Admitted(NamedTuple):
             logical_call_id=admission.logical_call_id,
             group_id=admission.group_id,
             admitted_at=admission.admitted_at,
+            history=admission.history,
             ancestry=ancestry,
             lineage=lineage,
         )
@@ -91,6 +94,10 @@ class OpenRollout:
     unjoined: set[str] = field(default_factory=set)
     """Calls with an admission or a staged event but not both yet: settled once empty,
     checked after every event without walking the rollout."""
+    segments: dict[str, bytes] = field(default_factory=dict)
+    """Calls admitted as children under the ``render`` history policy that the worker
+    staged as roots (their render did not extend the parent's tokens): a child's
+    ``ancestry`` must equal this lineage, not the admission's."""
 
     def admit(self, admission: Admitted) -> CallRecord | FailedCall | None:
         self.admissions[admission.call_id] = admission
@@ -114,9 +121,12 @@ class OpenRollout:
         if coords.disposition == "capture_failed":
             assert coords.failure_reason is not None
             return self._fail(admission, coords.failure_reason, "capture failed on the worker")
-        mismatch = _coords_mismatch(self.rollout_id, admission, staged)
-        if mismatch is not None:
-            return self._fail(admission, LedgerFailure.COORDS_MISMATCH, mismatch)
+        if _starts_segment(self.rollout_id, admission, staged):
+            self.segments[call_id] = chain_fingerprints(None, coords.staging_key)[1]
+        else:
+            mismatch = _coords_mismatch(self.rollout_id, admission, staged)
+            if mismatch is not None:
+                return self._fail(admission, LedgerFailure.COORDS_MISMATCH, mismatch)
         # Both halves were validated on decode and checked against each other above,
         # so the joined record is built without validating it a third time.
         record = assemble(
@@ -183,8 +193,9 @@ class OpenRollout:
                 if parent is None:
                     continue
                 admission = self.admissions[call_id]
+                lineage = self.segments.get(parent.call_id, self.admissions[parent.call_id].lineage)
                 if (
-                    admission.ancestry != self.admissions[parent.call_id].lineage
+                    admission.ancestry != lineage
                     or record.prev_len != parent.cum_len
                     or admission.parent_chain_hash != parent.chain_hash
                 ):
@@ -298,6 +309,20 @@ class OpenRollout:
         except NoTerminal as exc:
             return exc.code
         return None
+
+
+def _starts_segment(rollout_id: str, admission: Admitted, staged: StagedEvent) -> bool:
+    """A child admitted under the ``render`` policy that the worker staged as a root of
+    this rollout: its prompt (the template's render) did not extend the parent's tokens."""
+    coords = staged.coords
+    return (
+        admission.history == "render"
+        and coords.rollout_id == rollout_id
+        and admission.parent_call_id is not None
+        and coords.parent_call_id is None
+        and coords.mode == "text"
+        and coords.prev_len == 0
+    )
 
 
 def _coords_mismatch(rollout_id: str, admission: Admitted, staged: StagedEvent) -> str | None:

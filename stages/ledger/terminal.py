@@ -63,7 +63,7 @@ def select_chains(
     after the terminal's rules set abandoned retries aside.
     """
     tree = _tree(records, parents)
-    leaves = _surviving_leaves(tree, records, keep_branches=policy == "leaves")
+    leaves = _surviving_leaves(tree, records, keep_branches=policy == "leaves", keep_roots=policy == "chains")
     if policy != "chains":
         return leaves
     by_root: dict[str, list[str]] = defaultdict(list)
@@ -98,16 +98,20 @@ def _tree(records: Mapping[str, CallRecord], parents: Mapping[str, str | None] |
     return _Tree(parent_of, children)
 
 
-def _surviving_leaves(tree: _Tree, records: Mapping[str, CallRecord], *, keep_branches: bool) -> list[str]:
+def _surviving_leaves(
+    tree: _Tree, records: Mapping[str, CallRecord], *, keep_branches: bool, keep_roots: bool = False
+) -> list[str]:
     """Leaves once retries collapse (DESIGN §4.4); ``keep_branches`` keeps childless
-    served siblings of an extended call, which the terminal rule sets aside as abandoned.
+    served siblings of an extended call, which the terminal rule sets aside as abandoned;
+    ``keep_roots`` keeps childless roots beside an extended one (under ``chains`` each root
+    is a segment of a rewritten history, and a one-call segment is no abandoned retry).
 
     Set algebra over the parent map rather than a walk of each call's children: this
     runs once per closed rollout, and most rollouts have no failed call at all."""
     parent_of, children = tree.parent_of, tree.children
     dropped = _superseded(records, children)
     if not keep_branches:
-        dropped |= _abandoned(tree)
+        dropped |= _abandoned(tree, keep_roots=keep_roots)
     uncommitted = [c for c in parent_of if c not in records]  # failed, or nobody admitted them
     while True:  # a failed leaf that was retried drops, which can expose its failed parent
         alive = parent_of.keys() - dropped
@@ -151,10 +155,13 @@ def _declared(records: Mapping[str, CallRecord], seal: RolloutSeal) -> Terminal:
     )
 
 
-def _abandoned(tree: _Tree) -> set[str]:
-    """Childless siblings of a call that was extended: retries the driver gave up on."""
+def _abandoned(tree: _Tree, *, keep_roots: bool) -> set[str]:
+    """Childless siblings of a call that was extended: retries the driver gave up on
+    (roots too, unless ``keep_roots``)."""
     parent_of, children = tree.parent_of, tree.children  # a call has children iff it is a key
     turns = {parent_of[c] for c in children if c is not None and c in parent_of}
+    if keep_roots:
+        turns.discard(None)
     return {c for c, parent in parent_of.items() if parent in turns and c not in children}
 
 

@@ -51,7 +51,7 @@ def family_report() -> FamilyReport:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    if not _REPORT.results:
+    if not _REPORT.results and not _REPORT.notes:
         return
     table = _REPORT.markdown()
     terminalreporter.section("template families: route results")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import anthropic
@@ -20,17 +21,29 @@ import httpx
 import openai
 import pytest
 from enginekit import (
+    EngineCall,
     HFOracle,
     Rig,
     assert_matches_hf,
     assert_sample_is_what_the_engine_saw,
     start_rig,
 )
-from familykit import CALLS, ROUTES, TOOL_REQUEST, TOOL_RESULTS, FamilyEngine, FamilyReport, Reply, play
+from familykit import (
+    CALLS,
+    ROUTES,
+    SYSTEM,
+    TOOL_REQUEST,
+    TOOL_RESULTS,
+    FamilyEngine,
+    FamilyReport,
+    Reply,
+    play,
+    send,
+)
 from gatewaykit import agent_of, clean, serve_gateway
 
 from pipeline.models.tiny import family
-from topics.records import FinalizedEvent, TrainingSample
+from topics.records import FinalizedEvent, StagedEvent, TrainingSample
 from topics.wire import CAPTURE_FIELD
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -221,4 +234,130 @@ def test_a_template_that_drops_turns_rejects_only_its_chain(
         case,
         "its continuation is served and rejected `prefix_splice_failed`, the log and the metric "
         "naming `windowed`; another rollout on it is accepted",
+    )
+
+
+# ------------------------------------------------------------- the render history policy
+
+RENDER_CALLS = 4
+
+
+def thinking_turns(index: int) -> list[dict[str, Any]]:
+    """What the agent adds after the reply to call ``index - 1``: on even calls a question
+    answered by a reasoned tool call and the tool's result, on odd ones one more result
+    of that tool (no question, and no assistant turn the gateway would merge with the
+    reply). Qwen3-style templates keep reasoning until the next question, so a question
+    starts a new segment under ``render``; DeepSeek-style ones drop it always."""
+    if index % 2:
+        return [{"role": "tool", "tool_call_id": f"call_{index - 1}", "content": TOOL_RESULTS[1]}]
+    call = {
+        "id": f"call_{index}",
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+    }
+    return [
+        {"role": "user", "content": f"What is {index} + 3?"},
+        {"role": "assistant", "content": "<think>\nI should add.\n</think>\n\n", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call_{index}", "content": TOOL_RESULTS[0]},
+    ]
+
+
+@dataclass
+class RenderEpisode:
+    rig: Rig
+    event: FinalizedEvent
+    samples: list[TrainingSample]
+    parents: list[str | None]
+    """Each call's parent as the worker staged it, in call order."""
+    call_ids: list[str]
+
+
+def render_episode(engine: FamilyEngine, where: str) -> RenderEpisode:
+    """Four calls of a rollout under ``history: render``, spoken to the worker (as a driver)
+    or through the gateway (an SDK agent), sealed under ``chains``."""
+    rig = start_rig(engine.host, engine.model_dir)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    previous: Reply | None = None
+    try:
+        with contextlib.ExitStack() as stack:
+            if where == "worker":
+                rollout_id = "r-render"
+                client = openai.OpenAI(base_url=f"{rig.url}/v1", api_key="unused", max_retries=0, timeout=120)
+            else:
+                served = stack.enter_context(contextlib.contextmanager(serve_gateway)(rig))
+                opened = served.session(history="render")
+                rollout_id, client = opened["rollout_id"], agent_of(opened)
+            for index in range(RENDER_CALLS):
+                extra: dict[str, Any] = {}
+                if where == "worker":
+                    parent = None if previous is None else previous.coords()
+                    admission = rig.admit(rollout_id, parent, history="render")
+                    extra = {CAPTURE_FIELD: admission.model_dump(mode="json")}
+                messages += thinking_turns(index)
+                previous = send("chat", False, messages, extra, openai_client=client)
+                messages.append({"role": "assistant", "content": previous.text})
+            if where == "gateway":  # the gateway seals a render session under chains
+                assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
+                event, _ = rig.finalize(rollout_id, sealed=True)
+            else:
+                event, _ = rig.finalize(rollout_id, reward=1.0, sample_policy="chains")
+        staged = [e for e in rig.worker_sink.payloads(StagedEvent) if isinstance(e, StagedEvent)]
+        samples = [rig.data_plane.samples[key] for key in event.sample_keys]
+    finally:
+        rig.close()
+    return RenderEpisode(
+        rig,
+        event,
+        samples,
+        [e.coords.parent_call_id for e in staged],
+        [e.coords.call_id for e in staged],
+    )
+
+
+def segments_of(calls: list[EngineCall]) -> list[list[int]]:
+    """Call indices grouped into segments: a call continues the last one exactly when its
+    prompt starts with that call's prompt and generation."""
+    segments: list[list[int]] = []
+    for index, call in enumerate(calls):
+        if index:
+            before = calls[index - 1]
+            exact = before.prompt_ids + before.only.token_ids
+            if call.prompt_ids[: len(exact)] == exact:
+                segments[-1].append(index)
+                continue
+        segments.append([index])
+    return segments
+
+
+@pytest.mark.parametrize("where", list(EPISODES))
+@pytest.mark.parametrize("family_engine", ["qwen3", "deepseek_r1"], indirect=True)
+def test_render_history_gives_one_exact_sample_per_segment(
+    family_engine: FamilyEngine, where: str, oracle: HFOracle, family_report: FamilyReport
+) -> None:
+    """Under ``history: render`` the engine sees the template's render of every call; a
+    call whose render does not extend its parent's tokens is staged as a new root, and the
+    rollout gives one exact sample per segment, each with the rollout's reward."""
+    case = f"`{family_engine.family}` under `history: render` ({where})"
+    family_report.note(case, "**failed**")
+    episode = render_episode(family_engine, where)
+    calls = episode.rig.recorder.calls
+    assert len(calls) == RENDER_CALLS and len(episode.call_ids) == RENDER_CALLS
+    segments = segments_of(calls)
+    expected = [
+        None if segment[0] == index else episode.call_ids[index - 1]
+        for segment in segments
+        for index in segment
+    ]
+    assert episode.parents == expected
+    assert 2 in [segment[0] for segment in segments]  # the second question rewrote the history
+    event = episode.event
+    assert event.status == "accepted" and len(episode.samples) == len(segments), event
+    for sample, segment in zip(episode.samples, segments, strict=True):
+        assert_sample_is_what_the_engine_saw(sample, [(calls[index], 0) for index in segment])
+        assert_matches_hf(oracle, family_engine.model_dir, sample)
+        assert sample.reward == 1.0
+    family_report.note(
+        case,
+        f"{RENDER_CALLS} calls, {len(segments)} segments ({', '.join(str(len(s)) for s in segments)} calls), "
+        f"{len(segments)} exact samples",
     )

@@ -277,6 +277,38 @@ def test_prompt_not_starting_with_prefix_is_splice_failure() -> None:
     run(go())
 
 
+def test_under_render_a_prompt_not_extending_the_parent_stages_a_new_root() -> None:
+    """``history: render``: the row is a root of the rollout (its own prompt, no parent),
+    while a prompt that does extend the parent stays its child."""
+
+    async def go() -> None:
+        data_plane, sink = MemoryDataPlane(), RecordingSink()
+        worker = Worker(data_plane, sink, policy=AckPolicy.ENQUEUED)
+        client = RolloutClient(sink)
+        parent = worker.core.complete(
+            await worker.core.prepare(client.admit("r1", history="render")),
+            [1, 2],
+            [3],
+            [-1.0],
+            weight_version=0,
+        ).coords
+        rewritten = await worker.core.prepare(client.admit("r1", parent, history="render"))
+        root = worker.core.complete(rewritten, [1, 2, 4, 5], [6], [-1.0], weight_version=0).coords
+        assert (root.disposition, root.parent_call_id, root.mode, root.prev_len) == (
+            "staged",
+            None,
+            "text",
+            0,
+        )
+        assert root.staging_chain == [root.staging_key] and root.cum_len == 5
+        assert root.chain_hash == digest.chain_hash(None, [1, 2, 4, 5, 6])
+        extended = await worker.core.prepare(client.admit("r1", root, history="render"))
+        child = worker.core.complete(extended, [1, 2, 4, 5, 6, 7], [8], [-1.0], weight_version=0).coords
+        assert (child.parent_call_id, child.prev_len) == (root.call_id, 5)
+
+    run(go())
+
+
 def test_cache_is_bounded_by_bytes() -> None:
     cache = ChainCache(max_bytes=3 * (8 * 100 + 160))
     for i in range(10):

@@ -119,6 +119,28 @@ def test_a_seal_names_its_sample_policy_or_takes_the_gateways() -> None:
     assert [(s.sample_policy, s.all_or_nothing) for s in seals] == [("chains", None), ("leaves", True)]
 
 
+def test_a_render_session_keeps_its_policy_and_seals_under_chains_by_default() -> None:
+    sink = RecordingSink()
+    sessions = Sessions(RolloutClient(sink), ttl_s=10)
+
+    async def go() -> None:
+        sessions.open("r1", history="render")
+        sessions.open("r2", history="render")
+        sessions.open("r3")
+        await sessions.seal("r1", reward=1.0)
+        await sessions.seal("r2", reward=1.0, sample_policy="leaves")
+        await sessions.seal("r3", reward=1.0)
+
+    assert sessions.open("r0", history="render").history == "render"
+    assert sessions.open("r0", history="render").describe()["history"] == "render"
+    with pytest.raises(SessionError) as refused:
+        sessions.open("r0")  # a rollout's history policy cannot change once it is open
+    assert refused.value.status == 409 and "history render" in refused.value.message
+    asyncio.run(go())
+    seals = [e.payload for e in sink.events if isinstance(e.payload, RolloutSeal)]
+    assert [s.sample_policy for s in seals] == ["chains", "leaves", "terminal"]
+
+
 def test_workers_prefer_the_sessions_worker_then_the_least_loaded() -> None:
     now = [0.0]
     workers = Workers(["http://a", "http://b/"], cooldown_s=5, clock=lambda: now[0])

@@ -48,7 +48,11 @@ class Rollout:
         staged: bool = True,
         response_id: str | None = None,
         tamper: dict[str, Any] | None = None,
+        history: str = "exact",
+        segment: bool = False,
     ) -> None:
+        """``segment``: the worker stages the call as a root (its render did not extend
+        the parent's tokens), whatever its admission says."""
         p = self.coords.get(parent) if parent else None
         prev_len = p.cum_len if p else 0
         chain = [*(p.staging_chain if p else []), f"{self.rollout_id}/{call_id}"]
@@ -63,12 +67,15 @@ class Rollout:
             parent_chain_hash=p.chain_hash if p else None,
             logical_call_id=logical,
             admitted_at=self.clock,
+            history=history,
         )
+        if segment:
+            parent, prev_len, chain = None, 0, chain[-1:]
         coords = CommitCoords(
             rollout_id=self.rollout_id,
             call_id=call_id,
             parent_call_id=parent,
-            mode=admission.mode,
+            mode="token_in" if parent else "text",
             prev_len=prev_len,
             delta_len=5,
             cum_len=prev_len + 5,
@@ -580,6 +587,10 @@ def build_tree(case: str) -> Rollout:
         r.call("b", "a")
         r.call("x")
         r.call("y", "x")
+    elif case == "one_call_segment":  # a -> b, then a new root x nobody extended
+        r.call("a")
+        r.call("b", "a")
+        r.call("x")
     elif case == "retried_by_logical_id":
         r.call("a")
         r.call("b1", "a", logical="L")
@@ -608,6 +619,7 @@ MULTI = [
     ("tree", "chains", {"c": "ok"}, None),
     ("rewritten", "leaves", {"b": "ok", "y": "ok"}, None),
     ("rewritten", "chains", {"b": "ok", "y": "ok"}, None),
+    ("one_call_segment", "chains", {"b": "ok", "x": "ok"}, None),
     ("retried_by_logical_id", "leaves", {"b2": "ok"}, None),
     ("failed_attempt_retried", "leaves", {"b2": "ok"}, None),
     ("failed_root_continued", "chains", {"y": "ok"}, None),
@@ -629,6 +641,40 @@ def test_multi_sample_chains(case: str, policy: str, chains: dict[str, str], rea
     for chain in receipt.chains:  # each sample must hash to its own leaf's cumulative hash
         if chain.cumulative_hash is not None:
             assert chain.cumulative_hash == rollout.coords[chain.leaf_call_id].cumulative_hash
+
+
+@pytest.mark.parametrize("history", ["render", "exact"])
+def test_a_render_policy_child_staged_as_a_root_starts_a_segment(history: str) -> None:
+    """Under ``render`` a child whose render did not extend its parent is staged as a root:
+    the ledger takes it as one, and its own child continues it. Under ``exact`` the same
+    staged event contradicts its admission."""
+    rollout = Rollout()
+    rollout.call("a", history=history)
+    rollout.call("b", "a", history=history)
+    rollout.call("c", "b", history=history, segment=True)
+    rollout.call("d", "c", history=history)
+    rollout.seal(sample_policy="chains")
+    receipt = receipt_of(run_ledger(rollout.events)[1])
+    chains = {c.leaf_call_id: (c.failure_reason.value if c.failure_reason else "ok") for c in receipt.chains}
+    if history == "render":
+        assert chains == {"b": "ok", "d": "ok"}
+        parents = {entry.call_id: entry.parent_call_id for entry in receipt.manifest}
+        assert parents == {"a": None, "b": "a", "c": None, "d": "c"}
+    else:
+        assert [(f.call_id, f.reason.value) for f in receipt.failed_calls] == [("c", "coords_mismatch")]
+        assert chains == {"d": "coords_mismatch"}  # c's failure poisons the only chain
+
+
+def test_a_child_of_a_new_segment_must_continue_the_segment_not_the_old_chain() -> None:
+    rollout = Rollout()
+    rollout.call("a", history="render")
+    rollout.call("b", "a", history="render", segment=True)
+    stale = rollout.coords["b"].model_copy(update={"staging_chain": ["r/a", "r/b"]})
+    rollout.coords["b"] = stale  # the child is admitted under the chain the admission named
+    rollout.call("c", "b", history="render")
+    rollout.seal(sample_policy="chains")
+    receipt = receipt_of(run_ledger(rollout.events)[1])
+    assert [(f.call_id, f.reason.value) for f in receipt.failed_calls] == [("c", "coords_mismatch")]
 
 
 def test_chains_are_listed_in_the_order_their_leaves_were_admitted() -> None:

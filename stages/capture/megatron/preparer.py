@@ -156,6 +156,8 @@ class MegatronPromptPreparer:
         if ids is not None and starts_with(ids, prefix):
             self.stats.exact += 1
             return prompt, prepared
+        if prepared.admission.history == "render":  # served as rendered: capture starts a segment
+            return prompt, prepared
         renders = self.renderer(prompt, offload_params)
         if renders is None:
             detail = "prompt does not start with the exact prefix and no template renders were given"

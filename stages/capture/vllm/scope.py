@@ -24,7 +24,7 @@ from stages.capture.chat import ChatRenderer
 from stages.capture.core import CaptureCore, Completion, PreparedCall
 from stages.capture.splice import SpliceError
 from topics.failures import WorkerFailure
-from topics.records import CaptureAdmission, CommitCoords
+from topics.records import CaptureAdmission, CommitCoords, HistoryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class CaptureCounters:
     splice_failures: int = 0
     refit_straddles: int = 0
     abandoned_calls: int = 0
+    segments_started: int = 0
+    """Continuations under the ``render`` history policy whose render did not extend
+    their parent's tokens, staged as new roots."""
 
 
 class CaptureScope:
@@ -113,6 +116,8 @@ class CaptureScope:
             return full
         if not self.prefix_ids:
             return full
+        if self.history == "render":  # the engine sees the render; capture decides the segment
+            return full
         try:
             return self.renderer.spliced(self.prefix_ids, messages, tools, full, template_kwargs)
         except SpliceError as exc:
@@ -130,10 +135,16 @@ class CaptureScope:
         prefix = self.prefix_ids
         if self.failure is not None or not prefix or prompt[: len(prefix)] == prefix:
             return prompt
+        if self.history == "render":
+            return prompt
         head = decode(prefix)
         if text is not None and text.startswith(head):
             return prefix + self.renderer.encode(text[len(head) :])
         return self._splice_failed(SpliceError("the prompt does not start with the exact prefix"), prompt)
+
+    @property
+    def history(self) -> HistoryPolicy:
+        return self.prepared[0].admission.history
 
     def _splice_failed(self, exc: SpliceError, prompt: list[int]) -> list[int]:
         self.counters.splice_failures += 1
@@ -172,6 +183,8 @@ class CaptureScope:
                 extras=extras,
                 response_id=self.response_id,
             )
+            if completion.coords.parent_call_id is None and prepared.admission.parent_call_id is not None:
+                self.counters.segments_started += 1
         self._completions[index].set_result(completion)
 
     def abandon(self, code: WorkerFailure, weight_version: int, index: int | None = None) -> int:
