@@ -9,13 +9,19 @@ asking for the sampled token's logprob, as an RL client without capture would) a
 ``on`` (carrying an admission, ``ng_capture``; capture asks vLLM for that logprob
 itself). Per trial: generated tokens/s, request latency p50/p99, CPU seconds per call of
 each process (the worker's API server, which also runs capture, its engine core, the
-broker, the data plane) and of each thread of the API server, by name.
+broker, the data plane) and of each thread of the API server, by name. With several
+``--logprob-paths`` each gets its own worker (``tokentrail worker --logprob-path``), so
+capture's sampled-logprob path and vLLM's whole logprob output compare in one run.
 
     tokentrail bench vllm [--quick] [--json] [--requests 96] [--tokens 32] [--trials 3]
+                          [--acks staged,enqueued] [--logprob-paths sampled,vllm]
 
 ``summary.capture_over_off_median`` is the median on/off tokens/s ratio over every
-round; ``summary.by_ack`` has the same per ack policy;
+round of the first logprob path; ``summary.by_ack`` has the same per ack policy;
 ``summary.capture_over_logprobs_median`` divides by the trial asking for logprobs.
+``summary.capture_cpu_ms_per_call`` is capture's extra CPU per call (API process and
+engine core together, on minus off, median over rounds) of the first path;
+``summary.by_path`` has both numbers per logprob path.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class VllmBenchConfig:
     trials: int = 3
     acks: tuple[str, ...] = ACKS
     warmup: int = 16
+    logprob_paths: tuple[str, ...] = ("sampled",)
 
 
 QUICK = VllmBenchConfig(requests=48, trials=1)
@@ -156,25 +163,40 @@ def trial(url: str, model: str, config: VllmBenchConfig, mode: str, processes: P
     return result
 
 
-def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
-    """Tokens/s of capture on over off, and over off asking for logprobs, round by round."""
+def _extra_cpu_ms(on: dict[str, Any], off: dict[str, Any]) -> float:
+    """CPU per call the capture adds in the API process and the engine core together."""
+    return float(sum(on["cpu_ms_per_call"][r] - off["cpu_ms_per_call"][r] for r in ("worker", "engine_core")))
+
+
+def _path_summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """One logprob path's ratios per ack policy and capture's extra CPU, round by round."""
     ratios: dict[str, list[float]] = {}
     over_logprobs: list[float] = []
+    extra_cpu: list[float] = []
     for ack in sorted({t["ack"] for t in trials}):
-        rounds: dict[int, dict[str, float]] = {}
+        rounds: dict[int, dict[str, dict[str, Any]]] = {}
         for t in trials:
             if t["ack"] == ack:
-                rounds.setdefault(t["round"], {})[t["mode"]] = t["tokens_per_s"]
-        ratios[ack] = [speeds["on"] / speeds["off"] for speeds in rounds.values()]
-        over_logprobs += [speeds["on"] / speeds["logprobs"] for speeds in rounds.values()]
+                rounds.setdefault(t["round"], {})[t["mode"]] = t
+        ratios[ack] = [r["on"]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in rounds.values()]
+        over_logprobs += [r["on"]["tokens_per_s"] / r["logprobs"]["tokens_per_s"] for r in rounds.values()]
+        extra_cpu += [_extra_cpu_ms(r["on"], r["off"]) for r in rounds.values()]
     every = [r for values in ratios.values() for r in values]
     return {
         "capture_over_off_median": round(statistics.median(every), 3),
         "capture_over_logprobs_median": round(statistics.median(over_logprobs), 3),
+        "capture_cpu_ms_per_call": round(statistics.median(extra_cpu), 2),
         "by_ack": {ack: round(statistics.median(values), 3) for ack, values in ratios.items()},
         "ratios": {ack: [round(r, 3) for r in values] for ack, values in ratios.items()},
-        "target": TARGET_RATIO,
     }
+
+
+def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tokens/s of capture on over off, over off asking for logprobs, and capture's extra
+    CPU, round by round; the first logprob path's at the top, every path's in ``by_path``."""
+    paths = list(dict.fromkeys(t["logprob_path"] for t in trials))
+    by_path = {path: _path_summary([t for t in trials if t["logprob_path"] == path]) for path in paths}
+    return {**by_path[paths[0]], "by_path": by_path, "target": TARGET_RATIO}
 
 
 def run(config: VllmBenchConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
@@ -192,20 +214,29 @@ def run(config: VllmBenchConfig | None = None, *, command: str | None = None) ->
             plane,
             _,
         ):
-            for ack in config.acks:
-                argv = [
-                    *cli, "worker", "--model", str(model_dir), "--port", "0", "--ack", ack,
-                    "--bootstrap", broker.bootstrap, "--dataplane-addresses", str(root / "dataplane.json"),
-                    "--json", "--log-format", "json",
-                ]  # fmt: skip
-                with started(argv, root / f"worker-{ack}.log") as (worker, ready):
-                    url, model = ready["url"], ready["model"]
-                    processes = Processes(worker=worker.pid, broker=broker.pid, dataplane=plane.pid)
-                    asyncio.run(load(url, model, config, "on", config.warmup))  # compile, fill caches
-                    for number in range(config.trials):
-                        for mode in MODES:
-                            result = trial(url, model, config, mode, processes)
-                            trials.append({"ack": ack, "round": number, "mode": mode, **result})
+            for path in config.logprob_paths:
+                for ack in config.acks:
+                    argv = [
+                        *cli, "worker", "--model", str(model_dir), "--port", "0", "--ack", ack,
+                        "--logprob-path", path, "--bootstrap", broker.bootstrap,
+                        "--dataplane-addresses", str(root / "dataplane.json"), "--json", "--log-format", "json",
+                    ]  # fmt: skip
+                    with started(argv, root / f"worker-{ack}-{path}.log") as (worker, ready):
+                        url, model = ready["url"], ready["model"]
+                        processes = Processes(worker=worker.pid, broker=broker.pid, dataplane=plane.pid)
+                        asyncio.run(load(url, model, config, "on", config.warmup))  # compile, fill caches
+                        for number in range(config.trials):
+                            for mode in MODES:
+                                result = trial(url, model, config, mode, processes)
+                                trials.append(
+                                    {
+                                        "ack": ack,
+                                        "logprob_path": path,
+                                        "round": number,
+                                        "mode": mode,
+                                        **result,
+                                    }
+                                )
     report: dict[str, Any] = {
         "benchmark": "vllm",
         "config": asdict(config),
@@ -222,13 +253,14 @@ def run(config: VllmBenchConfig | None = None, *, command: str | None = None) ->
 
 def render(report: dict[str, Any]) -> str:
     lines = [
-        "| ack | mode | tokens/s | latency p50 / p99 ms | CPU ms per call: worker · engine · broker · data plane |",
-        "|---|---|---:|---:|---|",
+        "| ack | logprob path | mode | tokens/s | latency p50 / p99 ms "
+        "| CPU ms per call: worker · engine · broker · data plane |",
+        "|---|---|---|---:|---:|---|",
     ]
     for t in report["trials"]:
         cpu = t["cpu_ms_per_call"]
         lines.append(
-            f"| {t['ack']} | {t['mode']} | {t['tokens_per_s']:.0f} "
+            f"| {t['ack']} | {t['logprob_path']} | {t['mode']} | {t['tokens_per_s']:.0f} "
             f"| {t['latency_ms']['p50']:.0f} / {t['latency_ms']['p99']:.0f} "
             f"| {cpu['worker']:.1f} · {cpu['engine_core']:.1f} · {cpu['broker']:.1f} · {cpu['dataplane']:.1f} |"
         )
@@ -238,6 +270,11 @@ def render(report: dict[str, Any]) -> str:
         f"capture on / off, median: {s['capture_over_off_median']:.2f} ({by_ack}; target >= {s['target']}); "
         f"on / off asking for logprobs: {s['capture_over_logprobs_median']:.2f}"
     )
+    for path, summary in s["by_path"].items():
+        lines.append(
+            f"logprob path {path}: capture's extra CPU {summary['capture_cpu_ms_per_call']:.2f} ms per call "
+            f"(API process + engine core), on / off {summary['capture_over_off_median']:.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -250,6 +287,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, help="requests in flight (default 16)")
     parser.add_argument("--trials", type=int, help="rounds (off, logprobs, on) per ack policy (default 3)")
     parser.add_argument("--acks", type=str, help="ack policies, comma separated (default staged,enqueued)")
+    parser.add_argument(
+        "--logprob-paths",
+        type=str,
+        help="worker logprob paths, comma separated, a worker each (default sampled; also: vllm)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> VllmBenchConfig:
@@ -259,9 +301,14 @@ def config_from_args(args: argparse.Namespace) -> VllmBenchConfig:
         "tokens": args.tokens,
         "concurrency": args.concurrency,
         "trials": args.trials,
-        "acks": tuple(a.strip() for a in args.acks.split(",") if a.strip()) if args.acks else None,
+        "acks": _names(args.acks),
+        "logprob_paths": _names(args.logprob_paths),
     }
     return replace(config, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return tuple(name.strip() for name in text.split(",") if name.strip()) if text else None
 
 
 def run_args(args: argparse.Namespace, command: str) -> int:

@@ -114,7 +114,11 @@ class RecordingLLM:
             for completion in output.outputs:
                 record = call.choices.setdefault(int(completion.index), ChoiceRecord())
                 ids = [int(t) for t in completion.token_ids]
-                values = [float(e[t].logprob) for e, t in zip(completion.logprobs or [], ids, strict=False)]
+                # The sampled float itself on capture's sampled path, else vLLM's entry per token.
+                values = [
+                    e if isinstance(e, float) else float(e[t].logprob)
+                    for e, t in zip(completion.logprobs or [], ids, strict=False)
+                ]
                 if not delta:
                     record.token_ids, record.logprobs = [], []
                 record.token_ids += ids

@@ -76,6 +76,13 @@ def add_parser(subparsers: Any) -> None:
         default="record",
         help="calls straddling a refit: record their version spans, or fail their capture",
     )
+    parser.add_argument(
+        "--logprob-path",
+        choices=("sampled", "vllm"),
+        default="sampled",
+        help="captured calls whose client asked for no logprobs: keep the sampled float only, "
+        "or run vLLM's whole logprob output (default: sampled)",
+    )
     parser.add_argument("--prefix-wait-s", type=float, default=5.0, help="bound on waiting for a parent row")
     add_body_limit_argument(parser)
     parser.add_argument(
@@ -126,7 +133,7 @@ def add_parser(subparsers: Any) -> None:
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     from pipeline.worker.main import WorkerConfig, default_worker_id
     from stages.capture.core import AckPolicy
-    from stages.capture.vllm.client import SpanPolicy
+    from stages.capture.vllm.client import LogprobPath, SpanPolicy
     from stages.capture.vllm.engine import EngineSettings
 
     return WorkerConfig(
@@ -138,6 +145,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         served_model_name=args.served_model_name,
         weight_version=args.weight_version,
         span_policy=SpanPolicy(args.span_policy),
+        logprob_path=LogprobPath(args.logprob_path),
         prefix_wait_s=args.prefix_wait_s,
         max_body_bytes=args.max_body_bytes,
         retain_bytes=args.retain_bytes,

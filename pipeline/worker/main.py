@@ -41,7 +41,7 @@ from stages.capture.chat import ChatRenderer, template_family
 from stages.capture.core import AckPolicy, CaptureCore
 from stages.capture.resolve import PrefixResolver
 from stages.capture.retain import DEFAULT_BUDGET_BYTES, RetainedRows
-from stages.capture.vllm.client import CapturingEngineClient, SpanPolicy
+from stages.capture.vllm.client import CapturingEngineClient, LogprobPath, SpanPolicy
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
 from stages.capture.vllm.worker import VllmWorker
 from stages.capture.writer import StagingWriter
@@ -66,6 +66,8 @@ class WorkerConfig:
     served_model_name: str | None = None
     weight_version: int = 0
     span_policy: SpanPolicy = SpanPolicy.RECORD
+    logprob_path: LogprobPath = LogprobPath.SAMPLED
+    """How captured calls get their sampled logprobs when their client asked for none."""
     prefix_wait_s: float = 5.0
     cache_bytes: int = 256 * 2**20
     writer_max_queue: int = 4096
@@ -120,6 +122,7 @@ def build_worker(
         engine.llm if llm is None else llm,
         weight_version=config.weight_version,
         span_policy=config.span_policy,
+        logprob_path=config.logprob_path,
     )
     family = config.template_family or (
         "custom" if config.chat_template is not None else template_family(config.model_dir)

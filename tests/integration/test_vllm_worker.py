@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from enginekit import (
     LOGPROB_TOL,
@@ -167,6 +168,66 @@ def test_template_kwargs_are_honoured_under_capture(
         assert child.prompt_ids[: len(exact)] == exact
         assert child.prompt_ids[len(exact) :].count(im_start) == 2  # the new user turn, the reply's
     assert_matches_hf(oracle, models.chatml, sample)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_the_sampled_logprob_path_equals_vllms_own_logprobs(
+    host: EngineHost, models: Models, stream: bool
+) -> None:
+    """A captured call whose client asked for no logprobs keeps only the sampled float
+    (``SampledLogprobs``); the same call asking for ``logprobs`` (top 0) goes through
+    vLLM's whole logprob output. Sampled with a seed, both draw the same tokens, and every
+    token's logprob is the same float, equal to what vLLM's reply lists."""
+    rig = start_rig(host, models.chatml)
+    sampled = {
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 11,
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    messages = [{"role": "user", "content": "Add 2 and 3."}]
+    rows, listed = [], []
+    hook = rig.worker.client.sampled_logprobs
+    assert hook is not None
+    replaced = hook.replaced
+    try:
+        for asked in (False, True):
+            extra = {"logprobs": True, "top_logprobs": 0} if asked else {}
+            admission = rig.admit(f"r-logprob-{asked}")
+            response = chat(
+                rig, rig.client.request_body({"messages": messages, **sampled, **extra}, admission)
+            )
+            assert response.status_code == 200, response.text
+            if stream:
+                chunks = [
+                    orjson.loads(line[len("data: ") :])
+                    for line in response.text.splitlines()
+                    if line.startswith("data: {")
+                ]
+                coords = CommitCoords.model_validate(chunks[-1][COORDS_FIELD])
+                content = [
+                    e
+                    for c in chunks
+                    for ch in c["choices"]
+                    for e in ((ch.get("logprobs") or {}).get("content") or [])
+                ]
+            else:
+                reply = response.json()
+                coords = CommitCoords.model_validate(reply[COORDS_FIELD])
+                content = (reply["choices"][0].get("logprobs") or {}).get("content") or []
+            row = rig.data_plane.calls[coords.staging_key]
+            rows.append((row.token_ids_delta[row.token_mask_delta.index(1.0) :], row.logprobs_delta))
+            listed.append([entry["logprob"] for entry in content])
+    finally:
+        rig.close()
+    (ids_sampled, lp_sampled), (ids_vllm, lp_vllm) = rows
+    assert ids_sampled == ids_vllm and len(ids_sampled) == 24
+    generated = len(ids_sampled)
+    assert lp_sampled[-generated:] == lp_vllm[-generated:]  # the same float32, token for token
+    assert listed[0] == [] and lp_vllm[-generated:] == pytest.approx(listed[1], abs=1e-6)
+    assert hook.replaced == replaced + 1  # the call that asked kept vLLM's path
 
 
 def test_plain_requests_and_malformed_capture(host: EngineHost, models: Models) -> None:

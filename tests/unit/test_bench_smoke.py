@@ -276,8 +276,20 @@ def test_vllm_summary_pairs_each_round_by_mode() -> None:
         ("staged", 1): (200.0, 100.0, 50.0),
         ("enqueued", 0): (10.0, 10.0, 9.0),
     }
+    cpu = {"off": (2.0, 20.0), "logprobs": (5.0, 24.0), "on": (5.5, 24.5)}  # API process, engine core
     trials = [
-        {"ack": ack, "round": number, "mode": mode, "tokens_per_s": speed}
+        {
+            "ack": ack,
+            "logprob_path": path,
+            "round": number,
+            "mode": mode,
+            "tokens_per_s": speed if path == "vllm" else speed * 2,
+            "cpu_ms_per_call": {
+                "worker": cpu[mode][0] - (2.0 if path == "sampled" and mode == "on" else 0.0),
+                "engine_core": cpu[mode][1] + number,
+            },
+        }
+        for path in ("vllm", "sampled")
         for (ack, number), values in speeds.items()
         for mode, speed in zip(vllm.MODES, values, strict=True)
     ]
@@ -286,6 +298,8 @@ def test_vllm_summary_pairs_each_round_by_mode() -> None:
     assert summary["by_ack"] == {"enqueued": 0.9, "staged": 0.53}
     assert summary["capture_over_off_median"] == 0.81
     assert summary["capture_over_logprobs_median"] == 0.9  # 0.9, 0.5, 0.9
+    assert summary["capture_cpu_ms_per_call"] == 8.0  # the first path's: (5.5 - 2) + (24.5 - 20)
+    assert summary["by_path"]["sampled"]["capture_cpu_ms_per_call"] == 6.0
 
 
 def test_quotas_summary_pairs_each_round_per_gateway() -> None:

@@ -37,6 +37,7 @@ from stages.capture.vllm.client import (
     SCOPE_KEY,
     CapturingEngineClient,
     InvalidWeightVersion,
+    LogprobPath,
     SpanPolicy,
     tag_engine_input,
     weight_spans,
@@ -191,8 +192,12 @@ class Rig:
             cache,
             ack_policy=AckPolicy.STAGED,
         )
+        # The fake engine answers with vLLM-shaped logprob entries: vLLM's path reads them.
         self.client = CapturingEngineClient(
-            self.engine, weight_version=self.weight_version, span_policy=self.span_policy
+            self.engine,
+            weight_version=self.weight_version,
+            span_policy=self.span_policy,
+            logprob_path=LogprobPath.VLLM,
         )
 
     async def scope(self, admissions: Sequence[CaptureAdmission], response_id: str = "resp") -> CaptureScope:
@@ -426,7 +431,7 @@ def test_choice_finished_with_an_engine_error_is_not_staged(renderer: ChatRender
 def test_untagged_requests_pass_through_untouched() -> None:
     engine = FakeEngine()
     engine.script = [Output([1, 2], [choice(0, [300], [-0.5], "stop")])]
-    client = CapturingEngineClient(engine)
+    client = CapturingEngineClient(engine, logprob_path=LogprobPath.VLLM)
     params = sampling()
     prompt = {"prompt_token_ids": [1, 2]}
     stream: AsyncIterator[Output] = client.generate(prompt, params, "req")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from stages.capture.vllm.logprobs import SAMPLED_ONLY, SampledLogprobHook
 from stages.capture.vllm.scope import CaptureCounters, CaptureScope
 from topics.failures import WorkerFailure
 from topics.records import EXTRAS_WEIGHT_SPANS
@@ -43,6 +44,14 @@ class SpanPolicy(StrEnum):
 
     RECORD = "record"
     REJECT = "reject"
+
+
+class LogprobPath(StrEnum):
+    """How a captured request whose client did not ask for logprobs gets its sampled ones:
+    the float alone (``sampled``, ``logprobs``), or vLLM's whole logprob output (``vllm``)."""
+
+    SAMPLED = "sampled"
+    VLLM = "vllm"
 
 
 class InvalidWeightVersion(ValueError):
@@ -70,12 +79,17 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
-    def add(self, completion: Any, *, delta: bool) -> None:
+    def add(self, completion: Any, *, delta: bool, sampled_only: bool) -> None:
+        """``sampled_only``: the output's logprobs are the sampled floats (``SampledLogprobs``),
+        else vLLM's per-position entries keyed by token."""
         ids = [int(t) for t in completion.token_ids]
         entries = completion.logprobs or []
         if len(entries) != len(ids):
             raise RuntimeError(f"the engine returned {len(entries)} logprobs for {len(ids)} tokens")
-        values = [float(entry[token].logprob) for entry, token in zip(entries, ids, strict=True)]
+        if sampled_only:
+            values = list(entries)
+        else:
+            values = [float(entry[token].logprob) for entry, token in zip(entries, ids, strict=True)]
         if delta:
             self.token_ids += ids
             self.logprobs += values
@@ -93,11 +107,16 @@ class CapturingEngineClient:
         weight_version: int = 0,
         span_policy: SpanPolicy = SpanPolicy.RECORD,
         counters: CaptureCounters | None = None,
+        logprob_path: LogprobPath = LogprobPath.SAMPLED,
     ) -> None:
         if weight_version < 0:
             raise ValueError(f"weight_version: must be >= 0, got {weight_version}")
         self._inner = inner
         self.span_policy = span_policy
+        self.sampled_logprobs: SampledLogprobHook | None = None
+        """On ``LogprobPath.SAMPLED``: the hook on the engine's output processor."""
+        if logprob_path is LogprobPath.SAMPLED:
+            self.sampled_logprobs = SampledLogprobHook.on(inner.output_processor)
         self.counters = counters if counters is not None else CaptureCounters()
         self.engine_errors = 0
         self._version = weight_version
@@ -149,7 +168,8 @@ class CapturingEngineClient:
     ) -> AsyncIterator[Any]:
         version = self._version  # the version in effect when the call enters the engine
         scope.response_id = request_id  # vLLM's: the reply's id for chat and completions
-        params = _with_sampled_logprob(sampling_params)
+        params = _with_sampled_logprob(sampling_params, sampled_only=self.sampled_logprobs is not None)
+        sampled_only = bool((params.extra_args or {}).get(SAMPLED_ONLY))
         delta = _is_delta(params)
         prompt_ids = [int(t) for t in prompt.get("prompt_token_ids") or ()]
         choices: dict[int, _Choice] = {}
@@ -161,7 +181,7 @@ class CapturingEngineClient:
                 for completion in output.outputs:
                     index = int(completion.index)
                     choice = choices.setdefault(index, _Choice())
-                    choice.add(completion, delta=delta)
+                    choice.add(completion, delta=delta, sampled_only=sampled_only)
                     if completion.finish_reason in UNFINISHED:
                         scope.abandon(WorkerFailure.NOT_SERVED, version, index)
                     elif completion.finish_reason is not None:
@@ -211,12 +231,15 @@ class CapturingEngineClient:
         )
 
 
-def _with_sampled_logprob(params: Any) -> Any:
-    """Parameters that return at least the sampled token's logprob (the row needs it)."""
+def _with_sampled_logprob(params: Any, *, sampled_only: bool) -> Any:
+    """Parameters that return at least the sampled token's logprob (the row needs it);
+    ``sampled_only`` marks a request that did not ask for logprobs for ``SampledLogprobs``."""
     if getattr(params, "logprobs", None) is not None:
         return params
     params = params.clone()
     params.logprobs = 0
+    if sampled_only:
+        params.extra_args = {**(params.extra_args or {}), SAMPLED_ONLY: True}
     return params
 
 
@@ -256,6 +279,7 @@ __all__ = [
     "SCOPE_KEY",
     "CapturingEngineClient",
     "InvalidWeightVersion",
+    "LogprobPath",
     "SpanPolicy",
     "parse_weight_version",
     "tag_engine_input",
