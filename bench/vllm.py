@@ -163,9 +163,13 @@ def trial(url: str, model: str, config: VllmBenchConfig, mode: str, processes: P
     return result
 
 
-def _extra_cpu_ms(on: dict[str, Any], off: dict[str, Any]) -> float:
-    """CPU per call the capture adds in the API process and the engine core together."""
-    return float(sum(on["cpu_ms_per_call"][r] - off["cpu_ms_per_call"][r] for r in ("worker", "engine_core")))
+CAPTURE_PROCESSES = ("worker", "engine_core")
+"""Where capture's own CPU goes: the API process (vLLM's serving and capture) and the engine core."""
+
+
+def _extra_cpu_ms(on: dict[str, Any], off: dict[str, Any], roles: Sequence[str] = CAPTURE_PROCESSES) -> float:
+    """CPU per call the capture adds in ``roles`` (by default the API process and the engine core)."""
+    return float(sum(on["cpu_ms_per_call"][r] - off["cpu_ms_per_call"][r] for r in roles))
 
 
 def _path_summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -173,6 +177,7 @@ def _path_summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
     ratios: dict[str, list[float]] = {}
     over_logprobs: list[float] = []
     extra_cpu: list[float] = []
+    by_process: dict[str, list[float]] = {role: [] for role in CAPTURE_PROCESSES}
     for ack in sorted({t["ack"] for t in trials}):
         rounds: dict[int, dict[str, dict[str, Any]]] = {}
         for t in trials:
@@ -181,11 +186,16 @@ def _path_summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
         ratios[ack] = [r["on"]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in rounds.values()]
         over_logprobs += [r["on"]["tokens_per_s"] / r["logprobs"]["tokens_per_s"] for r in rounds.values()]
         extra_cpu += [_extra_cpu_ms(r["on"], r["off"]) for r in rounds.values()]
+        for role, values in by_process.items():
+            values += [_extra_cpu_ms(r["on"], r["off"], (role,)) for r in rounds.values()]
     every = [r for values in ratios.values() for r in values]
     return {
         "capture_over_off_median": round(statistics.median(every), 3),
         "capture_over_logprobs_median": round(statistics.median(over_logprobs), 3),
         "capture_cpu_ms_per_call": round(statistics.median(extra_cpu), 2),
+        "capture_cpu_ms_per_call_by_process": {
+            role: round(statistics.median(values), 2) for role, values in by_process.items()
+        },
         "by_ack": {ack: round(statistics.median(values), 3) for ack, values in ratios.items()},
         "ratios": {ack: [round(r, 3) for r in values] for ack, values in ratios.items()},
     }
@@ -273,7 +283,9 @@ def render(report: dict[str, Any]) -> str:
     for path, summary in s["by_path"].items():
         lines.append(
             f"logprob path {path}: capture's extra CPU {summary['capture_cpu_ms_per_call']:.2f} ms per call "
-            f"(API process + engine core), on / off {summary['capture_over_off_median']:.2f}"
+            f"(API process {summary['capture_cpu_ms_per_call_by_process']['worker']:.2f} "
+            f"+ engine core {summary['capture_cpu_ms_per_call_by_process']['engine_core']:.2f}), "
+            f"on / off {summary['capture_over_off_median']:.2f}"
         )
     return "\n".join(lines)
 

@@ -300,6 +300,10 @@ def test_vllm_summary_pairs_each_round_by_mode() -> None:
     assert summary["capture_over_logprobs_median"] == 0.9  # 0.9, 0.5, 0.9
     assert summary["capture_cpu_ms_per_call"] == 8.0  # the first path's: (5.5 - 2) + (24.5 - 20)
     assert summary["by_path"]["sampled"]["capture_cpu_ms_per_call"] == 6.0
+    assert summary["by_path"]["sampled"]["capture_cpu_ms_per_call_by_process"] == {
+        "worker": 1.5,
+        "engine_core": 4.5,
+    }
 
 
 def test_quotas_summary_pairs_each_round_per_gateway() -> None:
