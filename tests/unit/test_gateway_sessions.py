@@ -9,11 +9,12 @@ import pytest
 
 from pipeline.gateway.lineage import GatewayCall, logical_call_id, parse_logical_call_id, resolve
 from pipeline.gateway.normalize import Turn, extended, history_of
+from pipeline.gateway.recovery import _recovered
 from pipeline.gateway.sessions import ABANDONED, SessionError, Sessions
 from pipeline.gateway.upstream import NoWorker, Workers
 from stages.client import RolloutClient
 from stages.memory import RecordingSink
-from topics.records import RolloutSeal
+from topics.records import CallCoords, CommitCoords, RolloutSeal
 
 
 def chat(*texts: str) -> dict[str, Any]:
@@ -177,3 +178,39 @@ def test_logical_ids_carry_the_request_and_recovered_calls_continue_by_role() ->
         ).parent
         is None
     )
+
+
+def test_a_recovered_segment_root_continues_from_its_own_key_alone() -> None:
+    """After a restart, a call the worker staged as a new segment's root (``history:
+    render``) anchors its children with a chain of its own key, as its reply's coords did."""
+    client = RolloutClient(RecordingSink())
+    root = client.admit("r1", call_id="c1", logical_call_id=logical_call_id(history_of("chat", chat("hi"))))
+    parent = CommitCoords.model_validate({**_coords("r1", "c1", None, 0), "staging_chain": ["r1/c1"]})
+    admitted = client.admit(
+        "r1", parent, call_id="c2", history="render", logical_call_id=root.logical_call_id
+    )
+    as_child = CallCoords.model_validate(_coords("r1", "c2", "c1", parent.cum_len))
+    as_root = CallCoords.model_validate(_coords("r1", "c2", None, 0))
+    child = _recovered(admitted, as_child)
+    segment = _recovered(admitted, as_root)
+    assert child.coords is not None and child.coords.staging_chain == ["r1/c1", "r1/c2"]
+    assert segment.coords is not None and segment.coords.staging_chain == ["r1/c2"]
+
+
+def _coords(rollout_id: str, call_id: str, parent: str | None, prev_len: int) -> dict[str, object]:
+    return {
+        "rollout_id": rollout_id,
+        "call_id": call_id,
+        "parent_call_id": parent,
+        "mode": "token_in" if parent else "text",
+        "prev_len": prev_len,
+        "delta_len": 5,
+        "cum_len": prev_len + 5,
+        "weight_version": 0,
+        "staging_key": f"{rollout_id}/{call_id}",
+        "chain_hash": "a" * 64,
+        "cumulative_hash": "b" * 64,
+        "digest": "c" * 64,
+        "extras_digest": "d" * 64,
+        "disposition": "staged",
+    }
