@@ -118,6 +118,11 @@ def test_pipeline_smallest_configuration_inline_and_as_processes(tmp_path: Path)
     )
     by_mode = report["summary"]["by_mode"]
     assert by_mode["processes"]["calls_per_s_best"] == processes["backlog"]["calls_per_s"]
+    cpu = sum(processes["cpu_s"].values()) * 1000 / processes["backlog"]["calls"]
+    assert by_mode["processes"]["pipeline_cpu_ms_per_call"] == round(cpu, 3)
+    assert report["summary"]["pipeline_cpu_ms_per_call"] == min(
+        m["pipeline_cpu_ms_per_call"] for m in by_mode.values()
+    )
     assert Path(report["plot"]).read_bytes().startswith(PNG)
 
 
