@@ -80,8 +80,9 @@ def add_parser(subparsers: Any) -> None:
         "--logprob-path",
         choices=("sampled", "vllm"),
         default="sampled",
-        help="captured calls whose client asked for no logprobs: keep the sampled float only, "
-        "or run vLLM's whole logprob output (default: sampled)",
+        help="sampled: the engine's sampler takes the sampled token's logprob directly, and "
+        "captured calls whose client asked for no logprobs keep that float only; vllm: vLLM's "
+        "whole logprob path (default: sampled)",
     )
     parser.add_argument("--prefix-wait-s", type=float, default=5.0, help="bound on waiting for a parent row")
     add_body_limit_argument(parser)
@@ -161,6 +162,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             max_model_len=args.max_model_len,
             kv_cache_memory_bytes=args.kv_cache_bytes,
             seed=args.seed,
+            sampled_logprob_sampler=args.logprob_path == "sampled",
         ),
     )
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import array
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,14 @@ FIELD_DTYPES: dict[str, torch.dtype] = {
     "counts": torch.int64,
     "weight_versions": torch.int64,
     "meta": torch.uint8,
+}
+FIELD_NUMPY: dict[str, type[np.generic]] = {
+    "token_ids": np.int64,
+    "token_mask": np.float32,
+    "logprobs": np.float32,
+    "counts": np.int64,
+    "weight_versions": np.int64,
+    "meta": np.uint8,
 }
 COUNTS: tuple[str, ...] = ("prev_len", "delta_len", "cum_len", "weight_version")
 
@@ -231,21 +240,43 @@ def encode_samples(samples: Sequence[TrainingSample]) -> TensorDict:
 # ---------------------------------------------------------------- decoding
 
 
-def column(data: TensorDict, keys: Sequence[str], field: str) -> list[torch.Tensor]:
-    """The per-row tensors of ``field``, each checked for dtype and rank.
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One field's rows as one flat array and each row's bounds in it.
+
+    TransferQueue returns a column as a jagged nested tensor: its values are one buffer
+    already, so rows are read from that buffer as a whole (one ``tolist`` or one
+    ``tobytes`` per column) and cut by offsets, instead of one tensor slice and one
+    conversion per row.
+    """
+
+    flat: npt.NDArray[Any]
+    bounds: list[int]
+
+    def lists(self) -> list[list[Any]]:
+        """Each row as a Python list (ints or floats)."""
+        values = self.flat.tolist()
+        return [values[start:end] for start, end in itertools.pairwise(self.bounds)]
+
+    def blobs(self) -> list[bytes]:
+        """Each row's bytes (a ``uint8`` field)."""
+        raw = self.flat.tobytes()
+        return [raw[start:end] for start, end in itertools.pairwise(self.bounds)]
+
+
+def column(data: TensorDict, keys: Sequence[str], field: str) -> Column:
+    """The rows of ``field``, checked for dtype and rank.
 
     TransferQueue hands a column back as a jagged nested tensor when every row agrees in
-    dtype and rank; when they do not it falls back to a *strided* nested tensor that
-    silently casts them, so that layout is itself the sign of a bad row (which one is
-    not knowable from the batch). Rows are sliced out of the jagged buffer directly:
-    unbinding a nested tensor goes through torch's slow Python-level dispatch.
+    dtype and rank (a dense one when they also agree in length); when they do not it
+    falls back to a *strided* nested tensor that silently casts them, so that layout is
+    itself the sign of a bad row (which one is not knowable from the batch).
     """
     value: Any = data.get(field, None)
     if value is None:
         raise RowFormatError(keys[0] if len(keys) == 1 else None, field, "missing from the rows read")
     expected = FIELD_DTYPES[field]
     whole = keys[0] if len(keys) == 1 else None  # whom a whole-column problem concerns
-    parts: list[Any]
     if isinstance(value, torch.Tensor):
         if value.is_nested and value.layout != torch.jagged:
             raise RowFormatError(
@@ -257,15 +288,15 @@ def column(data: TensorDict, keys: Sequence[str], field: str) -> list[torch.Tens
             raise RowFormatError(whole, field, f"dtype {value.dtype}, expected {expected}")
         if value.is_nested:
             jagged: Any = value  # torch's NestedTensor; its stubs are the plain Tensor's
-            flat = jagged.values()
-            bounds = jagged.offsets().tolist()
-            parts = [flat[start:end] for start, end in itertools.pairwise(bounds)]
+            found = Column(jagged.values().numpy(), jagged.offsets().tolist())
         else:
-            parts = list(value.unbind(0))
-    elif hasattr(value, "tolist"):
-        parts = list(value.tolist())  # NonTensorStack: a row lacking this field comes back as None
-    else:
-        parts = list(value)
+            rows, width = value.shape
+            found = Column(value.contiguous().reshape(-1).numpy(), list(range(0, rows * width + 1, width)))
+        if len(found.bounds) - 1 != len(keys):
+            raise RowFormatError(whole, field, f"{len(found.bounds) - 1} values for {len(keys)} keys")
+        return found
+    # A NonTensorStack (or a list): per-row tensors, a row lacking this field as None.
+    parts = list(value.tolist()) if hasattr(value, "tolist") else list(value)
     if len(parts) != len(keys):
         raise RowFormatError(whole, field, f"{len(parts)} values for {len(keys)} keys")
     for key, part in zip(keys, parts, strict=True):
@@ -277,12 +308,14 @@ def column(data: TensorDict, keys: Sequence[str], field: str) -> list[torch.Tens
             raise RowFormatError(key, field, f"dtype {part.dtype}, expected {expected}")
         if part.dim() != 1:
             raise RowFormatError(key, field, f"shape {tuple(part.shape)}, expected one dimension")
-    return parts
+    bounds = [0, *itertools.accumulate(int(part.shape[0]) for part in parts)]
+    flat = torch.cat(parts).numpy() if parts else np.zeros(0, dtype=FIELD_NUMPY[field])
+    return Column(flat, bounds)
 
 
-def _document(key: str, blob: torch.Tensor) -> dict[str, Any]:
+def _document(key: str, blob: bytes) -> dict[str, Any]:
     try:
-        document = orjson.loads(blob.numpy().tobytes())
+        document = orjson.loads(blob)
     except orjson.JSONDecodeError as exc:
         raise RowFormatError(key, "meta", f"not JSON ({exc})") from None
     if not isinstance(document, dict):
@@ -303,10 +336,11 @@ def _take(key: str, document: dict[str, Any], name: str, types: tuple[type, ...]
 
 def decode_calls(keys: Sequence[str], data: TensorDict) -> list[StagedCall]:
     """Rows read for ``keys`` (in that order) as ``StagedCall`` records, unvalidated."""
-    ids, masks, logprobs, counts, metas = (column(data, keys, name) for name in CALL_FIELDS)
+    ids, masks, logprobs, counts = (column(data, keys, name).lists() for name in CALL_FIELDS[:4])
+    metas = column(data, keys, "meta").blobs()
     rows: list[StagedCall] = []
     for i, key in enumerate(keys):
-        count = counts[i].tolist()
+        count = counts[i]
         if len(count) != len(COUNTS):
             raise RowFormatError(
                 key, "counts", f"{len(count)} values, expected {len(COUNTS)} ({', '.join(COUNTS)})"
@@ -325,9 +359,9 @@ def decode_calls(keys: Sequence[str], data: TensorDict) -> list[StagedCall]:
                     "delta_len": count[1],
                     "cum_len": count[2],
                     "weight_version": count[3],
-                    "token_ids_delta": ids[i].tolist(),
-                    "token_mask_delta": masks[i].tolist(),
-                    "logprobs_delta": logprobs[i].tolist(),
+                    "token_ids_delta": ids[i],
+                    "token_mask_delta": masks[i],
+                    "logprobs_delta": logprobs[i],
                     "extras": _take(key, document, "extras", (dict, type(None))),
                     "extras_digest": _take(key, document, "extras_digest", _STR),
                     "chain_hash": _take(key, document, "chain_hash", _STR),
@@ -362,7 +396,8 @@ def _spans(key: str, raw: list[Any], schema_version: Any) -> list[CallSpan]:
 
 def decode_samples(keys: Sequence[str], data: TensorDict) -> list[TrainingSample]:
     """Samples read for ``keys`` (in that order) as ``TrainingSample`` records, unvalidated."""
-    ids, masks, logprobs, versions, metas = (column(data, keys, name) for name in SAMPLE_FIELDS)
+    ids, masks, logprobs, versions = (column(data, keys, name).lists() for name in SAMPLE_FIELDS[:4])
+    metas = column(data, keys, "meta").blobs()
     samples: list[TrainingSample] = []
     for i, key in enumerate(keys):
         document = _document(key, metas[i])
@@ -374,10 +409,10 @@ def decode_samples(keys: Sequence[str], data: TensorDict) -> list[TrainingSample
                     "schema_version": schema_version,
                     "rollout_id": _take(key, document, "rollout_id", _STR),
                     "group_id": _take(key, document, "group_id", _OPT_STR),
-                    "token_ids": ids[i].tolist(),
-                    "token_mask": masks[i].tolist(),
-                    "logprobs": logprobs[i].tolist(),
-                    "weight_versions": versions[i].tolist(),
+                    "token_ids": ids[i],
+                    "token_mask": masks[i],
+                    "logprobs": logprobs[i],
+                    "weight_versions": versions[i],
                     "spans": _spans(key, _take(key, document, "spans", (list,)), schema_version),
                     "reward": _take(key, document, "reward", (float, type(None))),
                     "cumulative_hash": _take(key, document, "cumulative_hash", _STR),

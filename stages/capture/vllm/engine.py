@@ -41,6 +41,9 @@ class EngineSettings:
     kv_cache_memory_bytes: int | None = 64 * 2**20
     enforce_eager: bool = True
     seed: int = 0
+    sampled_logprob_sampler: bool = True
+    """Run vLLM's worker with capture's sampler hook (``stages.capture.vllm.sampler``):
+    the sampled token's logprob without vLLM's general top-k path."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -55,12 +58,21 @@ class EngineSettings:
         }
         if self.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.sampled_logprob_sampler:
+            kwargs["worker_cls"] = capture_worker_cls()
         kwargs.update(self.extra)
         if kwargs["logprobs_mode"] != LOGPROBS_MODE:
             raise ValueError(
                 f"logprobs_mode: capture records {LOGPROBS_MODE}, got {kwargs['logprobs_mode']!r}"
             )
         return kwargs
+
+
+def capture_worker_cls() -> str:
+    """vLLM's worker for this host with capture's sampler hook, as vLLM's ``worker_cls``."""
+    platforms = importlib.import_module("vllm.platforms")
+    kind = "CPU" if platforms.current_platform.is_cpu() else "GPU"
+    return f"stages.capture.vllm.sampler.Capture{kind}Worker"
 
 
 class EngineUnavailable(RuntimeError):
