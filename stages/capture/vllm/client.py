@@ -47,8 +47,9 @@ class SpanPolicy(StrEnum):
 
 
 class LogprobPath(StrEnum):
-    """How a captured request whose client did not ask for logprobs gets its sampled ones:
-    the float alone (``sampled``, ``logprobs``), or vLLM's whole logprob output (``vllm``)."""
+    """How captured calls get the sampled token's logprob: capture's own path (``sampled``:
+    the engine's sampler computes it directly, and a request whose client asked for no
+    logprobs keeps the float alone), or vLLM's whole logprob output (``vllm``)."""
 
     SAMPLED = "sampled"
     VLLM = "vllm"
