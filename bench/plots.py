@@ -1,10 +1,12 @@
-"""Plots for ``bench/RESULTS.md``: engine throughput vs data-plane delay, latency CDFs.
+"""Plots for ``bench/RESULTS.md``: engine throughput vs data-plane delay, latency CDFs,
+capture's CPU per call by process.
 
 matplotlib with the Agg backend (no display); imported only when a plot is asked for.
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,35 @@ def latency_cdf(report: dict[str, Any], path: str | Path) -> Path:
     return _save(fig, plt, path)
 
 
+CPU_PARTS = (("worker", "API process", "tab:blue"), ("engine_core", "engine core", "tab:orange"))
+
+
+def cpu_per_call(report: dict[str, Any], path: str | Path) -> Path:
+    """``bench vllm``: CPU ms per call of the API process and the engine core (stacked,
+    median of rounds) for each logprob path and mode, side by side."""
+    plt = _pyplot()
+    trials = report["trials"]
+    paths = list(dict.fromkeys(t["logprob_path"] for t in trials))
+    modes = list(dict.fromkeys(t["mode"] for t in trials))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(paths) * len(modes), 4.4))
+    labels: list[str] = []
+    for x, (logprob_path, mode) in enumerate((p, m) for p in paths for m in modes):
+        chosen = [t for t in trials if t["logprob_path"] == logprob_path and t["mode"] == mode]
+        bottom = 0.0
+        for role, name, color in CPU_PARTS:
+            height = statistics.median(t["cpu_ms_per_call"][role] for t in chosen)
+            ax.bar(x, height, bottom=bottom, color=color, label=name if x == 0 else None)
+            bottom += height
+        labels.append(f"{logprob_path}\n{mode}")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("CPU ms per call (median of rounds)")
+    ax.set_title("Capture's CPU by process: capture's sampled-logprob path vs vLLM's")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
 def _save(fig: Any, plt: Any, path: str | Path) -> Path:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -95,4 +126,4 @@ def _save(fig: Any, plt: Any, path: str | Path) -> Path:
     return target
 
 
-__all__ = ["engine_throughput", "latency_cdf"]
+__all__ = ["cpu_per_call", "engine_throughput", "latency_cdf"]

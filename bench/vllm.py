@@ -14,7 +14,7 @@ broker, the data plane) and of each thread of the API server, by name. With seve
 capture's sampled-logprob path and vLLM's whole logprob output compare in one run.
 
     tokentrail bench vllm [--quick] [--json] [--requests 96] [--tokens 32] [--trials 3]
-                          [--acks staged,enqueued] [--logprob-paths sampled,vllm]
+                          [--acks staged,enqueued] [--logprob-paths sampled,vllm] [--plot FILE.png]
 
 ``summary.capture_over_off_median`` is the median on/off tokens/s ratio over every
 round of the first logprob path; ``summary.by_ack`` has the same per ack policy;
@@ -299,6 +299,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, help="requests in flight (default 16)")
     parser.add_argument("--trials", type=int, help="rounds (off, logprobs, on) per ack policy (default 3)")
     parser.add_argument("--acks", type=str, help="ack policies, comma separated (default staged,enqueued)")
+    parser.add_argument("--plot", type=Path, help="write the CPU-per-call-by-process chart (PNG) here")
     parser.add_argument(
         "--logprob-paths",
         type=str,
@@ -325,6 +326,10 @@ def _names(text: str | None) -> tuple[str, ...] | None:
 
 def run_args(args: argparse.Namespace, command: str) -> int:
     report = run(config_from_args(args), command=command)
+    if args.plot is not None:
+        from bench.plots import cpu_per_call
+
+        report["plot"] = str(cpu_per_call(report, args.plot))
     emit(report, as_json=args.json, text=render(report))
     return 0
 

@@ -311,6 +311,17 @@ def test_vllm_summary_pairs_each_round_by_mode() -> None:
     }
 
 
+def test_vllm_cpu_chart_is_drawn_per_path_and_mode(tmp_path: Path) -> None:
+    from bench.plots import cpu_per_call
+
+    trials = [
+        {"logprob_path": path, "mode": mode, "cpu_ms_per_call": {"worker": 2.0, "engine_core": 18.0}}
+        for path in ("sampled", "vllm")
+        for mode in vllm.MODES
+    ]
+    assert cpu_per_call({"trials": trials}, tmp_path / "cpu.png").read_bytes().startswith(PNG)
+
+
 def test_quotas_summary_pairs_each_round_per_gateway() -> None:
     """Flooded over alone divides the two trials of one round on one gateway."""
     p50 = {
