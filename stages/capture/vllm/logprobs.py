@@ -35,9 +35,10 @@ class SampledLogprobs(LogprobsProcessor):  # type: ignore[misc]
 
     @classmethod
     def replacing(cls, processor: LogprobsProcessor) -> SampledLogprobs:
-        """This processor in place of vLLM's, before the request's first output."""
+        """This processor in place of vLLM's, before the request's first output (prompt
+        logprobs, if the client asked for them, keep vLLM's handling and its tokenizer)."""
         return cls(
-            tokenizer=None,
+            tokenizer=processor.tokenizer,
             logprobs=[],
             prompt_logprobs=processor.prompt_logprobs,
             cumulative_logprob=0.0,
