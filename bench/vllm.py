@@ -167,11 +167,6 @@ CAPTURE_PROCESSES = ("worker", "engine_core")
 """Where capture's own CPU goes: the API process (vLLM's serving and capture) and the engine core."""
 
 
-def _extra_cpu_ms(on: dict[str, Any], off: dict[str, Any], roles: Sequence[str] = CAPTURE_PROCESSES) -> float:
-    """CPU per call the capture adds in ``roles`` (by default the API process and the engine core)."""
-    return float(sum(on["cpu_ms_per_call"][r] - off["cpu_ms_per_call"][r] for r in roles))
-
-
 def _path_summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
     """One logprob path's ratios per ack policy and capture's extra CPU, round by round."""
     ratios: dict[str, list[float]] = {}
@@ -185,9 +180,11 @@ def _path_summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
                 rounds.setdefault(t["round"], {})[t["mode"]] = t
         ratios[ack] = [r["on"]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in rounds.values()]
         over_logprobs += [r["on"]["tokens_per_s"] / r["logprobs"]["tokens_per_s"] for r in rounds.values()]
-        extra_cpu += [_extra_cpu_ms(r["on"], r["off"]) for r in rounds.values()]
-        for role, values in by_process.items():
-            values += [_extra_cpu_ms(r["on"], r["off"], (role,)) for r in rounds.values()]
+        for r in rounds.values():  # CPU per call capture adds, on minus off, in each process
+            on, off = r["on"]["cpu_ms_per_call"], r["off"]["cpu_ms_per_call"]
+            for role in CAPTURE_PROCESSES:
+                by_process[role].append(on[role] - off[role])
+            extra_cpu.append(sum(on[role] - off[role] for role in CAPTURE_PROCESSES))
     every = [r for values in ratios.values() for r in values]
     return {
         "capture_over_off_median": round(statistics.median(every), 3),

@@ -58,14 +58,6 @@ FIELD_DTYPES: dict[str, torch.dtype] = {
     "weight_versions": torch.int64,
     "meta": torch.uint8,
 }
-FIELD_NUMPY: dict[str, type[np.generic]] = {
-    "token_ids": np.int64,
-    "token_mask": np.float32,
-    "logprobs": np.float32,
-    "counts": np.int64,
-    "weight_versions": np.int64,
-    "meta": np.uint8,
-}
 COUNTS: tuple[str, ...] = ("prev_len", "delta_len", "cum_len", "weight_version")
 
 _STR = (str,)
@@ -309,7 +301,7 @@ def column(data: TensorDict, keys: Sequence[str], field: str) -> Column:
         if part.dim() != 1:
             raise RowFormatError(key, field, f"shape {tuple(part.shape)}, expected one dimension")
     bounds = [0, *itertools.accumulate(int(part.shape[0]) for part in parts)]
-    flat = torch.cat(parts).numpy() if parts else np.zeros(0, dtype=FIELD_NUMPY[field])
+    flat = (torch.cat(parts) if parts else torch.zeros(0, dtype=expected)).numpy()
     return Column(flat, bounds)
 
 

@@ -169,8 +169,7 @@ class CapturingEngineClient:
     ) -> AsyncIterator[Any]:
         version = self._version  # the version in effect when the call enters the engine
         scope.response_id = request_id  # vLLM's: the reply's id for chat and completions
-        params = _with_sampled_logprob(sampling_params, sampled_only=self.sampled_logprobs is not None)
-        sampled_only = bool((params.extra_args or {}).get(SAMPLED_ONLY))
+        params, sampled_only = _with_sampled_logprob(sampling_params, self.sampled_logprobs is not None)
         delta = _is_delta(params)
         prompt_ids = [int(t) for t in prompt.get("prompt_token_ids") or ()]
         choices: dict[int, _Choice] = {}
@@ -232,16 +231,17 @@ class CapturingEngineClient:
         )
 
 
-def _with_sampled_logprob(params: Any, *, sampled_only: bool) -> Any:
-    """Parameters that return at least the sampled token's logprob (the row needs it);
-    ``sampled_only`` marks a request that did not ask for logprobs for ``SampledLogprobs``."""
+def _with_sampled_logprob(params: Any, sampled_path: bool) -> tuple[Any, bool]:
+    """Parameters that return at least the sampled token's logprob (the row needs it), and
+    whether its outputs carry that float alone: on the sampled path, a request that did
+    not ask for logprobs is marked for ``SampledLogprobs``."""
     if getattr(params, "logprobs", None) is not None:
-        return params
+        return params, False
     params = params.clone()
     params.logprobs = 0
-    if sampled_only:
+    if sampled_path:
         params.extra_args = {**(params.extra_args or {}), SAMPLED_ONLY: True}
-    return params
+    return params, sampled_path
 
 
 def _is_delta(params: Any) -> bool:

@@ -95,7 +95,7 @@ class CaptureScope:
 
     @property
     def prefix_ids(self) -> list[int]:
-        return [int(t) for t in self.prepared[0].prefix_ids]
+        return self.prepared[0].prefix_ids.tolist()  # type: ignore[no-any-return]
 
     def _log_failure(self, reason: object) -> None:
         log.warning("capture of %s fails: %s", self.prepared[0].admission.staging_key, reason)
@@ -114,12 +114,13 @@ class CaptureScope:
         if self.failure is not None:
             self._log_failure(self.failure)
             return full
-        if not self.prefix_ids:
-            return full
         if self.history == "render":  # the engine sees the render; capture decides the segment
             return full
+        prefix = self.prefix_ids
+        if not prefix:
+            return full
         try:
-            return self.renderer.spliced(self.prefix_ids, messages, tools, full, template_kwargs)
+            return self.renderer.spliced(prefix, messages, tools, full, template_kwargs)
         except SpliceError as exc:
             return self._splice_failed(exc, full)
 
