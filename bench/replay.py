@@ -4,19 +4,24 @@ For each size, an embedded tansu broker (memory engine) is filled with that many
 ledger input events (admissions, staged events and seals of 8-call rollouts,
 ``bench.events``), then ``pipeline.replay.rebuild.rebuild`` reads them back and runs the
 ledger stage's own logic into a SQLite ``LedgerStore``, exactly as ``tokentrail replay``
-does. Only the rebuild is timed.
+does, once for each ``--processes`` count (shards in processes of their own,
+``pipeline.replay.parallel``), alternating ``--rounds`` times on the same topics. Only
+the rebuild is timed: wall time, and the CPU time of the replay's processes (this one and
+its shards; the broker apart), so events/s per core is events per CPU second.
 
 To say where the time goes, the same events are also measured without the broker:
 decoding alone (``topics.codec.decode``: orjson + pydantic validation) and the ledger
 stage alone on already decoded events (in memory, outputs kept in a list).
 
-    tokentrail bench replay [--quick] [--json] [--sizes 10000,100000,1000000]
+    tokentrail bench replay [--quick] [--json] [--sizes 10000,100000,1000000] [--processes 1,2]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -25,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit, machine, parse_list, standalone, versions
+from bench.common import emit, machine, parse_list, process_cpu_s, standalone, versions
 from bench.events import rollout_events
 from topics.records import Record
 
@@ -38,9 +43,11 @@ class ReplayConfig:
     calls: int = 8
     partitions: int = 4
     sample: int = 50_000  # events for the broker-free measurements
+    processes: tuple[int, ...] = (1, 2)
+    rounds: int = 2  # each processes count, alternating, on the same topics
 
 
-QUICK = ReplayConfig(sizes=(10_000,), sample=10_000)
+QUICK = ReplayConfig(sizes=(10_000,), sample=10_000, rounds=1)
 
 
 def events(total: int, calls: int, *, chunk: int = 5_000) -> Iterator[list[Record]]:
@@ -105,15 +112,23 @@ async def fill(broker: Any, size: int, config: ReplayConfig, tag: str) -> tuple[
     return kafka, published
 
 
-async def replay_once(broker: Any, size: int, config: ReplayConfig) -> dict[str, Any]:
-    from pipeline.replay.rebuild import rebuild
+def replay_cpu_s() -> float:
+    """CPU seconds of this process and of its children already waited for (the shards)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (process_cpu_s() or 0.0) + children.ru_utime + children.ru_stime
+
+
+async def replay_once(kafka: Any, published: int, processes: int, broker_pid: int) -> dict[str, Any]:
+    """One rebuild of filled topics in ``processes`` processes, timed."""
+    from pipeline.replay.parallel import rebuild_parallel
     from pipeline.replay.store import LedgerStore
 
-    kafka, published = await fill(broker, size, config, f"replay{size}")
     with tempfile.TemporaryDirectory() as tmp, LedgerStore(Path(tmp) / "ledger.sqlite") as store:
+        cpu, broker_cpu = replay_cpu_s(), process_cpu_s(broker_pid) or 0.0
         start = time.perf_counter()
-        result = await rebuild(kafka, store)
+        result = await rebuild_parallel(kafka, store, processes=processes)
         seconds = time.perf_counter() - start
+        cpu_s, broker_cpu_s = replay_cpu_s() - cpu, (process_cpu_s(broker_pid) or 0.0) - broker_cpu
     if result.events != published or result.open_rollouts or result.stored.get("call_failed"):
         # Every generated call is staged in time: anything else is a wrong ledger, not a speed.
         raise RuntimeError(
@@ -122,10 +137,51 @@ async def replay_once(broker: Any, size: int, config: ReplayConfig) -> dict[str,
         )
     return {
         "events": result.events,
+        "processes": processes,
         "seconds": round(seconds, 2),
         "events_per_s": round(result.events / seconds),
+        "cpu_s": round(cpu_s, 2),
+        "events_per_cpu_s": round(result.events / cpu_s),
+        "broker_cpu_s": round(broker_cpu_s, 2),
         "stored": result.stored,
     }
+
+
+async def replay_size(broker: Any, size: int, config: ReplayConfig) -> list[dict[str, Any]]:
+    """Fill topics with ``size`` events, then rebuild them at every processes count."""
+    kafka, published = await fill(broker, size, config, f"replay{size}")
+    return [
+        await replay_once(kafka, published, processes, broker.pid)
+        for _ in range(config.rounds)
+        for processes in config.processes
+    ]
+
+
+def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Best events/s; per processes count, at the largest size, the median events/s, events
+    per CPU second, and the speed-up over one process."""
+    largest = max(r["events"] for r in results)
+
+    def median(processes: int, key: str) -> float:
+        return float(
+            statistics.median(
+                r[key] for r in results if r["events"] == largest and r["processes"] == processes
+            )
+        )
+
+    counts = sorted({r["processes"] for r in results})
+    best = max(r["events_per_s"] for r in results)
+    summary: dict[str, Any] = {
+        "events_per_s": best,
+        "target_events_per_s": TARGET_EVENTS_PER_S,
+        "target_met": best >= TARGET_EVENTS_PER_S,
+        "events_per_s_by_processes": {str(n): round(median(n, "events_per_s")) for n in counts},
+        "events_per_cpu_s_by_processes": {str(n): round(median(n, "events_per_cpu_s")) for n in counts},
+    }
+    if 1 in counts:
+        one = median(1, "events_per_s")
+        summary["speedup_by_processes"] = {str(n): round(median(n, "events_per_s") / one, 2) for n in counts}
+    return summary
 
 
 async def run_async(config: ReplayConfig) -> dict[str, Any]:
@@ -141,10 +197,9 @@ async def run_async(config: ReplayConfig) -> dict[str, Any]:
     broker = EmbeddedBroker(storage="memory")
     await asyncio.to_thread(broker.start)
     try:
-        results = [await replay_once(broker, size, config) for size in config.sizes]
+        results = [result for size in config.sizes for result in await replay_size(broker, size, config)]
     finally:
         await asyncio.to_thread(broker.stop)
-    best = max(r["events_per_s"] for r in results)
     return {
         "benchmark": "replay",
         "config": asdict(config),
@@ -152,11 +207,7 @@ async def run_async(config: ReplayConfig) -> dict[str, Any]:
         "versions": versions(),
         "without_broker": parts,
         "results": results,
-        "summary": {
-            "events_per_s": best,
-            "target_events_per_s": TARGET_EVENTS_PER_S,
-            "target_met": best >= TARGET_EVENTS_PER_S,
-        },
+        "summary": summarize(results),
         "seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -170,9 +221,15 @@ def run(config: ReplayConfig | None = None, *, command: str | None = None) -> di
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = ["| events | seconds | events/s |", "|---:|---:|---:|"]
+    lines = [
+        "| events | processes | seconds | events/s | events per CPU s | broker CPU s |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in report["results"]:
-        lines.append(f"| {r['events']:,} | {r['seconds']:.1f} | {r['events_per_s']:,} |")
+        lines.append(
+            f"| {r['events']:,} | {r['processes']} | {r['seconds']:.1f} | {r['events_per_s']:,} "
+            f"| {r['events_per_cpu_s']:,} | {r['broker_cpu_s']:.1f} |"
+        )
     parts = report["without_broker"]
     lines.append(
         f"without the broker: decode {parts['decode_events_per_s']:,} events/s, "
@@ -188,6 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument("--sizes", type=str, help="events per replay (default 10000,100000,1000000)")
     parser.add_argument("--calls", type=int, help="calls per rollout (default 8)")
+    parser.add_argument("--processes", type=str, help="processes counts to compare (default 1,2)")
+    parser.add_argument("--rounds", type=int, help="rebuilds per processes count, alternating (default 2)")
 
 
 def config_from_args(args: argparse.Namespace) -> ReplayConfig:
@@ -195,6 +254,8 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     changes: dict[str, Any] = {
         "sizes": tuple(parse_list(args.sizes)) if args.sizes else None,
         "calls": args.calls,
+        "processes": tuple(parse_list(args.processes)) if args.processes else None,
+        "rounds": args.rounds,
     }
     return replace(config, **{k: v for k, v in changes.items() if v is not None})
 

@@ -13,7 +13,8 @@ from aiokafka import TopicPartition
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
-from pipeline.replay.rebuild import compare, materialize, rebuild
+from pipeline.replay.parallel import ShardFailed, rebuild_parallel
+from pipeline.replay.rebuild import compare, materialize
 from pipeline.replay.store import LedgerStore
 from stages.ledger.stage import LedgerConfig
 
@@ -21,6 +22,7 @@ EXAMPLES = """\
 examples:
   tokentrail replay --bootstrap 127.0.0.1:9092 --out ledger.sqlite
   tokentrail replay --bootstrap 127.0.0.1:9092 --out ledger.sqlite --check
+  tokentrail replay --bootstrap 127.0.0.1:9092 --out ledger.sqlite --processes 2
   tokentrail replay --bootstrap kafka:9092 --out l.sqlite --from tokentrail.admission:0=1200 --json
 """
 
@@ -51,10 +53,23 @@ def add_parser(subparsers: Any) -> None:
         "--seal-grace", type=float, default=10.0, help="seconds a seal waited live (default 10)"
     )
     parser.add_argument(
+        "--processes",
+        type=_at_least_one,
+        default=1,
+        help="rebuild the partitions in this many processes, each its share (default 1)",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="compare with the live ledger; exit 1 on a difference"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(run=run)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def parse_offsets(values: list[str]) -> dict[TopicPartition, int]:
@@ -75,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tokentrail replay: {exc}", file=sys.stderr)
         return 2
+    except ShardFailed as exc:
+        print(f"tokentrail replay: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
@@ -100,9 +118,10 @@ async def _replay(args: argparse.Namespace) -> dict[str, Any]:
             bar.update(task, completed=done, total=total)
 
         with LedgerStore(args.out) as store:
-            result = await rebuild(
+            result = await rebuild_parallel(
                 config,
                 store,
+                processes=args.processes,
                 ledger=LedgerConfig(seal_grace_s=args.seal_grace),
                 start=start,
                 progress=progress,

@@ -30,6 +30,27 @@ Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True, slots=True)
+class Shard:
+    """Shard ``index`` of ``count``: partition *p* of every topic where ``p % count == index``.
+
+    A rollout's events all lie in one partition number of every input topic, so a
+    shard holds whole rollouts (``pipeline.replay.parallel``)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(f"shard: index {self.index} of {self.count} is not a shard")
+
+    def holds(self, tp: TopicPartition) -> bool:
+        return int(tp.partition) % self.count == self.index
+
+
+WHOLE_LOG = Shard()
+
+
+@dataclass(frozen=True, slots=True)
 class ReplayResult:
     events: int
     undecodable: int
@@ -45,6 +66,7 @@ async def read_log(
     batch: int = 2000,
     progress: Progress | None = None,
     ties: Sequence[str] = (),
+    shard: Shard = WHOLE_LOG,
 ) -> AsyncIterator[tuple[list[Consumed], float, int]]:
     """Batches of decoded events up to today's high watermarks, in log-time merge order.
 
@@ -52,10 +74,11 @@ async def read_log(
     which every event has been yielded. Partitions not in ``start`` are read from their
     beginning. The order is the live ledger's (``LogTimeMerge``, equal timestamps going
     to ``ties`` in that order, DESIGN §7.2): a partition
-    is fetched only when nothing of it is held, so each holds at most one fetch.
+    is fetched only when nothing of it is held, so each holds at most one fetch. Only
+    the ``shard``'s partitions are read.
     """
     async with LagReader(config) as reader:
-        partitions = await reader.partitions(topics)
+        partitions = [tp for tp in await reader.partitions(topics) if shard.holds(tp)]
         ends = {tp: marks.highwater for tp, marks in (await reader.watermarks(partitions)).items()}
     positions = {tp: (start or {}).get(tp) for tp in partitions}
     async with assigned_reader(config, positions) as consumer:
@@ -103,9 +126,11 @@ async def rebuild(
     ledger: LedgerConfig | None = None,
     start: Mapping[TopicPartition, int] | None = None,
     progress: Progress | None = None,
+    shard: Shard = WHOLE_LOG,
 ) -> ReplayResult:
-    """Re-run the ledger over its input topics into ``store``, in the live loop's order,
-    with log time as its clock, so seal grace periods expire as they did live."""
+    """Re-run the ledger over its input topics (the ``shard``'s partitions) into
+    ``store``, in the live loop's order, with log time as its clock, so seal grace
+    periods expire as they did live."""
     stage = LEDGER.build(store, settings=StageSettings(ledger=ledger or LedgerConfig()))
     names = config.names
     count = bad_total = 0
@@ -116,6 +141,7 @@ async def rebuild(
         start=start,
         progress=progress,
         ties=LEDGER.log_time_order(names),
+        shard=shard,
     ):
         bad_total += bad
         count += len(events)

@@ -1,4 +1,5 @@
-"""The ledger stage on a real broker: SIGKILL and restart, replay equals live."""
+"""The ledger stage on a real broker: SIGKILL and restart, replay equals live (in one
+process and in shards)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import FAST_GROUPS
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.replay.parallel import rebuild_parallel
 from pipeline.replay.rebuild import compare, materialize, rebuild
 from pipeline.replay.store import LedgerStore
 from pipeline.stagehost.recall import recall_answered
@@ -120,6 +122,13 @@ def test_replay_rebuilds_the_live_ledger(kafka_config: KafkaConfig, tmp_path: Pa
             await materialize(kafka_config, live)
             assert result.open_rollouts == 0
             assert rebuilt.counts()["receipt"] == 40
+            with LedgerStore(tmp_path / "sharded.sqlite") as sharded:
+                # 4 partitions in 3 processes: shard 0 holds two of them
+                apart = await rebuild_parallel(
+                    kafka_config, sharded, processes=3, ledger=LedgerConfig(seal_grace_s=30)
+                )
+                assert (apart.events, apart.stored, apart.open_rollouts) == (result.events, result.stored, 0)
+                assert compare(sharded, live) == []
             return compare(rebuilt, live)
 
     assert asyncio.run(go()) == []

@@ -138,11 +138,15 @@ def test_pipeline_processes_need_transferqueue() -> None:
 def test_replay_smallest_configuration() -> None:
     from bench import replay
 
-    report = replay.run(ReplayConfig(sizes=(340,), sample=340))
-    (result,) = report["results"]
-    assert result["events"] == 340 and result["events_per_s"] > 0
-    assert report["summary"]["events_per_s"] == result["events_per_s"]
-    assert result["stored"]["receipt"] == 20
+    report = replay.run(ReplayConfig(sizes=(340,), sample=340, processes=(1, 2), rounds=1))
+    one, two = report["results"]
+    assert (one["processes"], two["processes"]) == (1, 2)
+    for result in (one, two):
+        assert result["events"] == 340 and result["events_per_s"] > 0 and result["events_per_cpu_s"] > 0
+        assert result["stored"] == {"call_committed": 160, "receipt": 20}
+    summary = report["summary"]
+    assert summary["events_per_s"] == max(one["events_per_s"], two["events_per_s"])
+    assert summary["speedup_by_processes"]["2"] == round(two["events_per_s"] / one["events_per_s"], 2)
     assert report["without_broker"]["decode_events_per_s"] > 0
     assert report["without_broker"]["ledger_events_per_s"] > 0
 
