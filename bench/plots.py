@@ -1,12 +1,19 @@
 """Plots for ``bench/RESULTS.md``: engine throughput vs data-plane delay, latency CDFs,
-capture's CPU per call by process.
+capture's CPU per call by process, the pipeline's CPU per call by process across runs.
 
 matplotlib with the Agg backend (no display); imported only when a plot is asked for.
+The pipeline chart compares saved reports (say, two commits measured alternately):
+
+    python -m bench.plots pipeline-cpu --out FILE.png LABEL=REPORT.json [LABEL=REPORT.json ...]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +125,45 @@ def cpu_per_call(report: dict[str, Any], path: str | Path) -> Path:
     return _save(fig, plt, path)
 
 
+PIPELINE_PARTS = (
+    ("finalizer", "finalizer", "tab:blue"),
+    ("ledger", "ledger", "tab:orange"),
+    ("bench", "TransferQueue + publisher", "tab:green"),
+    ("broker", "broker", "tab:gray"),
+)
+
+
+def pipeline_cpu_ms_by_role(result: dict[str, Any]) -> dict[str, float]:
+    """``bench pipeline``: one run's CPU ms per backlog call, by role (instances summed)."""
+    by_role: dict[str, float] = {}
+    for name, seconds in result["cpu_s"].items():
+        role = name.split("-", 1)[0]  # finalizer-0, ledger-1, ...
+        by_role[role] = by_role.get(role, 0.0) + seconds * 1000 / result["backlog"]["calls"]
+    return by_role
+
+
+def pipeline_cpu_per_call(reports: Mapping[str, Sequence[dict[str, Any]]], path: str | Path) -> Path:
+    """``bench pipeline`` reports under labels: CPU ms per call by process (stacked, the
+    median over each label's runs of the first configuration), label beside label."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.8 + 1.4 * len(reports), 4.4))
+    for x, runs in enumerate(reports.values()):
+        parts = [pipeline_cpu_ms_by_role(report["results"][0]) for report in runs]
+        bottom = 0.0
+        for role, name, color in PIPELINE_PARTS:
+            height = statistics.median(part.get(role, 0.0) for part in parts)
+            ax.bar(x, height, bottom=bottom, color=color, label=name if x == 0 else None)
+            bottom += height
+        ax.annotate(f"{bottom:.2f}", (x, bottom), ha="center", va="bottom", fontsize="small")
+    ax.set_xticks(range(len(reports)), list(reports))
+    ax.set_ylabel("CPU ms per call (median of runs)")
+    ax.set_title("Pipeline CPU per call by process")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize="small")
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
 def _save(fig: Any, plt: Any, path: str | Path) -> Path:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -126,4 +172,31 @@ def _save(fig: Any, plt: Any, path: str | Path) -> Path:
     return target
 
 
-__all__ = ["cpu_per_call", "engine_throughput", "latency_cdf"]
+def _labelled(values: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """``LABEL=REPORT.json`` arguments, grouped by label in the order first given."""
+    reports: dict[str, list[dict[str, Any]]] = {}
+    for value in values:
+        label, sep, file = value.partition("=")
+        if not sep or not label or not file:
+            raise SystemExit(f"bench.plots: {value!r} is not LABEL=REPORT.json")
+        reports.setdefault(label, []).append(json.loads(Path(file).read_text()))
+    return reports
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.plots", description=__doc__)
+    which = parser.add_subparsers(dest="plot", required=True)
+    pipeline = which.add_parser(
+        "pipeline-cpu", help="CPU per call by process of saved bench pipeline reports"
+    )
+    pipeline.add_argument("--out", required=True, help="PNG to write")
+    pipeline.add_argument("reports", nargs="+", metavar="LABEL=REPORT.json")
+    args = parser.parse_args(argv)
+    print(pipeline_cpu_per_call(_labelled(args.reports), args.out))
+    return 0
+
+
+__all__ = ["cpu_per_call", "engine_throughput", "latency_cdf", "pipeline_cpu_per_call"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -102,6 +102,15 @@ def encode_record(payload: Record) -> tuple[bytes, bytes, Headers]:
     return encode(envelope(payload))
 
 
+def record_type(headers: Sequence[tuple[str, bytes]]) -> bytes | None:
+    """A record's type header as written (the first), without decoding anything: what a
+    consumer that reads only some types on a topic looks at first."""
+    for name, value in headers:
+        if name == HEADER_TYPE:
+            return value
+    return None
+
+
 def _envelope_headers(headers: Sequence[tuple[str, bytes]]) -> dict[str, bytes]:
     """The type, schema and event-id headers (the first of each name), found in one pass."""
     found: dict[str, bytes] = {}

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -35,7 +35,8 @@ from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.logtime import LogTimeMerge
 from stages.ports import Consumed, EventSink, StageHandler
 from stages.ports import TopicPartition as PortPartition
-from topics.codec import DecodeError, RawRecord, dead_letter, decode
+from topics.codec import DecodeError, RawRecord, dead_letter, decode, record_type
+from topics.events import EventType
 from topics.records import DeadLetter
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,14 @@ class LoopStats:
     """Records fetched but waiting for the log-time merge (ordered loops)."""
     enforced: int = 0
     """Releases that went on without a partition that kept the others waiting too long."""
+    passed: int = 0
+    """Records of a type the stage does not read, passed by without decoding (``reads``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class _Fetched:
     """A fetched record in the merge: where it lies, its log time, and the event
-    (``None`` for a record already dead-lettered, which still holds its place)."""
+    (``None`` for a record already dead-lettered or passed by, which still holds its place)."""
 
     tp: TopicPartition
     offset: int
@@ -126,6 +129,7 @@ class ConsumerLoop:
         log_time_order: Sequence[str] | None = None,
         max_poll_interval_ms: int = 300_000,
         on_assigned: Callable[[frozenset[PortPartition]], Awaitable[None]] | None = None,
+        reads: Collection[EventType] | None = None,
     ) -> None:
         if not topics:
             raise ValueError("topics: a consumer loop needs at least one topic")
@@ -157,6 +161,12 @@ class ConsumerLoop:
         to the topics of ``log_time_order`` in that order), holding each until every
         other partition has caught up with it."""
         self._idle_margin_s = tuning.idle_margin_ms / 1000
+        self._passed_types = frozenset(
+            kind.value.encode() for kind in EventType if reads is not None and kind not in reads
+        )
+        """Type headers of records the handler would ignore: such a record keeps its place
+        but is never decoded (a stage validates what it reads; the type header of every
+        other record is still checked, so an unknown or missing one is dead-lettered)."""
         self._on_assigned_hook = on_assigned
         """Runs once new partitions are assigned, before any of their records is handled."""
         self._consumer: AIOKafkaConsumer | None = None
@@ -278,14 +288,18 @@ class ConsumerLoop:
     async def _hold(self, batch: Mapping[TopicPartition, list[Record]]) -> None:
         """Decode a fetched batch into the held records; dead-letter what does not decode.
 
-        A record that does not decode keeps its place (as ``None``), so positions, and
-        therefore commits, only pass it in order."""
+        A record that does not decode, or that is passed by undecoded, keeps its place
+        (as ``None``), so positions, and therefore commits, only pass it in order."""
         dead: list[DeadLetter] = []
         for tp, records in batch.items():
             entries: list[tuple[float, _Fetched]] = []
             for record in records:
-                raw = _raw(record)
                 stamp = record.timestamp / 1000
+                if self._passed_types and record_type(record.headers) in self._passed_types:
+                    entries.append((stamp, _Fetched(tp, record.offset, stamp, None)))
+                    self.stats.passed += 1
+                    continue
+                raw = _raw(record)
                 try:
                     event = decode(record.key, record.value, record.headers)
                 except DecodeError as exc:

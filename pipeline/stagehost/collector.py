@@ -117,8 +117,14 @@ class StateCollector(Collector):
         commits = CounterMetricFamily(
             "tokentrail_consumer_commits", "Offset commits made by this member", labels=labels
         )
+        passed = CounterMetricFamily(
+            "tokentrail_consumer_passed",
+            "Records of a type this stage does not read, passed by without decoding",
+            labels=labels,
+        )
         if self.loop is not None:
             group, stats = self.loop
             rebalances.add_metric([self.stage, group], stats.rebalances)
             commits.add_metric([self.stage, group], stats.commits)
-        yield from (rebalances, commits)
+            passed.add_metric([self.stage, group], stats.passed)
+        yield from (rebalances, commits, passed)

@@ -64,6 +64,7 @@ async def serve_stage(
         tuning=tuning,
         log_time_order=spec.log_time_order(config.names) if spec.log_time_order else None,
         on_assigned=recall,
+        reads=spec.reads,
     )
 
     async def stop_when_asked() -> None:

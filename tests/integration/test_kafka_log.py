@@ -24,6 +24,7 @@ from pipeline.kafka.lag import LagReader, total_lag
 from pipeline.kafka.producer import KafkaEventSink
 from stages.ports import Consumed
 from topics.codec import HEADER_EVENT_ID, HEADER_SCHEMA, HEADER_TYPE
+from topics.events import EventType
 from topics.names import TopicNames
 from topics.records import CaptureAdmission, DeadLetter, FinalizedEvent, RolloutSeal
 
@@ -285,6 +286,48 @@ async def test_undecodable_records_go_to_the_dead_letter_topic_and_the_loop_keep
     assert by_name["unknown-type"].field == f"header {HEADER_TYPE}"
     assert "schema" in by_name["old-schema"].reason
     assert by_name["unknown-type"].headers[HEADER_TYPE] == "bogus"
+
+
+async def test_a_loop_passes_by_the_types_it_does_not_read_without_decoding_them(
+    kafka_config: KafkaConfig, fast_group: ConsumerTuning
+) -> None:
+    """Only the types a stage reads are decoded (and so validated, and dead-lettered when
+    bad); a record of another known type keeps its place and its offset is committed."""
+    names = kafka_config.names
+    await ensure_topics(kafka_config)
+    seal = RolloutSeal(rollout_id="r1", status="completed", sealed_at=1.0)
+    broken = [
+        (b"\xffnot json", [(HEADER_TYPE, b"admission"), (HEADER_SCHEMA, b"4")]),  # a type not read
+        (b"\xffnot json", [(HEADER_TYPE, b"seal"), (HEADER_SCHEMA, b"4")]),  # a type read
+        (b"{}", [(HEADER_TYPE, b"bogus"), (HEADER_SCHEMA, b"4")]),  # no such type
+    ]
+    handler = CollectingHandler()
+    raw = AIOKafkaProducer(**kafka_config.client_kwargs(), acks="all")
+    await raw.start()
+    async with KafkaEventSink(kafka_config) as sink:
+        await sink.publish([admission("r1", 0), admission("r1", 1), seal])  # one topic, one partition
+        try:
+            for value, headers in broken:
+                await (await raw.send(names.admission, value=value, key=b"r1", headers=headers))
+        finally:
+            await raw.stop()
+        await sink.publish([admission("r1", 2), seal])
+        loop = ConsumerLoop(
+            kafka_config,
+            group_id=f"{names.prefix}-g",
+            topics=[names.admission],
+            handler=handler,
+            dead_letters=sink,
+            stage="test",
+            tuning=fast_group,
+            reads=[EventType.SEAL],
+        )
+        async with running(loop):
+            await handler.wait_for(2)
+            await until(lambda: loop.stats.passed == 4 and sum(loop.committed.values()) == 8, "the commit")
+        assert [item.event.event_type for item in handler.consumed] == [EventType.SEAL, EventType.SEAL]
+        assert loop.stats.dead_lettered == 2  # the broken seal and the unknown type, not the admission
+        assert loop.stats.passed == 4  # three admissions and the broken one
 
 
 async def test_lag_is_exact_after_batched_produces(
