@@ -49,10 +49,14 @@ def extras_digest(extras: Any) -> str:
 
 def chain_hash(parent_chain_hash: str | None, token_ids_delta: IdsLike) -> str:
     """Hash of a call's delta chained onto its parent's chain hash (None for a root)."""
+    return chain_hash_of_canonical(parent_chain_hash, canonical.ids_array(token_ids_delta, "token_ids_delta"))
+
+
+def chain_hash_of_canonical(parent_chain_hash: str | None, token_ids_delta: npt.NDArray[np.uint64]) -> str:
+    """``chain_hash`` of a delta already in canonical form (big-endian u64)."""
     link = b"\x00" if parent_chain_hash is None else b"\x01" + bytes.fromhex(parent_chain_hash)
-    header, body = canonical.ids_parts(token_ids_delta, "token_ids_delta")
-    digest = hashlib.sha256(CHAIN_DOMAIN + link + header)
-    digest.update(body.data)
+    digest = hashlib.sha256(CHAIN_DOMAIN + link + canonical.u64(token_ids_delta.size))
+    digest.update(token_ids_delta.data)
     return digest.hexdigest()
 
 

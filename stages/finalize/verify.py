@@ -15,8 +15,14 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
+from stages.finalize.vectors import ChainVectors
 from topics.canonical import EncodingError
-from topics.digest import chain_hash, cumulative_hash, digest_of_row, extras_digest
+from topics.digest import (
+    chain_hash_of_canonical,
+    cumulative_hash_of_parts,
+    digest_of_canonical,
+    extras_digest,
+)
 from topics.failures import FinalizerFailure
 from topics.records import (
     EXTRAS_WEIGHT_SPANS,
@@ -27,6 +33,7 @@ from topics.records import (
     SampleChain,
     StagedCall,
     TrainingSample,
+    assemble,
     check_weight_spans,
     staging_key,
 )
@@ -79,47 +86,50 @@ def linearize(
     rows: Mapping[str, StagedCall],
     policy: MixedVersionPolicy = MixedVersionPolicy.ALLOW,
 ) -> Linearized:
-    """Verify every row of one chain and concatenate them into its sample."""
+    """Verify every row of one chain and concatenate them into its sample.
+
+    The rows' vectors are checked as one array per field (``ChainVectors``); a row's
+    checks still run in the fixed order, rows in chain order, so the first problem of
+    the chain is the one reported, as if each row were checked alone."""
     chain = chain_records(receipt, target.leaf_call_id)
-    ids: list[npt.NDArray[np.int64]] = []
-    masks: list[npt.NDArray[np.float64]] = []
-    logprobs: list[npt.NDArray[np.float64]] = []
-    versions: list[npt.NDArray[np.int64]] = []
+    found, unusable = _usable_rows(receipt, chain, rows)
+    try:
+        vectors = ChainVectors.of(found)
+    except (TypeError, ValueError, OverflowError) as exc:  # only a row built by hand holds such values
+        raise Rejected(
+            FinalizerFailure.DIGEST_MISMATCH, f"{receipt.rollout_id}: cannot be encoded ({exc})"
+        ) from None
     spans: list[CallSpan] = []
+    versions: list[npt.NDArray[np.int64]] = []
     parent_hash: str | None = None
-    length = 0
-    for record in chain:
-        key = staging_key(receipt.rollout_id, record.call_id)
-        row = rows.get(key)
-        if row is None:
-            raise Rejected(FinalizerFailure.MISSING_ROW, f"no row under {key}")
-        _check_identity(receipt, record, row)
-        _check_lengths(record, row, length)
-        mask = np.asarray(row.token_mask_delta, dtype=np.float64)
-        carry = _check_mask(row.staging_key, mask)
-        delta, row_logprobs = _check_digest(record, row, mask)
-        parent_hash = chain_hash(parent_hash, delta)
+    for index, (record, row) in enumerate(zip(chain[: len(found)], found, strict=True)):
+        _check_mask(row.staging_key, vectors, index)
+        _check_digest(record, row, vectors, index)
+        parent_hash = chain_hash_of_canonical(parent_hash, vectors.ids_canonical[vectors.span(index)])
         if parent_hash != row.chain_hash or parent_hash != record.chain_hash:
             raise Rejected(
                 FinalizerFailure.CHAIN_HASH_MISMATCH, f"chain hash of {row.staging_key} does not recompute"
             )
-        ids.append(delta)
-        masks.append(mask)
-        logprobs.append(row_logprobs)
+        carry = vectors.carry(index)
         versions.append(_token_versions(row, carry))
+        # Every value is checked by now (the call id is the manifest's), so no validation.
         spans.append(
-            CallSpan(
-                call_id=row.call_id,
-                start=length,
-                carry_len=carry,
-                gen_len=row.delta_len - carry,
-                reward=receipt.call_rewards.get(row.call_id),
+            assemble(
+                CallSpan,
+                {
+                    "schema_version": ROW_SCHEMA_VERSION,
+                    "call_id": row.call_id,
+                    "start": row.prev_len,
+                    "carry_len": carry,
+                    "gen_len": row.delta_len - carry,
+                    "reward": receipt.call_rewards.get(row.call_id),
+                },
             )
         )
-        length = row.cum_len
-    all_ids = np.concatenate(ids)
-    leaf_row = rows[staging_key(receipt.rollout_id, chain[-1].call_id)]
-    linear_hash = cumulative_hash(all_ids)
+    if unusable is not None:
+        raise unusable
+    leaf_row = found[-1]
+    linear_hash = cumulative_hash_of_parts(vectors.ids_canonical)
     if linear_hash != leaf_row.cumulative_hash or linear_hash != target.cumulative_hash:
         raise Rejected(
             FinalizerFailure.CUMULATIVE_HASH_MISMATCH, "linearized ids do not match the leaf's hash"
@@ -128,21 +138,45 @@ def linearize(
     low, high = int(all_versions.min()), int(all_versions.max())
     if policy is MixedVersionPolicy.REJECT and low != high:
         raise Rejected(FinalizerFailure.MIXED_WEIGHT_VERSIONS, f"weight versions {low}..{high}")
-    all_mask = np.concatenate(masks)
     sample = TrainingSample.model_construct(
         schema_version=ROW_SCHEMA_VERSION,
         rollout_id=receipt.rollout_id,
         group_id=receipt.group_id,
-        token_ids=all_ids.tolist(),
-        token_mask=all_mask.tolist(),
-        logprobs=np.concatenate(logprobs).tolist(),
+        token_ids=vectors.ids.tolist(),
+        token_mask=vectors.mask.tolist(),
+        logprobs=vectors.logprobs.tolist(),
         weight_versions=all_versions.tolist(),
         spans=spans,
         reward=receipt.reward,
         cumulative_hash=linear_hash,
         sample_key=None if target.key == receipt.rollout_id else target.key,
     )
-    return Linearized(sample, spans[0].carry_len, int(all_mask.sum()), len(chain), low, high)
+    return Linearized(sample, spans[0].carry_len, int(vectors.generated.sum()), len(chain), low, high)
+
+
+def _usable_rows(
+    receipt: RolloutReceipt, chain: list[ManifestEntry], rows: Mapping[str, StagedCall]
+) -> tuple[list[StagedCall], Rejected | None]:
+    """The chain's rows up to the first that is missing, not the manifest's, or of the
+    wrong lengths, and why that one is not usable (None when all are). The rows before
+    it are checked first: their problems come earlier in the chain."""
+    found: list[StagedCall] = []
+    length = 0
+    for record in chain:
+        key = staging_key(receipt.rollout_id, record.call_id)
+        row = rows.get(key)
+        try:
+            if row is None:
+                raise Rejected(FinalizerFailure.MISSING_ROW, f"no row under {key}")
+            _check_identity(receipt, record, row)
+            _check_lengths(record, row, length)
+        except Rejected as exc:
+            if not found:
+                raise
+            return found, exc
+        found.append(row)
+        length = row.cum_len
+    return found, None
 
 
 def _check_identity(receipt: RolloutReceipt, record: ManifestEntry, row: StagedCall) -> None:
@@ -178,37 +212,32 @@ def _check_lengths(record: ManifestEntry, row: StagedCall, expected_prev_len: in
         )
 
 
-def _check_mask(key: str, mask: npt.NDArray[np.float64]) -> int:
-    """Returns the number of carried (mask 0) tokens."""
-    ones = mask == 1.0
-    if not (ones | (mask == 0.0)).all():
+def _check_mask(key: str, vectors: ChainVectors, index: int) -> None:
+    if vectors.stray_mask[index]:
         raise Rejected(FinalizerFailure.INVALID_MASK, f"{key}: mask values other than 0.0/1.0")
-    generated = int(ones.sum())
-    if generated == 0:
+    if vectors.generated[index] == 0:
         raise Rejected(FinalizerFailure.EMPTY_GENERATION, f"{key}: no generated token")
-    carry = mask.size - generated
-    if not ones[carry:].all():
+    if vectors.out_of_order[index]:
         raise Rejected(FinalizerFailure.INVALID_MASK, f"{key}: mask is not zeros then ones")
-    return carry
 
 
-def _check_digest(
-    record: ManifestEntry, row: StagedCall, mask: npt.NDArray[np.float64]
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-    """The row's digest recomputed from its vectors, converted once: returns its ids and
-    logprobs as arrays for the checks and the sample that follow."""
+def _check_digest(record: ManifestEntry, row: StagedCall, vectors: ChainVectors, index: int) -> None:
+    """The row's digest recomputed from its slice of the chain's canonical vectors."""
+    if vectors.negative_ids[index] or vectors.not_finite[index]:
+        problem = "negative token ids" if vectors.negative_ids[index] else "values that are not finite"
+        raise Rejected(FinalizerFailure.DIGEST_MISMATCH, f"{row.staging_key}: cannot be encoded ({problem})")
+    where = vectors.span(index)
     try:
-        ids = np.asarray(row.token_ids_delta, dtype=np.int64)
-        logprobs = np.asarray(row.logprobs_delta, dtype=np.float64)
-        recomputed = digest_of_row(row, ids, mask, logprobs)
         extras_ok = extras_digest(row.extras) == row.extras_digest
-    except (EncodingError, ValueError, TypeError, OverflowError) as exc:
+    except EncodingError as exc:
         raise Rejected(
             FinalizerFailure.DIGEST_MISMATCH, f"{row.staging_key}: cannot be encoded ({exc})"
         ) from None
+    recomputed = digest_of_canonical(
+        row, vectors.ids_canonical[where], vectors.mask_canonical[where], vectors.logprobs_canonical[where]
+    )
     if recomputed != row.digest or recomputed != record.digest or not extras_ok:
         raise Rejected(FinalizerFailure.DIGEST_MISMATCH, f"{row.staging_key}: digest does not recompute")
-    return ids, logprobs
 
 
 def _token_versions(row: StagedCall, carry: int) -> npt.NDArray[np.int64]:

@@ -158,6 +158,21 @@ def test_each_corruption_has_its_code(corruption: str) -> None:
     assert "r1" not in data_plane.samples
 
 
+@pytest.mark.parametrize("earlier", sorted(CORRUPTIONS))
+@pytest.mark.parametrize("later", sorted(set(CORRUPTIONS) - {"missing_row"}))
+def test_the_earliest_corrupted_row_of_a_chain_names_the_code(earlier: str, later: str) -> None:
+    """Rows are checked as one array per field, yet the code is the first row's, as if
+    each row were checked alone in chain order, whatever the later row's corruption.
+    (A missing row anywhere is looked for first, among the stored samples.)"""
+    data_plane = MemoryDataPlane()
+    events, _, _ = asyncio.run(captured_rollout(data_plane, dead_branch=False))
+    _, second, third = (e.staging_key for e in events if isinstance(e, CaptureAdmission))
+    CORRUPTIONS[later](data_plane, third)
+    CORRUPTIONS[earlier](data_plane, second)
+    event, _, _ = run_stages(events, data_plane)
+    assert event.rejection_reason == earlier.removesuffix("_logprob")
+
+
 @pytest.mark.parametrize("field", ["chain_hash", "cumulative_hash"])
 def test_hash_written_wrong_at_the_source(field: str) -> None:
     """The worker computed a wrong hash and digested it: only the recomputation catches it."""
