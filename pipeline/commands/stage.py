@@ -20,6 +20,7 @@ from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments,
 from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.kafka.errors import BROKER_UNREACHABLE
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.process.heap import settle_heap
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S
 from pipeline.stagehost.metrics import Health, StageMetrics
 from pipeline.stagehost.runner import serve_stage
@@ -414,8 +415,10 @@ async def _serve_stage(
         started = asyncio.Event()
         announce = asyncio.create_task(ready.announce_when(started), name="ready-notice")
         stack.callback(announce.cancel)
+        stage = spec.build(sink, plane, settings)
+        settle_heap()  # start-up is done: collect per batch, not per event
         await serve_stage(
-            spec.build(sink, plane, settings),
+            stage,
             spec,
             config,
             sink,
