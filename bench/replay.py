@@ -186,9 +186,9 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 async def run_async(config: ReplayConfig) -> dict[str, Any]:
     from pipeline.kafka.broker import EmbeddedBroker
-    from pipeline.process.heap import settle_heap
+    from pipeline.process.heap import collect_per_batch
 
-    settle_heap()  # as ``tokentrail replay`` and its shards do
+    collect_per_batch()  # as ``tokentrail replay`` and its shards do
     started = time.perf_counter()
     load_before = machine()["load_average"]
     sample = [e for chunk in events(config.sample, config.calls) for e in chunk]

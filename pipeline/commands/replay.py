@@ -13,7 +13,7 @@ from aiokafka import TopicPartition
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
-from pipeline.process.heap import settle_heap
+from pipeline.process.heap import collect_per_batch
 from pipeline.replay.parallel import ShardFailed, rebuild_parallel
 from pipeline.replay.rebuild import compare, materialize
 from pipeline.replay.store import LedgerStore
@@ -86,7 +86,7 @@ def parse_offsets(values: list[str]) -> dict[TopicPartition, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    settle_heap()
+    collect_per_batch()
     try:
         report = asyncio.run(_replay(args))
     except ConfigError as exc:

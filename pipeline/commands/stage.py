@@ -20,7 +20,7 @@ from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments,
 from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.kafka.errors import BROKER_UNREACHABLE
 from pipeline.kafka.producer import KafkaEventSink
-from pipeline.process.heap import settle_heap
+from pipeline.process.heap import collect_per_batch
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S
 from pipeline.stagehost.metrics import Health, StageMetrics
 from pipeline.stagehost.runner import serve_stage
@@ -263,6 +263,7 @@ def _metrics_server(args: argparse.Namespace, metrics: StageMetrics) -> MetricsS
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
+    collect_per_batch()
     try:
         asyncio.run(_serve(args))
     except ConfigError as exc:
@@ -415,10 +416,8 @@ async def _serve_stage(
         started = asyncio.Event()
         announce = asyncio.create_task(ready.announce_when(started), name="ready-notice")
         stack.callback(announce.cancel)
-        stage = spec.build(sink, plane, settings)
-        settle_heap()  # start-up is done: collect per batch, not per event
         await serve_stage(
-            stage,
+            spec.build(sink, plane, settings),
             spec,
             config,
             sink,

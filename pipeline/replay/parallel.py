@@ -29,7 +29,7 @@ from aiokafka import TopicPartition
 from pipeline.kafka.config import ConfigError, KafkaConfig
 from pipeline.kafka.lag import LagReader
 from pipeline.process.guard import guard_descendants
-from pipeline.process.heap import settle_heap
+from pipeline.process.heap import collect_per_batch
 from pipeline.replay.rebuild import Progress, ReplayResult, Shard, rebuild
 from pipeline.replay.store import LedgerStore
 from stages.ledger.stage import LedgerConfig
@@ -168,7 +168,7 @@ def _run_shard(job: _Job, counters: Any, answer: Connection) -> None:
     def progress(done: int, total: int) -> None:
         counters[slot], counters[slot + 1] = done, total
 
-    settle_heap()
+    collect_per_batch()
     try:
         with LedgerStore(job.out) as store:
             result = asyncio.run(
