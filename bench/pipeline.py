@@ -415,7 +415,9 @@ def attacher(plane: DataPlane) -> Callable[[], Any]:
 async def run_async(config: PipelineConfig) -> dict[str, Any]:
     from bench import ledger_memory
     from pipeline.kafka.broker import EmbeddedBroker
+    from pipeline.process.heap import collect_per_batch
 
+    collect_per_batch()  # this process hosts the data plane, as `tokentrail dataplane` does
     started = time.perf_counter()
     load_before = machine()["load_average"]
     fixtures: dict[int, tuple[list[Rollout], list[list[Rollout]]]] = {}

@@ -22,6 +22,7 @@ import orjson
 from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.dataplane.addresses import AddressesError, DataPlaneAddresses
 from pipeline.dataplane.config import DEFAULT_HOST, DataPlaneConfig
+from pipeline.process.heap import collect_per_batch
 
 EXAMPLE = """\
 example:
@@ -76,6 +77,7 @@ def _report(addresses: DataPlaneAddresses, path: Path, as_json: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
+    collect_per_batch()  # it serves rows and samples for as long as the pipeline runs
     # TransferQueue reads this at import; its default (8) oversubscribes small machines.
     os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
     overrides: dict[str, object] = {"mode": "embedded", "host": args.host}
