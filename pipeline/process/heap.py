@@ -6,7 +6,7 @@ dicts, tuples), so it ran the collector thousands of times a second, each older
 collection walking again what start-up left (torch, TransferQueue, the stage's tables).
 What a stage allocates per event is freed by reference counting, not by the collector,
 so the youngest collection runs every 50,000 allocations instead. Measured replaying the
-ledger: 20–25 % more events per CPU second (bench/RESULTS.md). Cycles are still
+ledger: 45 % more events per CPU second (bench/RESULTS.md). Cycles are still
 collected, less often. Nothing is frozen or collected by force: no object's finalizer
 runs at a moment the collector would not have chosen.
 """
