@@ -80,16 +80,14 @@ class LedgerStore:
         self._db.executemany("INSERT OR IGNORE INTO ledger VALUES (?, ?, ?, ?)", rows)
         return self._db.total_changes - before
 
-    def merge(self, other: str | Path) -> int:
+    def merge(self, other: str | Path) -> None:
         """Copy every event of the store in file ``other`` into this one (first write
-        wins, as in ``add``); returns how many were new."""
+        wins, as in ``add``)."""
         self._db.commit()
         self._db.execute("ATTACH DATABASE ? AS other", (str(other),))
         try:
-            before = self._db.total_changes
             self._db.execute("INSERT OR IGNORE INTO ledger SELECT * FROM other.ledger")
             self._db.commit()
-            return self._db.total_changes - before
         finally:
             self._db.execute("DETACH DATABASE other")
 
