@@ -74,12 +74,7 @@ def make_rows(count: int, tokens: int, *, tag: str, seed: int = 0) -> list[Stage
 
 def payload_bytes(rows: Sequence[StagedCall]) -> int:
     data = codec.encode_calls(rows)
-    total = 0
-    for name in codec.CALL_FIELDS:
-        value: Any = data.get(name)
-        parts = value.unbind(0) if isinstance(value, torch.Tensor) else value.tolist()
-        total += sum(part.numel() * part.element_size() for part in parts)
-    return total
+    return sum(part.numel() for part in data.get(codec.ROW_FIELD).tolist())
 
 
 async def timed(calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[float]:

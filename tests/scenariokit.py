@@ -150,7 +150,7 @@ async def capture(
             **{**row.model_dump(), "token_ids_delta": [*row.token_ids_delta[:-1], 999]}
         )
         await plane.delete_calls([key])
-        await plane.put_rows("staging", [key], rows_codec.encode_calls([flipped]), rows_codec.CALL_FIELDS)
+        await plane.put_rows("staging", [key], rows_codec.encode_calls([flipped]), rows_codec.CALL_LAYOUTS[0])
     await client.seal(
         rollout_id,
         group_id="g",

@@ -17,6 +17,9 @@ TransferQueue 0.1.11 answers some mistakes with plausible data instead of an err
 - ``transfer_queue.close()`` from a non-owner kills the controller: this class only ever
   closes its own client.
 
+Rows are read in whichever layout they were written (``encoding.CALL_LAYOUTS``): a data
+plane that outlives an upgrade holds rows of both, and a batch of both is read apart.
+
 When a batch is bad, the culprits are found by bisection (O(bad · log n) extra calls),
 so the common path costs one metadata call and one data call.
 """
@@ -48,7 +51,6 @@ from topics.records import StagedCall, TrainingSample
 from topics.staging import CallRow
 
 T = TypeVar("T")
-Decode = Callable[[Sequence[str], TensorDict], list[Any]]
 
 
 class CorruptRows(MissingRows):
@@ -97,6 +99,16 @@ def _unique(keys: Sequence[str]) -> list[str]:
 def _halves(keys: list[str]) -> tuple[list[str], list[str]]:
     mid = len(keys) // 2
     return keys[:mid], keys[mid:]
+
+
+def _layout(present: Sequence[str], layouts: Sequence[codec.RowLayout]) -> codec.RowLayout:
+    """The layout rows with fields ``present`` were written in: the first whose fields are
+    all there, else the one most of whose fields are (to name what is missing)."""
+    names = set(present)
+    for layout in layouts:
+        if names.issuperset(layout.fields):
+            return layout
+    return max(layouts, key=lambda layout: len(names.intersection(layout.fields)))
 
 
 def _readable(meta: Any, count: int, fields: Sequence[str]) -> bool:
@@ -194,11 +206,11 @@ class TransferQueueDataPlane:
             return
         data = codec.encode_calls(rows)
         await self.put_rows(
-            self.staging_partition, [row.staging_key for row in rows], data, codec.CALL_FIELDS
+            self.staging_partition, [row.staging_key for row in rows], data, codec.CALL_LAYOUTS[0]
         )
 
     async def get_calls(self, keys: Sequence[str]) -> dict[str, StagedCall]:
-        return await self.get_rows(self.staging_partition, keys, codec.CALL_FIELDS, codec.decode_calls)
+        return await self.get_rows(self.staging_partition, keys, codec.CALL_LAYOUTS)
 
     async def delete_calls(self, keys: Sequence[str]) -> None:
         await self.delete_rows(self.staging_partition, keys)
@@ -208,11 +220,11 @@ class TransferQueueDataPlane:
             return
         data = codec.encode_samples(samples)
         await self.put_rows(
-            self.samples_partition, [sample.key for sample in samples], data, codec.SAMPLE_FIELDS
+            self.samples_partition, [sample.key for sample in samples], data, codec.SAMPLE_LAYOUTS[0]
         )
 
     async def get_samples(self, keys: Sequence[str]) -> dict[str, TrainingSample]:
-        return await self.get_rows(self.samples_partition, keys, codec.SAMPLE_FIELDS, codec.decode_samples)
+        return await self.get_rows(self.samples_partition, keys, codec.SAMPLE_LAYOUTS)
 
     async def delete_samples(self, keys: Sequence[str]) -> None:
         await self.delete_rows(self.samples_partition, keys)
@@ -229,27 +241,29 @@ class TransferQueueDataPlane:
     # ------------------------------------------------------------ generic rows
 
     async def put_rows(
-        self, partition: str, keys: Sequence[str], data: TensorDict, fields: Sequence[str]
+        self, partition: str, keys: Sequence[str], data: TensorDict, layout: codec.RowLayout
     ) -> None:
-        """Write one row per key (overwriting a key that exists); returns once all are readable."""
+        """Write one row per key in ``layout`` (overwriting a key that exists); returns once
+        all are readable."""
         key_list = list(keys)
         if len(set(key_list)) != len(key_list):
             raise ValueError(f"{partition}: a key repeats within one put")
         if data.batch_size[0] != len(key_list):
             raise ValueError(f"{partition}: {data.batch_size[0]} rows for {len(key_list)} keys")
         await self._bounded(
-            "put", partition, len(key_list), lambda: self._put(partition, key_list, data, fields)
+            "put", partition, len(key_list), lambda: self._put(partition, key_list, data, layout)
         )
 
     async def get_rows(
-        self, partition: str, keys: Sequence[str], fields: Sequence[str], decode: Decode
+        self, partition: str, keys: Sequence[str], layouts: Sequence[codec.RowLayout]
     ) -> dict[str, Any]:
-        """Decoded rows by key, in the order asked; ``MissingRows`` unless every key has one."""
+        """Decoded rows by key, in the order asked, each read in the layout it was written
+        in (one of ``layouts``); ``MissingRows`` unless every key has one."""
         key_list = _unique(keys)
         if not key_list:
             return {}
         return await self._bounded(
-            "get", partition, len(key_list), lambda: self._get_settled(partition, key_list, fields, decode)
+            "get", partition, len(key_list), lambda: self._get_settled(partition, key_list, layouts)
         )
 
     async def delete_rows(self, partition: str, keys: Sequence[str]) -> None:
@@ -297,7 +311,7 @@ class TransferQueueDataPlane:
     async def _retrieve(self, partition: str, keys: list[str], *, create: bool = False) -> Any:
         return await self._client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=create)
 
-    async def _put(self, partition: str, keys: list[str], data: TensorDict, fields: Sequence[str]) -> None:
+    async def _put(self, partition: str, keys: list[str], data: TensorDict, layout: codec.RowLayout) -> None:
         meta = await self._retrieve(partition, keys, create=True)
         if meta.size != len(keys):
             raise DataPlaneError(f"{partition}: controller allocated {meta.size} slots for {len(keys)} keys")
@@ -305,9 +319,9 @@ class TransferQueueDataPlane:
         if not self.verify_puts:
             return
         check = await self._retrieve(partition, keys)
-        if _readable(check, len(keys), fields):
+        if _readable(check, len(keys), layout.fields):
             return
-        problems = await self._meta_problems(partition, keys, fields, known_bad=True)
+        problems = await self._meta_problems(partition, keys, (layout,), known_bad=True)
         details = "; ".join(f"{key}: {p.detail}" for key, p in list(problems.items())[:10])
         raise DataPlaneError(
             f"{partition}: put of {len(keys)} row(s) returned, but {len(problems) or 'some'} are not readable "
@@ -316,42 +330,65 @@ class TransferQueueDataPlane:
         )
 
     async def _get_settled(
-        self, partition: str, keys: list[str], fields: Sequence[str], decode: Decode
+        self, partition: str, keys: list[str], layouts: Sequence[codec.RowLayout]
     ) -> dict[str, Any]:
         """Read again while a concurrent write makes a read fail with every row fine on
         a second look; the caller's deadline bounds the loop."""
         while True:
             try:
-                return await self._get(partition, keys, fields, decode)
+                return await self._get(partition, keys, layouts)
             except _RowsChanged:
                 await asyncio.sleep(_REREAD_PAUSE_S)
 
     async def _get(
-        self, partition: str, keys: list[str], fields: Sequence[str], decode: Decode
+        self, partition: str, keys: list[str], layouts: Sequence[codec.RowLayout]
     ) -> dict[str, Any]:
         meta = await self._retrieve(partition, keys)
-        if not _readable(meta, len(keys), fields):
-            problems = await self._meta_problems(partition, keys, fields, known_bad=True)
+        layout = _layout(meta.field_names, layouts)
+        if _readable(meta, len(keys), layout.fields):
+            try:
+                return await self._read(meta, keys, layout)
+            except _ReadFailure:
+                pass  # find every bad key below, outside this handler
+            problems = await self._data_problems(partition, keys, layouts, known_bad=True)
+        else:
+            problems = await self._meta_problems(partition, keys, layouts, known_bad=True)
             rest = [key for key in keys if key not in problems]
             if rest:  # name every bad key, not only those the metadata gives away
-                problems.update(await self._data_problems(partition, rest, fields, decode))
+                problems.update(await self._data_problems(partition, rest, layouts))
+        if problems:
             self._raise(partition, keys, problems)
-        try:
-            return await self._read(meta, keys, fields, decode)
-        except _ReadFailure:
-            pass  # find every bad key below, outside this handler
-        self._raise(
-            partition, keys, await self._data_problems(partition, keys, fields, decode, known_bad=True)
-        )
+        return await self._read_apart(partition, keys, layouts)
 
-    async def _read(
-        self, meta: Any, keys: list[str], fields: Sequence[str], decode: Decode
+    async def _read_apart(
+        self, partition: str, keys: list[str], layouts: Sequence[codec.RowLayout]
     ) -> dict[str, Any]:
-        """Fetch ``fields`` of the rows ``meta`` names and decode them, or raise ``_ReadFailure``."""
+        """Every row is readable, yet not all in one layout: read each layout's rows on
+        their own, then put them back in the order asked."""
+        by_layout: dict[str, list[str]] = {}
+        for key in keys:
+            meta = await self._retrieve(partition, [key])
+            layout = _layout(meta.field_names, layouts)
+            if not _readable(meta, 1, layout.fields):
+                raise _RowsChanged(partition)
+            by_layout.setdefault(layout.name, []).append(key)
+        if len(by_layout) < 2:
+            raise _RowsChanged(partition)  # one layout after all: a write raced the first look
+        found: dict[str, Any] = {}
+        for group in by_layout.values():
+            meta = await self._retrieve(partition, group)
+            try:
+                found.update(await self._read(meta, group, _layout(meta.field_names, layouts)))
+            except _ReadFailure:
+                raise _RowsChanged(partition) from None
+        return {key: found[key] for key in keys}
+
+    async def _read(self, meta: Any, keys: list[str], layout: codec.RowLayout) -> dict[str, Any]:
+        """Fetch ``layout``'s fields of the rows ``meta`` names and decode them, or raise ``_ReadFailure``."""
         from transfer_queue.storage import StorageKeyNotFoundError
 
         try:
-            data = await self._client.async_get_data(meta.select_fields(list(fields)))
+            data = await self._client.async_get_data(meta.select_fields(list(layout.fields)))
         except StorageKeyNotFoundError as exc:
             raise _ReadFailure(
                 _Problem("unreadable", f"the storage unit holds no data for it ({exc})")
@@ -361,68 +398,65 @@ class TransferQueueDataPlane:
                 _Problem("unreadable", f"{data.batch_size[0]} rows came back for {len(keys)} keys")
             )
         try:
-            records = decode(keys, data)
+            records = layout.decode(keys, data)
         except codec.RowFormatError as exc:
             raise _ReadFailure(_Problem("corrupt", str(exc))) from None
         return dict(zip(keys, records, strict=True))
 
-    async def _classify(self, partition: str, key: str, fields: Sequence[str]) -> _Problem | None:
+    async def _classify(
+        self, partition: str, key: str, layouts: Sequence[codec.RowLayout]
+    ) -> _Problem | None:
         meta = await self._retrieve(partition, [key])
         if meta.size == 0:
             return _Problem("absent", "no such key")
         present = set(meta.field_names)
         if not present or not bool(np.all(np.asarray(meta.production_status) == 1)):
             return _Problem("unreadable", "listed but holds no data (a put that never completed)")
-        missing = [name for name in fields if name not in present]
+        missing = [name for name in _layout(meta.field_names, layouts).fields if name not in present]
         if missing:
             return _Problem("corrupt", f"row {key!r}, field {missing[0]!r}: missing")
         return None
 
     async def _meta_problems(
-        self, partition: str, keys: list[str], fields: Sequence[str], *, known_bad: bool = False
+        self, partition: str, keys: list[str], layouts: Sequence[codec.RowLayout], *, known_bad: bool = False
     ) -> dict[str, _Problem]:
         """Keys without a complete, produced row, found by bisecting metadata lookups."""
         if len(keys) == 1:
-            problem = await self._classify(partition, keys[0], fields)
+            problem = await self._classify(partition, keys[0], layouts)
             return {} if problem is None else {keys[0]: problem}
-        if not known_bad and _readable(await self._retrieve(partition, keys), len(keys), fields):
-            return {}
+        if not known_bad:
+            meta = await self._retrieve(partition, keys)
+            if _readable(meta, len(keys), _layout(meta.field_names, layouts).fields):
+                return {}
         first, second = _halves(keys)
         return {
-            **await self._meta_problems(partition, first, fields),
-            **await self._meta_problems(partition, second, fields),
+            **await self._meta_problems(partition, first, layouts),
+            **await self._meta_problems(partition, second, layouts),
         }
 
     async def _data_problems(
-        self,
-        partition: str,
-        keys: list[str],
-        fields: Sequence[str],
-        decode: Decode,
-        *,
-        known_bad: bool = False,
+        self, partition: str, keys: list[str], layouts: Sequence[codec.RowLayout], *, known_bad: bool = False
     ) -> dict[str, _Problem]:
         """Keys whose data cannot be read or decoded, found by bisecting reads."""
         if not known_bad or len(keys) == 1:
             meta = await self._retrieve(partition, keys)
-            if not _readable(meta, len(keys), fields):
-                return await self._meta_problems(partition, keys, fields, known_bad=True)
+            layout = _layout(meta.field_names, layouts)
+            if not _readable(meta, len(keys), layout.fields):
+                return await self._meta_problems(partition, keys, layouts, known_bad=True)
             try:
-                await self._read(meta, keys, fields, decode)
+                await self._read(meta, keys, layout)
                 return {}
             except _ReadFailure as failure:
                 if len(keys) == 1:
                     return {keys[0]: failure.problem}
         first, second = _halves(keys)
         return {
-            **await self._data_problems(partition, first, fields, decode),
-            **await self._data_problems(partition, second, fields, decode),
+            **await self._data_problems(partition, first, layouts),
+            **await self._data_problems(partition, second, layouts),
         }
 
     @staticmethod
     def _raise(partition: str, keys: list[str], problems: Mapping[str, _Problem]) -> NoReturn:
-        if not problems:
-            raise _RowsChanged(partition)
         missing = [key for key in keys if key in problems]
         corrupt = {key: p.detail for key, p in problems.items() if p.kind == "corrupt"}
         if corrupt:

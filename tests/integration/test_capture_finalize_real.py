@@ -274,7 +274,9 @@ def test_each_corruption_has_its_code(
         changed = CORRUPTIONS[corruption](row)
         await plane.delete_calls([key])
         if changed is not None:  # written under the original key, whatever the row says
-            await plane.put_rows("staging", [key], rows_codec.encode_calls([changed]), rows_codec.CALL_FIELDS)
+            await plane.put_rows(
+                "staging", [key], rows_codec.encode_calls([changed]), rows_codec.CALL_LAYOUTS[0]
+            )
         return events
 
     events = with_ports(server, kafka_config, capture)

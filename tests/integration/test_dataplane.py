@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import layout1_rows
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
+from pipeline.dataplane import columns, packed
 from pipeline.dataplane import encoding as codec
 from pipeline.dataplane.addresses import DataPlaneAddresses
 from pipeline.dataplane.config import ADDRESSES_FILE_NAME, DataPlaneConfig
@@ -315,50 +317,110 @@ async def test_rows_missing_a_field_or_with_a_wrong_dtype_are_named(
     async with await TransferQueueDataPlane.attach(
         server.addresses, timeout_s=20.0, staging_partition=partition
     ) as plane:
-        calls = build_rollout(rng, unique("bad"), [120, 130, 140, 150, 160, 170])
-        good, no_logprobs, wrong_dtype, bad_meta = calls[:3], calls[3], calls[4], calls[5]
+        calls = build_rollout(rng, unique("bad"), [120, 130, 140, 150, 160, 170, 180])
+        good, foreign, wrong_dtype, bad_meta, old_no_logprobs = (
+            calls[:3],
+            calls[3],
+            calls[4],
+            calls[5],
+            calls[6],
+        )
         await plane.put_calls(good)
 
-        async def raw_put(call: StagedCall, change: Any) -> None:
-            data = codec.encode_calls([call])
-            fields = {name: data.get(name) for name in codec.CALL_FIELDS}
-            change(fields)
+        async def raw_put(call: StagedCall, fields: dict[str, Any]) -> None:
             meta = await plane.client.async_kv_retrieve_meta(
                 keys=[call.staging_key], partition_id=partition, create=True
             )
             await plane.client.async_put(TensorDict(fields, batch_size=[1]), meta)
 
-        await raw_put(no_logprobs, lambda f: f.pop("logprobs"))
+        await raw_put(foreign, {"blob": torch.zeros(1, 8, dtype=torch.int64)})
         await raw_put(
             wrong_dtype,
-            lambda f: f.update(
-                token_ids=torch.nested.as_nested_tensor(
+            {
+                codec.ROW_FIELD: torch.nested.as_nested_tensor(
                     [torch.ones(3, dtype=torch.float64)], layout=torch.jagged
                 )
-            ),
+            },
         )
+        packed = codec.encode_calls([bad_meta]).get(codec.ROW_FIELD).tolist()[0].numpy().tobytes()
+        meta_at = packed.index(b'{"schema_version"')
         await raw_put(
             bad_meta,
-            lambda f: f.update(
-                meta=torch.nested.as_nested_tensor(
-                    [torch.frombuffer(bytearray(b'{"rollout_id": 1}'), dtype=torch.uint8)],
-                    layout=torch.jagged,
+            {
+                codec.ROW_FIELD: NonTensorStack(
+                    packed_row(packed[:meta_at] + b'{"rollout_id": 1}' + b" " * 50)
                 )
-            ),
+            },
+        )
+        old = layout1_rows.encode_calls([old_no_logprobs])
+        await raw_put(
+            old_no_logprobs, {name: old.get(name) for name in columns.CALL_FIELDS if name != "logprobs"}
         )
         keys = [c.staging_key for c in calls]
         with pytest.raises(CorruptRows) as info:
             await plane.get_calls(keys)
         error = info.value
         assert isinstance(error, MissingRows)
-        assert error.keys == (no_logprobs.staging_key, wrong_dtype.staging_key, bad_meta.staging_key)
-        assert "'logprobs'" in error.problems[no_logprobs.staging_key]
-        assert "'token_ids'" in error.problems[wrong_dtype.staging_key]
+        assert error.keys == tuple(c.staging_key for c in calls[3:])
+        assert f"'{codec.ROW_FIELD}'" in error.problems[foreign.staging_key]
+        assert f"'{codec.ROW_FIELD}'" in error.problems[wrong_dtype.staging_key]
         assert "float64" in error.problems[wrong_dtype.staging_key]
         assert "meta.schema_version" in error.problems[bad_meta.staging_key]
-        assert no_logprobs.staging_key in str(error) and "logprobs" in str(error)
+        assert "'logprobs'" in error.problems[old_no_logprobs.staging_key]  # named in its own layout
+        assert old_no_logprobs.staging_key in str(error) and "logprobs" in str(error)
         assert list(await plane.get_calls([c.staging_key for c in good])) == [c.staging_key for c in good]
         await plane.delete_calls(keys)
+
+
+def packed_row(blob: bytes) -> torch.Tensor:
+    """A row's bytes whose header is made to describe them (a foreign writer's mistake
+    inside a well-formed row), as TransferQueue stores it."""
+    header = packed.CALL_SECTIONS.header
+    magic, *counts = header.unpack_from(blob)
+    counts[-1] = (
+        len(blob)
+        - header.size
+        - sum(
+            n * dtype.itemsize
+            for n, (_, dtype) in zip(counts[:-1], packed.CALL_SECTIONS.dtypes, strict=False)
+        )
+    )
+    return torch.frombuffer(bytearray(header.pack(magic, *counts) + blob[header.size :]), dtype=torch.uint8)
+
+
+@pytest.mark.anyio
+async def test_rows_of_the_previous_layout_are_read_alone_and_mixed_with_new_ones(
+    plane: TransferQueueDataPlane, rng: np.random.Generator
+) -> None:
+    """A data plane that outlives an upgrade holds layout-1 rows: readers still read them,
+    and a batch of both layouts comes back whole, in the order asked."""
+    calls = build_rollout(rng, unique("old"), [90, 100, 110, 120, 130, 140])
+    old, new = calls[::2], calls[1::2]
+    old_meta = await plane.client.async_kv_retrieve_meta(
+        keys=[c.staging_key for c in old], partition_id="staging", create=True
+    )
+    await plane.client.async_put(layout1_rows.encode_calls(old), old_meta)
+    await plane.put_calls(new)
+    keys = [c.staging_key for c in calls]
+    assert list(await plane.get_calls(keys[::2])) == keys[::2]
+    got = await plane.get_calls(keys)
+    assert list(got) == keys
+    for call in calls:
+        assert_same_call(got[call.staging_key], call)
+
+    samples = [build_sample(unique(f"olds{i}"), calls, float(i)) for i in range(4)]
+    old_samples = samples[:2]
+    sample_meta = await plane.client.async_kv_retrieve_meta(
+        keys=[s.key for s in old_samples], partition_id="samples", create=True
+    )
+    await plane.client.async_put(layout1_rows.encode_samples(old_samples), sample_meta)
+    await plane.put_samples(samples[2:])
+    order = [samples[2].key, samples[0].key, samples[3].key, samples[1].key]
+    back = await plane.get_samples(order)
+    assert list(back) == order
+    assert all(back[s.key] == s for s in samples)
+    await plane.delete_calls(keys)
+    await plane.delete_samples(order)
 
 
 def test_codec_names_the_key_and_field_of_a_malformed_row(rng: np.random.Generator) -> None:
@@ -366,13 +428,45 @@ def test_codec_names_the_key_and_field_of_a_malformed_row(rng: np.random.Generat
     key = call.staging_key
     data = codec.encode_calls([call])
     assert [r.model_dump() for r in codec.decode_calls([key], data)] == [call.model_dump()]
+    blob = data.get(codec.ROW_FIELD).tolist()[0].numpy().tobytes()
+    header = packed.CALL_SECTIONS.header
+    _, *counts = header.unpack_from(blob)
+
+    def row(raw: bytes) -> TensorDict:
+        return TensorDict(
+            {codec.ROW_FIELD: NonTensorStack(torch.frombuffer(bytearray(raw), dtype=torch.uint8))},
+            batch_size=[1],
+        )
+
+    three_counts = (
+        header.pack(b"TTC2", 3, *counts[1:]) + blob[header.size : header.size + 24] + blob[header.size + 32 :]
+    )
+    cases = {
+        "row": [
+            row(blob[:10]),  # shorter than the header
+            row(b"TTS2" + blob[4:]),  # a sample's magic
+            row(blob + b"x"),  # longer than its header says
+            TensorDict({"other": torch.zeros(1, 3)}, batch_size=[1]),  # no row field at all
+            TensorDict({codec.ROW_FIELD: torch.zeros(1, 3, dtype=torch.int64)}, batch_size=[1]),
+        ],
+        "counts": [row(three_counts)],
+        "meta": [row(blob[: -len(b"}")] + b"!")],
+    }
+    for field, bad_rows in cases.items():
+        for bad in bad_rows:
+            with pytest.raises(codec.RowFormatError) as info:
+                codec.decode_calls([key], bad)
+            assert info.value.field == field and info.value.key == key, str(info.value)
+
+    old = layout1_rows.encode_calls([call])
+    assert [r.model_dump() for r in columns.decode_calls([key], old)] == [call.model_dump()]
 
     def broken(**fields: Any) -> TensorDict:
-        base = {name: data.get(name) for name in codec.CALL_FIELDS}
+        base = {name: old.get(name) for name in columns.CALL_FIELDS}
         base.update(fields)
         return TensorDict({k: v for k, v in base.items() if v is not None}, batch_size=[1])
 
-    cases = {
+    old_cases = {
         "token_mask": broken(token_mask=None),
         "logprobs": broken(
             logprobs=torch.nested.as_nested_tensor(
@@ -381,10 +475,11 @@ def test_codec_names_the_key_and_field_of_a_malformed_row(rng: np.random.Generat
         ),
         "counts": broken(counts=torch.zeros(1, 3, dtype=torch.int64)),
     }
-    for field, bad in cases.items():
+    for field, bad in old_cases.items():
         with pytest.raises(codec.RowFormatError) as info:
-            codec.decode_calls([key], bad)
+            columns.decode_calls([key], bad)
         assert info.value.field == field and (info.value.key in (key, None)), str(info.value)
+
     with pytest.raises(codec.RowFormatError, match=r"logprobs.*finite"):
         codec.encode_calls([StagedCall.model_construct(**{**dict(call), "logprobs_delta": [-1e39] * 50})])
     with pytest.raises(codec.RowFormatError, match=r"logprobs.*finite"):
