@@ -6,6 +6,7 @@ its published address file with the ordinary TransferQueue client.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -176,6 +177,13 @@ def test_embedded_plane_relies_on_pinned_transferqueue_internals(
     )
     assert actor_class(TransferQueueController).__name__ == "TransferQueueController"
     assert actor_class(SimpleStorageUnit).__name__ == "SimpleStorageUnit"
+    # Rows move through the client's storage manager, past async_put's custom-metadata call.
+    from transfer_queue.client import AsyncTransferQueueClient
+    from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
+
+    assert callable(AsyncSimpleStorageManager.put_data) and callable(AsyncSimpleStorageManager.get_data)
+    assert "storage_manager.put_data" in inspect.getsource(AsyncTransferQueueClient.async_put)
+    assert "storage_manager.get_data" in inspect.getsource(AsyncTransferQueueClient.async_get_data)
     addresses = server.addresses
     assert addresses.pid == os.getpid() and addresses.mode == "embedded"
     assert {addresses.controller.ip, *(u.ip for u in addresses.storage_units)} == {"127.0.0.1"}
