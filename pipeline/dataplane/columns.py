@@ -30,8 +30,8 @@ from pipeline.dataplane import documents
 from pipeline.dataplane.packed import RowFormatError
 from topics.records import StagedCall, TrainingSample
 
-CALL_FIELDS: tuple[str, ...] = ("token_ids", "token_mask", "logprobs", "counts", "meta")
-SAMPLE_FIELDS: tuple[str, ...] = ("token_ids", "token_mask", "logprobs", "weight_versions", "meta")
+CALL_FIELDS = documents.CALL_PARTS
+SAMPLE_FIELDS = documents.SAMPLE_PARTS
 FIELD_DTYPES: dict[str, torch.dtype] = {
     "token_ids": torch.int64,
     "token_mask": torch.float32,
@@ -114,27 +114,20 @@ def column(data: TensorDict, keys: Sequence[str], field: str, expected: torch.dt
     return Column(flat, bounds)
 
 
-def _columns(data: TensorDict, keys: Sequence[str], fields: Sequence[str]) -> list[Column]:
-    return [column(data, keys, name, FIELD_DTYPES[name]) for name in fields]
+def _parts(data: TensorDict, keys: Sequence[str], fields: Sequence[str]) -> list[tuple[Any, ...]]:
+    """Each row's parts in ``fields`` order: the vectors as lists, ``meta`` (last) as
+    bytes. Every column is checked before any row is built."""
+    *vectors, meta = (column(data, keys, name, FIELD_DTYPES[name]) for name in fields)
+    return list(zip(*(c.lists() for c in vectors), meta.blobs(), strict=True))
 
 
 def decode_calls(keys: Sequence[str], data: TensorDict) -> list[StagedCall]:
     """Layout-1 call rows read for ``keys`` (in that order), unvalidated."""
-    ids, masks, logprobs, counts, metas = _columns(data, keys, CALL_FIELDS)
-    id_rows, mask_rows, logprob_rows, count_rows = (c.lists() for c in (ids, masks, logprobs, counts))
-    meta_rows = metas.blobs()
-    return [
-        documents.call_record(key, meta_rows[i], count_rows[i], id_rows[i], mask_rows[i], logprob_rows[i])
-        for i, key in enumerate(keys)
-    ]
+    parts = _parts(data, keys, CALL_FIELDS)
+    return [documents.call_record(key, *row) for key, row in zip(keys, parts, strict=True)]
 
 
 def decode_samples(keys: Sequence[str], data: TensorDict) -> list[TrainingSample]:
     """Layout-1 sample rows read for ``keys`` (in that order), unvalidated."""
-    ids, masks, logprobs, versions, metas = _columns(data, keys, SAMPLE_FIELDS)
-    id_rows, mask_rows, logprob_rows, version_rows = (c.lists() for c in (ids, masks, logprobs, versions))
-    meta_rows = metas.blobs()
-    return [
-        documents.sample_record(key, meta_rows[i], id_rows[i], mask_rows[i], logprob_rows[i], version_rows[i])
-        for i, key in enumerate(keys)
-    ]
+    parts = _parts(data, keys, SAMPLE_FIELDS)
+    return [documents.sample_record(key, *row) for key, row in zip(keys, parts, strict=True)]

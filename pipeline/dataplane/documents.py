@@ -20,6 +20,10 @@ from topics.records import CallSpan, StagedCall, TrainingSample, assemble
 from topics.staging import CallRow
 
 COUNTS: tuple[str, ...] = ("prev_len", "delta_len", "cum_len", "weight_version")
+CALL_PARTS: tuple[str, ...] = ("counts", "token_ids", "token_mask", "logprobs", "meta")
+SAMPLE_PARTS: tuple[str, ...] = ("token_ids", "weight_versions", "token_mask", "logprobs", "meta")
+"""A row's parts in the order every layout hands them to ``call_record`` / ``sample_record``:
+the vectors (lists), then ``meta`` (bytes)."""
 
 _STR = (str,)
 _OPT_STR = (str, type(None))
@@ -89,9 +93,9 @@ def _dumps(key: str, document: dict[str, Any]) -> bytes:
 
 
 def call_record(
-    key: str, meta: bytes, counts: list[Any], ids: list[Any], mask: list[Any], logprobs: list[Any]
+    key: str, counts: list[Any], token_ids: list[Any], token_mask: list[Any], logprobs: list[Any], meta: bytes
 ) -> StagedCall:
-    """The ``StagedCall`` a row's parts say, unvalidated."""
+    """The ``StagedCall`` a row's parts say (in ``CALL_PARTS`` order), unvalidated."""
     if len(counts) != len(COUNTS):
         raise RowFormatError(
             key, "counts", f"{len(counts)} values, expected {len(COUNTS)} ({', '.join(COUNTS)})"
@@ -109,8 +113,8 @@ def call_record(
             "delta_len": counts[1],
             "cum_len": counts[2],
             "weight_version": counts[3],
-            "token_ids_delta": ids,
-            "token_mask_delta": mask,
+            "token_ids_delta": token_ids,
+            "token_mask_delta": token_mask,
             "logprobs_delta": logprobs,
             "extras": _take(key, document, "extras", (dict, type(None))),
             "extras_digest": _take(key, document, "extras_digest", _STR),
@@ -122,9 +126,14 @@ def call_record(
 
 
 def sample_record(
-    key: str, meta: bytes, ids: list[Any], mask: list[Any], logprobs: list[Any], versions: list[Any]
+    key: str,
+    token_ids: list[Any],
+    weight_versions: list[Any],
+    token_mask: list[Any],
+    logprobs: list[Any],
+    meta: bytes,
 ) -> TrainingSample:
-    """The ``TrainingSample`` a row's parts say, unvalidated."""
+    """The ``TrainingSample`` a row's parts say (in ``SAMPLE_PARTS`` order), unvalidated."""
     document = _document(key, meta)
     schema_version = _take(key, document, "schema_version", (int,))
     return assemble(
@@ -133,10 +142,10 @@ def sample_record(
             "schema_version": schema_version,
             "rollout_id": _take(key, document, "rollout_id", _STR),
             "group_id": _take(key, document, "group_id", _OPT_STR),
-            "token_ids": ids,
-            "token_mask": mask,
+            "token_ids": token_ids,
+            "token_mask": token_mask,
             "logprobs": logprobs,
-            "weight_versions": versions,
+            "weight_versions": weight_versions,
             "spans": _spans(key, _take(key, document, "spans", (list,)), schema_version),
             "reward": _take(key, document, "reward", (float, type(None))),
             "cumulative_hash": _take(key, document, "cumulative_hash", _STR),

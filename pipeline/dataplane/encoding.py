@@ -19,7 +19,7 @@ from __future__ import annotations
 import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,14 +27,19 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from pipeline.dataplane import columns, documents
-from pipeline.dataplane.packed import CALL_SECTIONS, INT64, SAMPLE_SECTIONS, RowFormatError, Sections
+from pipeline.dataplane.packed import (
+    CALL_SECTIONS,
+    INT64,
+    ROW_FIELD,
+    SAMPLE_SECTIONS,
+    RowFormatError,
+    Sections,
+)
 from topics.records import StagedCall, TrainingSample
 from topics.staging import CallRow, row_vectors
 
-ROW_FIELD = "row"
-"""The one TransferQueue field of a layout-2 row."""
-
 Decode = Callable[[Sequence[str], TensorDict], list[Any]]
+Record = TypeVar("Record", StagedCall, TrainingSample)
 
 __all__ = [
     "CALL_LAYOUTS",
@@ -154,40 +159,28 @@ def encode_samples(samples: Sequence[TrainingSample]) -> TensorDict:
 # ---------------------------------------------------------------- decoding
 
 
-def _sections(keys: Sequence[str], data: TensorDict, sections: Sections) -> list[list[npt.NDArray[Any]]]:
-    """Every row's sections; the column's bytes are copied out once for all rows."""
+def _decode(
+    keys: Sequence[str], data: TensorDict, sections: Sections, build: Callable[..., Record]
+) -> list[Record]:
+    """``build(key, *vectors as lists, meta as bytes)`` for every row, in order. The
+    column's bytes are copied out once for all rows."""
     found = columns.column(data, keys, ROW_FIELD, torch.uint8)
-    raw = found.flat.tobytes()
-    bounds = found.bounds
-    return [sections.unpack(key, raw, bounds[i], bounds[i + 1]) for i, key in enumerate(keys)]
+    raw, bounds = found.flat.tobytes(), found.bounds
+    records = []
+    for i, key in enumerate(keys):
+        *vectors, meta = sections.unpack(key, raw, bounds[i], bounds[i + 1])
+        records.append(build(key, *[vector.tolist() for vector in vectors], meta.tobytes()))
+    return records
 
 
 def decode_calls(keys: Sequence[str], data: TensorDict) -> list[StagedCall]:
     """Layout-2 call rows read for ``keys`` (in that order) as ``StagedCall`` records, unvalidated."""
-    records = []
-    for key, (counts, ids, mask, logprobs, meta) in zip(
-        keys, _sections(keys, data, CALL_SECTIONS), strict=True
-    ):
-        records.append(
-            documents.call_record(
-                key, meta.tobytes(), counts.tolist(), ids.tolist(), mask.tolist(), logprobs.tolist()
-            )
-        )
-    return records
+    return _decode(keys, data, CALL_SECTIONS, documents.call_record)
 
 
 def decode_samples(keys: Sequence[str], data: TensorDict) -> list[TrainingSample]:
     """Layout-2 sample rows read for ``keys`` (in that order) as ``TrainingSample`` records, unvalidated."""
-    records = []
-    for key, (ids, versions, mask, logprobs, meta) in zip(
-        keys, _sections(keys, data, SAMPLE_SECTIONS), strict=True
-    ):
-        records.append(
-            documents.sample_record(
-                key, meta.tobytes(), ids.tolist(), mask.tolist(), logprobs.tolist(), versions.tolist()
-            )
-        )
-    return records
+    return _decode(keys, data, SAMPLE_SECTIONS, documents.sample_record)
 
 
 CALL_LAYOUTS: tuple[RowLayout, ...] = (

@@ -30,6 +30,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+ROW_FIELD = "row"
+"""The one TransferQueue field of a layout-2 row."""
+
 
 class RowFormatError(ValueError):
     """A row that cannot be encoded or decoded; ``key`` is None for a whole-batch problem."""
@@ -68,16 +71,16 @@ class Sections:
         header = self.header
         if end - start < header.size:
             raise RowFormatError(
-                key, "row", f"{end - start} bytes, shorter than its {header.size}-byte header"
+                key, ROW_FIELD, f"{end - start} bytes, shorter than its {header.size}-byte header"
             )
         magic, *counts = header.unpack_from(raw, start)
         if magic != self.magic:
-            raise RowFormatError(key, "row", f"layout magic {magic!r}, expected {self.magic!r}")
+            raise RowFormatError(key, ROW_FIELD, f"layout magic {magic!r}, expected {self.magic!r}")
         expected = header.size + sum(
             n * dtype.itemsize for n, (_, dtype) in zip(counts, self.dtypes, strict=True)
         )
         if expected != end - start:
-            raise RowFormatError(key, "row", f"{end - start} bytes, its header describes {expected}")
+            raise RowFormatError(key, ROW_FIELD, f"{end - start} bytes, its header describes {expected}")
         arrays: list[npt.NDArray[Any]] = []
         offset = start + header.size
         for count, (_, dtype) in zip(counts, self.dtypes, strict=True):

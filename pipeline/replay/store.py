@@ -61,7 +61,7 @@ class LedgerStore:
     async def publish(self, records: Sequence[Record]) -> None:
         self.add(records)
 
-    def add(self, records: Sequence[Record]) -> int:
+    def add(self, records: Sequence[Record]) -> None:
         """Store ledger events; anything else (dead letters) is counted and skipped.
 
         Payloads are the events' wire JSON (``encode_payload``: the same bytes as
@@ -76,9 +76,7 @@ class LedgerStore:
                 self.ignored += 1
                 continue
             rows.append((event.event_id, event.key, kind, encode_payload(record)))
-        before = self._db.total_changes
         self._db.executemany("INSERT OR IGNORE INTO ledger VALUES (?, ?, ?, ?)", rows)
-        return self._db.total_changes - before
 
     def merge(self, other: str | Path) -> None:
         """Copy every event of the store in file ``other`` into this one (first write
