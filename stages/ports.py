@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from stages.recent import RecentIds
 from topics.codec import RawRecord, raw_record
@@ -93,9 +93,11 @@ class EventSink(Protocol):
 TopicPartition = tuple[str, int]
 
 
-@dataclass(frozen=True, slots=True)
-class Consumed:
-    """One decoded event, where it came from, and when it was written (log time, seconds)."""
+class Consumed(NamedTuple):
+    """One decoded event, where it came from, and when it was written (log time, seconds).
+
+    A named tuple rather than a frozen dataclass: as immutable, and a third of the cost
+    to build, once per event read."""
 
     topic: str
     partition: int

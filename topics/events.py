@@ -7,9 +7,8 @@ harmless without Kafka transactions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from topics.records import (
     EVENT_SCHEMA_VERSION,
@@ -50,9 +49,11 @@ PAYLOAD_TYPES: dict[EventType, type[Record]] = {
 P = TypeVar("P", bound=Record)
 
 
-@dataclass(frozen=True, slots=True)
-class Envelope(Generic[P]):
-    """One event: its type, the schema it was written with, its id, key and payload."""
+class Envelope(NamedTuple, Generic[P]):
+    """One event: its type, the schema it was written with, its id, key and payload.
+
+    A named tuple rather than a frozen dataclass: as immutable, and a third of the cost
+    to build, which every consumer pays for every event it reads."""
 
     event_type: EventType
     event_id: str
