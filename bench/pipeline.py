@@ -21,7 +21,9 @@ two groups, each with its own producer and data-plane client) and rollout length
    (calls/s and rollouts/s);
 2. latency: further rollouts are published at ``load`` × that throughput, each seal
    one pacing interval after its rollout's call events, with ``sealed_at`` set when it
-   is published; seal-to-finalized latency is ``FinalizedEvent.finalized_at − sealed_at``.
+   is published; seal-to-finalized latency is ``FinalizedEvent.finalized_at − sealed_at``,
+   split at the receipt's log time into the ledger's decision (the log-time merge's
+   margin and fetch waits) and the finalizer's hop and work.
 
 Inline, all members share one interpreter: more instances measure partitioning and
 batching overhead, not more CPU. Each result gives the CPU seconds every process spent
@@ -60,7 +62,7 @@ from bench.common import (
 )
 from bench.planes import PLACEMENTS, Placement, open_plane
 from bench.rollouts import Rollout, capture_rollouts
-from bench.stage_probes import Finalized, FinalizedTap, Gated, settled
+from bench.stage_probes import Finalized, FinalizedTap, Gated, receipt_times, settled
 from stages.ports import SAMPLES_PARTITION, STAGING_PARTITION, DataPlane
 from topics.records import Record
 
@@ -317,6 +319,9 @@ async def measure(
         duplicates = run.duplicates()
         rebalances = run.revocations()
     latencies = [(finalized[r].event.finalized_at - at) * 1e3 for r, at in sealed.items()]
+    receipts = await receipt_times(kafka)
+    deciding = [(receipts[r] - at) * 1e3 for r, at in sealed.items()]
+    finalizing = [(finalized[r].event.finalized_at - receipts[r]) * 1e3 for r in sealed]
     statuses = Counter(
         f.event.status if f.event.status == "accepted" else str(f.event.rejection_reason)
         for f in finalized.values()
@@ -339,6 +344,8 @@ async def measure(
             "offered_calls_per_s": round(offered * length, 1),
             **{f"{k}_ms": round(v, 1) for k, v in percentiles(latencies, (50, 99)).items()},
             "max_ms": round(max(latencies), 1),
+            "seal_to_receipt_ms": {k: round(v, 1) for k, v in percentiles(deciding, (50, 99)).items()},
+            "receipt_to_finalized_ms": {k: round(v, 1) for k, v in percentiles(finalizing, (50, 99)).items()},
             "cdf_ms": [round(v, 2) for v in cdf(latencies)],
         },
         "finalized": dict(statuses),
@@ -504,8 +511,8 @@ def run(
 def render(report: dict[str, Any]) -> str:
     lines = [
         "| mode | instances | calls/rollout | calls/s | rollouts/s | offered calls/s | seal→finalized p50 ms "
-        "| p99 ms | CPU s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| p99 ms | p99 ms to receipt · after | CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in report["results"]:
         b, lat = r["backlog"], r["latency"]
@@ -513,7 +520,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['mode']} | {r['instances']} | {r['calls_per_rollout']} | {b['calls_per_s']:,.0f} | "
             f"{b['rollouts_per_s']:,.1f} | {lat['offered_calls_per_s']:,.0f} | {lat['p50_ms']:.0f} | "
-            f"{lat['p99_ms']:.0f} | {cpu} |"
+            f"{lat['p99_ms']:.0f} | {lat['seal_to_receipt_ms']['p99']:.0f} · "
+            f"{lat['receipt_to_finalized_ms']['p99']:.0f} | {cpu} |"
         )
     lines += ["", "| calls/rollout | bytes per open rollout | per open call | growth per finished rollout |"]
     lines.append("|---:|---:|---:|---:|")

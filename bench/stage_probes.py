@@ -6,6 +6,8 @@
   which says when the groups have settled.
 - ``FinalizedTap`` is the finalizer's sink: it publishes as usual and, once the broker
   acknowledged, notes each ``FinalizedEvent`` and when it was acknowledged.
+- ``receipt_times`` reads when the ledger wrote each rollout's receipt, which splits
+  seal-to-finalized latency into the ledger's decision and the finalizer's hop.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.reader import assigned_reader, topic_ends
 from stages.ports import Consumed, EventSink, StageGauges, StagePort, TopicPartition
 from stages.recent import RecentIds
+from topics.codec import record_type
+from topics.events import EventType
 from topics.records import FinalizedEvent, Record
 
 
@@ -91,4 +97,22 @@ async def settled(started: Sequence[asyncio.Event], revocations: list[float], *,
         await asyncio.sleep(wait)
 
 
-__all__ = ["Finalized", "FinalizedTap", "Gated", "settled"]
+async def receipt_times(kafka: KafkaConfig) -> dict[str, float]:
+    """Each rollout's first receipt on the committed topic and its log time (the ledger's
+    clock when it sent it), read to the topic's current end without decoding payloads."""
+    ends = await topic_ends(kafka, kafka.names.committed)
+    receipt = EventType.RECEIPT.value.encode()
+    written: dict[str, float] = {}
+    async with assigned_reader(kafka, dict.fromkeys(ends), fetch_max_wait_ms=50) as consumer:
+        unread = {tp for tp, end in ends.items() if end > 0}
+        while unread:
+            for tp, records in (await consumer.getmany(*unread, timeout_ms=200)).items():
+                for record in records:
+                    if record.key is not None and record_type(record.headers) == receipt:
+                        written.setdefault(record.key.decode(), record.timestamp / 1e3)
+                if records and records[-1].offset + 1 >= ends[tp]:
+                    unread.discard(tp)
+    return written
+
+
+__all__ = ["Finalized", "FinalizedTap", "Gated", "receipt_times", "settled"]

@@ -104,9 +104,14 @@ def test_pipeline_smallest_configuration_inline_and_as_processes(tmp_path: Path)
         latency = result["latency"]
         assert latency["rollouts"] == 6 and latency["p99_ms"] >= latency["p50_ms"] > 0
         assert len(latency["cdf_ms"]) == 101
+        # Split at each receipt's log time: the ledger decides, then the finalizer's hop.
+        deciding, finalizing = latency["seal_to_receipt_ms"], latency["receipt_to_finalized_ms"]
+        assert 0 < deciding["p50"] <= latency["max_ms"] and 0 < finalizing["p50"] <= latency["max_ms"]
         assert result["finalized"] == {"accepted": 16 + 6}  # real digests, verified by the finalizer
         assert result["cpu_s"]["bench"] > 0
     assert inline["duplicates"] == {"ledger": 0, "finalizer": 0} and inline["revocations"] is not None
+    table = pipeline.render(report).splitlines()
+    assert table[0].count("|") == table[1].count("|") == table[2].count("|")  # every column filled
     # Each stage its own process, its CPU counted apart (in clock ticks: a tiny backlog may read 0).
     assert set(processes["cpu_s"]) == {"bench", "broker", "ledger-0", "finalizer-0"}
     assert all(seconds >= 0 for seconds in processes["cpu_s"].values())
