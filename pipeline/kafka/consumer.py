@@ -92,6 +92,11 @@ class ConsumerTuning:
     over), so it is latency; each idle consumer costs about 5% of a core at 25 ms
     against 1.5% at 100 (bench/RESULTS.md)."""
     idle_poll_ms: int = 25
+    ripe_poll_ms: int = 5
+    """Log-time order: how often a loop holding a record whose margin has passed polls.
+    A fetch response with no records moves a partition's bound (``idle_margin_ms``) but
+    does not end a poll (aiokafka wakes it for records only), so at ``idle_poll_ms`` a
+    held record could wait a whole poll more after the response that frees it."""
     idle_margin_ms: int = 500
     """Log-time order (``ordered`` loops): a caught-up partition counts as read up to
     its last fetch response minus this much, the longest a record may take from its
@@ -143,6 +148,7 @@ class ConsumerLoop:
         self.stage = stage
         self.max_records = tuning.max_records
         self.idle_poll_ms = tuning.idle_poll_ms
+        self.ripe_poll_ms = tuning.ripe_poll_ms
         self._consumer_settings = {
             "group_id": group_id,
             "enable_auto_commit": False,
@@ -282,8 +288,18 @@ class ConsumerLoop:
 
     async def _fetch(self, consumer: AIOKafkaConsumer) -> tuple[dict[TopicPartition, list[Record]], int]:
         """A batch, tagged with the assignment epoch current when it was returned."""
-        batch = await consumer.getmany(timeout_ms=self.idle_poll_ms, max_records=self.max_records)
+        batch = await consumer.getmany(timeout_ms=self._poll_ms(), max_records=self.max_records)
         return batch, self._epoch
+
+    def _poll_ms(self) -> float:
+        """How long the next poll may wait for records: ``idle_poll_ms``, but in log-time
+        order only until the earliest held record's margin has passed, and then
+        ``ripe_poll_ms``, so it leaves soon after the fetch response that frees it."""
+        earliest = self._held.earliest() if self.ordered else None
+        if earliest is None:
+            return self.idle_poll_ms
+        ripe_in_ms = (earliest + self._idle_margin_s - time.time()) * 1000
+        return min(self.idle_poll_ms, max(self.ripe_poll_ms, ripe_in_ms))
 
     async def _hold(self, batch: Mapping[TopicPartition, list[Record]]) -> None:
         """Decode a fetched batch into the held records; dead-letter what does not decode.

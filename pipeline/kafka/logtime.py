@@ -69,6 +69,10 @@ class LogTimeMerge(Generic[Item]):
     def empty(self, tp: TopicPartition) -> bool:
         return not self._buffers.get(tp)
 
+    def earliest(self) -> float | None:
+        """The lowest timestamp among the partitions' heads; None when nothing is buffered."""
+        return min((buffer[0][0] for buffer in self._buffers.values() if buffer), default=None)
+
     def release(self, partitions: Iterable[TopicPartition], bound: Bound) -> Released[Item]:
         """Everything that can leave now, across ``partitions``, in merge order."""
         limit = math.inf

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -219,5 +220,39 @@ def test_merge_holds_records_until_an_empty_partition_is_known_past_them() -> No
     assert blocked.items == [] and blocked.frontier == -math.inf and merge.held() == 2
     partial = merge.release([("a", 0), ("b", 0)], lambda tp: 3.0)
     assert partial.items == ["a1"] and partial.frontier == 3.0
+    assert merge.earliest() == 5.0
     merge.drop([("a", 0)])
     assert merge.held() == 0 and merge.release([("a", 0)], lambda tp: 7.0).frontier == 7.0
+    assert merge.earliest() is None
+
+
+def test_a_loop_polls_often_only_while_a_held_record_is_past_its_margin() -> None:
+    """An empty fetch response frees a held record but does not end a poll: once the
+    earliest held record's margin has passed the loop polls every ``ripe_poll_ms``;
+    before, it waits until then at most; holding nothing, ``idle_poll_ms``."""
+    from pipeline.kafka.config import KafkaConfig
+    from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning
+
+    tuning = ConsumerTuning(idle_poll_ms=1000, ripe_poll_ms=5, idle_margin_ms=100)
+
+    def loop(order: list[str] | None) -> ConsumerLoop:
+        return ConsumerLoop(
+            KafkaConfig("127.0.0.1:1"),
+            group_id="g",
+            topics=["t"],
+            handler=CollectingHandler(),
+            dead_letters=RecordingSink(),
+            stage="test",
+            tuning=tuning,
+            log_time_order=order,
+        )
+
+    ordered, unordered = loop([]), loop(None)
+    assert ordered._poll_ms() == unordered._poll_ms() == 1000
+    now = time.time()
+    ordered._held.add(("t", 0), [(now - 0.05, None)])  # type: ignore[list-item]
+    assert 5 < ordered._poll_ms() <= 50  # until its margin has passed
+    ordered._held.add(("t", 1), [(now - 0.5, None)])  # type: ignore[list-item]
+    assert ordered._poll_ms() == 5
+    unordered._held.add(("t", 1), [(now - 0.5, None)])  # type: ignore[list-item]
+    assert unordered._poll_ms() == 1000  # no order, nothing waits for a margin
