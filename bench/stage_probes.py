@@ -97,15 +97,20 @@ async def settled(started: Sequence[asyncio.Event], revocations: list[float], *,
         await asyncio.sleep(wait)
 
 
-async def receipt_times(kafka: KafkaConfig) -> dict[str, float]:
+async def receipt_times(kafka: KafkaConfig, timeout_s: float = 60.0) -> dict[str, float]:
     """Each rollout's first receipt on the committed topic and its log time (the ledger's
     clock when it sent it), read to the topic's current end without decoding payloads."""
     ends = await topic_ends(kafka, kafka.names.committed)
     receipt = EventType.RECEIPT.value.encode()
     written: dict[str, float] = {}
+    deadline = time.monotonic() + timeout_s
     async with assigned_reader(kafka, dict.fromkeys(ends), fetch_max_wait_ms=50) as consumer:
         unread = {tp for tp, end in ends.items() if end > 0}
         while unread:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{kafka.names.committed}: {len(unread)} partition(s) not read to their end"
+                )
             for tp, records in (await consumer.getmany(*unread, timeout_ms=200)).items():
                 for record in records:
                     if record.key is not None and record_type(record.headers) == receipt:

@@ -9,7 +9,7 @@ engine on the tiny model (``model_dir``), freed when the module ends.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,8 +17,15 @@ import pytest
 
 from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.consumer import FAST_GROUPS, ConsumerTuning
+from pipeline.kafka.consumer import (
+    DEFAULT_TUNING,
+    FAST_GROUPS,
+    CollectingHandler,
+    ConsumerLoop,
+    ConsumerTuning,
+)
 from pipeline.process.guard import guard_descendants
+from stages.memory import RecordingSink
 from topics.names import TopicNames
 
 if TYPE_CHECKING:  # the engine kit imports vLLM: only the modules that ask for it load it
@@ -51,6 +58,27 @@ def kafka_config(kafka_broker: EmbeddedBroker, topic_names: TopicNames) -> Kafka
 def fast_group() -> ConsumerTuning:
     """Short consumer-group timeouts: tansu holds a group join for half the session timeout."""
     return FAST_GROUPS
+
+
+@pytest.fixture
+def unconnected_loop() -> Callable[..., ConsumerLoop]:
+    """Consumer loops that are never started (no broker): for their bookkeeping alone."""
+
+    def make(
+        tuning: ConsumerTuning = DEFAULT_TUNING, log_time_order: list[str] | None = None
+    ) -> ConsumerLoop:
+        return ConsumerLoop(
+            KafkaConfig("127.0.0.1:1"),
+            group_id="g",
+            topics=["t"],
+            handler=CollectingHandler(),
+            dead_letters=RecordingSink(),
+            stage="test",
+            tuning=tuning,
+            log_time_order=log_time_order,
+        )
+
+    return make
 
 
 @pytest.fixture

@@ -15,13 +15,14 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.events import rollout_events
+from pipeline.kafka.consumer import ConsumerLoop, ConsumerTuning
 from pipeline.kafka.logtime import LogTimeMerge
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.memory import RecordingSink
@@ -226,28 +227,14 @@ def test_merge_holds_records_until_an_empty_partition_is_known_past_them() -> No
     assert merge.earliest() is None
 
 
-def test_a_loop_polls_often_only_while_a_held_record_is_past_its_margin() -> None:
+def test_a_loop_polls_often_only_while_a_held_record_is_past_its_margin(
+    unconnected_loop: Callable[..., ConsumerLoop],
+) -> None:
     """An empty fetch response frees a held record but does not end a poll: once the
     earliest held record's margin has passed the loop polls every ``ripe_poll_ms``;
     before, it waits until then at most; holding nothing, ``idle_poll_ms``."""
-    from pipeline.kafka.config import KafkaConfig
-    from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning
-
     tuning = ConsumerTuning(idle_poll_ms=1000, ripe_poll_ms=5, idle_margin_ms=100)
-
-    def loop(order: list[str] | None) -> ConsumerLoop:
-        return ConsumerLoop(
-            KafkaConfig("127.0.0.1:1"),
-            group_id="g",
-            topics=["t"],
-            handler=CollectingHandler(),
-            dead_letters=RecordingSink(),
-            stage="test",
-            tuning=tuning,
-            log_time_order=order,
-        )
-
-    ordered, unordered = loop([]), loop(None)
+    ordered, unordered = unconnected_loop(tuning, []), unconnected_loop(tuning)
     assert ordered._poll_ms() == unordered._poll_ms() == 1000
     now = time.time()
     ordered._held.add(("t", 0), [(now - 0.05, None)])  # type: ignore[list-item]

@@ -8,6 +8,7 @@ import json
 import logging
 import logging.config
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from pipeline import cli
 from pipeline.commands.jsonlog import configure_logging, vllm_logging
 from pipeline.commands.lag import print_table, table
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.consumer import ConsumerLoop
 from pipeline.kafka.lag import PartitionLag
 from pipeline.replay.store import tree_order
 from topics.records import CallRecord, FailedCall
@@ -123,21 +125,10 @@ def test_vllm_logs_through_the_same_formatter_in_every_engine_process(monkeypatc
     logging.getLogger("vllm").handlers.clear()
 
 
-def test_a_first_join_is_not_counted_as_a_rebalance() -> None:
+def test_a_first_join_is_not_counted_as_a_rebalance(unconnected_loop: Callable[..., ConsumerLoop]) -> None:
     from aiokafka import TopicPartition
 
-    from pipeline.kafka.config import KafkaConfig
-    from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop
-    from stages.memory import RecordingSink
-
-    loop = ConsumerLoop(
-        KafkaConfig("127.0.0.1:1"),
-        group_id="g",
-        topics=["t"],
-        handler=CollectingHandler(),
-        dead_letters=RecordingSink(),
-        stage="test",
-    )
+    loop = unconnected_loop()
 
     async def go() -> tuple[int, int]:
         await loop._on_revoked(set())  # what a member's first join reports
