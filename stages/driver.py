@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -54,14 +54,15 @@ class RolloutDriver:
         client: RolloutClient,
         endpoint: ChatEndpoint,
         *,
-        temperature: float = 1.0,
+        sampling: Mapping[str, Any] | None = None,
         max_tokens: int = 48,
         max_turns: int = 3,
         seed: int | None = None,
     ) -> None:
+        """``sampling``: the options every call sends (temperature, top-p, ...); default temperature 1."""
         self.client = client
         self.endpoint = endpoint
-        self.temperature = temperature
+        self.sampling = dict(sampling or {"temperature": 1.0})
         self.max_tokens = max_tokens
         self.max_turns = max_turns
         self.seed = seed
@@ -106,7 +107,7 @@ class RolloutDriver:
         body: dict[str, Any] = {
             "messages": episode.messages,
             "tools": [CALCULATOR_TOOL],
-            "temperature": self.temperature,
+            **self.sampling,
             "max_tokens": self.max_tokens,
         }
         if self.seed is not None:

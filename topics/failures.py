@@ -52,6 +52,7 @@ class FinalizerFailure(StrEnum):
     INVALID_MASK = "invalid_mask"
     EMPTY_GENERATION = "empty_generation"
     MIXED_WEIGHT_VERSIONS = "mixed_weight_versions"
+    INVALID_PROVENANCE = "invalid_provenance"
     # All-or-nothing: this chain verified, but another chain of its rollout was rejected.
     BRANCH_REJECTED = "branch_rejected"
 
@@ -88,5 +89,6 @@ MEANINGS: Mapping[str, str] = {
     FinalizerFailure.INVALID_MASK: "the loss mask is not 0/1 or marks no generated token correctly",
     FinalizerFailure.EMPTY_GENERATION: "the sample has no generated token",
     FinalizerFailure.MIXED_WEIGHT_VERSIONS: "the sample's tokens come from weight versions the policy forbids mixing",
+    FinalizerFailure.INVALID_PROVENANCE: "a row's sampling provenance is malformed (written wrong at its source)",
     FinalizerFailure.BRANCH_REJECTED: "this chain verified, but another chain of its rollout was rejected",
 }

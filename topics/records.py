@@ -28,6 +28,7 @@ from pydantic import (
 
 from topics import canonical
 from topics.failures import FinalizerFailure, LedgerFailure, WorkerFailure
+from topics.sampling import SamplingProvenance, provenance_of
 
 ROW_SCHEMA_VERSION = 3
 """Rows and samples in the data plane: NeMo Gym's schema 3, kept byte-compatible."""
@@ -291,6 +292,7 @@ class StagedCallBody(RowRecord):
         if self.extras is not None and EXTRAS_WEIGHT_SPANS in self.extras:
             generated = int(sum(self.token_mask_delta))
             check_weight_spans(self.extras[EXTRAS_WEIGHT_SPANS], generated)
+        provenance_of(self.extras)
         return self
 
     @property
@@ -724,6 +726,9 @@ class CallSpan(RowRecord):
     reward: FiniteFloat | None = None
     """The reward the seal gave this call (``call_rewards``), credited to the last token of
     its span; None: none given. Stored only when given, so other samples stay as they were."""
+    sampling: SamplingProvenance | None = None
+    """The options the call was sampled with (``topics.sampling``); None: neutral, or
+    captured before provenance was recorded. Stored only when given, like ``reward``."""
 
 
 class TrainingSample(RowRecord):
@@ -744,6 +749,11 @@ class TrainingSample(RowRecord):
     @property
     def key(self) -> str:
         return self.sample_key or self.rollout_id
+
+    @property
+    def unreplayable(self) -> bool:
+        """Whether a call of the sample applied an option no trainer can replay (§4.7)."""
+        return any(span.sampling is not None and span.sampling.unreplayable for span in self.spans)
 
     @model_validator(mode="after")
     def _rules(self) -> TrainingSample:

@@ -21,7 +21,7 @@ from pipeline.commands.jsonlog import LogFormat, add_log_format_argument, config
 from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
-from pipeline.run.config import RunConfig, TrainerKind
+from pipeline.run.config import TRAINER_DTYPES, RunConfig, TrainerKind
 from stages.envs.arithmetic import read_tasks
 from stages.trainer.staleness import StaleMeasure
 
@@ -165,6 +165,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="SECONDS",
         help="a deliberately slow trainer: sleep this long before each built-in step (default: %(default)s)",
     )
+    training.add_argument(
+        "--trainer-dtype",
+        choices=TRAINER_DTYPES,
+        default=defaults.trainer_dtype,
+        help="the built-in trainer's weights; bfloat16 against the fp32 engine shows a precision "
+        "mismatch in each step's report (default: %(default)s)",
+    )
     parser.add_argument(
         "--keep",
         action="store_true",
@@ -220,6 +227,18 @@ def add_rollout_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) 
         default=defaults.temperature,
         help="sampling temperature; 1.0 samples the policy itself, as on-policy RL does (default: %(default)s)",
     )
+    for flag, kind, what in (
+        ("--top-p", float, "nucleus sampling: keep the most likely tokens up to this mass"),
+        ("--top-k", int, "keep the K most likely tokens"),
+        ("--min-p", float, "keep tokens at least this fraction as likely as the most likely one"),
+    ):
+        rollouts.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            help=f"{what}; recorded on every call and replayed by the trainers (default: not sent, so the "
+            "model's generation_config.json, if any, decides)",
+        )
     rollouts.add_argument(
         "--seed",
         type=int,
@@ -256,6 +275,9 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
         "seed": args.seed,
         "finalize_timeout_s": args.timeout,
         "lag_timeout_s": args.lag_timeout,
@@ -295,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
             max_staleness=args.max_staleness,
             staleness_measure=args.staleness_measure,
             trainer_delay_s=args.trainer_delay_s,
+            trainer_dtype=args.trainer_dtype,
             **rollout_settings(args),
         )
     except (ConfigError, ValueError, OSError) as exc:

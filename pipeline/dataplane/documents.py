@@ -17,6 +17,7 @@ import orjson
 from pipeline.dataplane.packed import RowFormatError
 from topics import canonical
 from topics.records import CallSpan, StagedCall, TrainingSample, assemble
+from topics.sampling import SamplingProvenance
 from topics.staging import CallRow
 
 COUNTS: tuple[str, ...] = ("prev_len", "delta_len", "cum_len", "weight_version")
@@ -72,6 +73,7 @@ def sample_meta(sample: TrainingSample) -> bytes:
                     "carry_len": span.carry_len,
                     "gen_len": span.gen_len,
                     **({"reward": span.reward} if span.reward is not None else {}),
+                    **({"sampling": span.sampling.extras()} if span.sampling is not None else {}),
                 }
                 for span in sample.spans
             ],
@@ -175,6 +177,15 @@ def _take(key: str, document: dict[str, Any], name: str, types: tuple[type, ...]
     return value
 
 
+def _sampling(key: str, j: int, item: dict[str, Any]) -> SamplingProvenance | None:
+    if "sampling" not in item:
+        return None
+    try:
+        return SamplingProvenance.model_validate(item["sampling"])
+    except ValueError as exc:
+        raise RowFormatError(key, f"meta.spans[{j}].sampling", str(exc)) from None
+
+
 def _spans(key: str, raw: list[Any], schema_version: Any) -> list[CallSpan]:
     spans: list[CallSpan] = []
     for j, item in enumerate(raw):
@@ -190,6 +201,7 @@ def _spans(key: str, raw: list[Any], schema_version: Any) -> list[CallSpan]:
                     "carry_len": _take(key, item, "carry_len", (int,)),
                     "gen_len": _take(key, item, "gen_len", (int,)),
                     "reward": _take(key, item, "reward", (float, int)) if "reward" in item else None,
+                    "sampling": _sampling(key, j, item),
                 },
             )
         )

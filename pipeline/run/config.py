@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pipeline.kafka.broker import StorageMode
 from pipeline.kafka.config import KafkaConfig
@@ -29,6 +29,7 @@ TINY_MODEL_DIR_NAME = "tiny-model"
 AgentKind = Literal["driver", "sdk"]
 StageHosting = Literal["processes", "inline"]
 TrainerKind = Literal["builtin", "trl"]
+TRAINER_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,11 @@ class RunConfig:
     concurrency: int = 4
     max_tokens: int = 48
     temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    """None: not sent, so the engine's defaults (the model's ``generation_config.json``) apply;
+    whatever it samples with is recorded on each call (DESIGN §4.7)."""
     seed: int = 0
     seal_grace_s: float = 10.0
     max_open_s: float = 600.0
@@ -99,6 +105,17 @@ class RunConfig:
     or its admission's (``StalenessPolicy``)."""
     trainer_delay_s: float = 0.0
     """A deliberately slow trainer: each built-in step sleeps this long first (benchmarks, tests)."""
+    trainer_dtype: str = "float32"
+    """The built-in trainer's weights (``TRAINER_DTYPES``)."""
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling options every model call sends: the temperature, and the filters given."""
+        options: dict[str, Any] = {"temperature": self.temperature}
+        for name in ("top_p", "top_k", "min_p"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
+        return options
 
     def __post_init__(self) -> None:
         for name in ("rollouts", "group_size", "turns", "concurrency", "max_tokens"):
@@ -111,6 +128,16 @@ class RunConfig:
             )
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0 (0: off), got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if self.trainer_dtype not in TRAINER_DTYPES:
+            raise ValueError(f"trainer_dtype: must be one of {TRAINER_DTYPES}, got {self.trainer_dtype!r}")
+        if self.trainer_dtype != "float32" and self.trainer != "builtin":
+            raise ValueError("trainer_dtype: sets the built-in trainer's weights only")
         if self.attach is not None and (self.embedded_broker or self.train_steps or self.keep):
             raise ValueError(
                 "attach: driving running services needs --bootstrap, and trains or keeps nothing"

@@ -365,7 +365,7 @@ class Run:
         self._agent = agent = SdkAgent(
             gateway_url,
             model,
-            temperature=config.temperature,
+            sampling=config.sampling,
             max_tokens=config.max_tokens,
             max_turns=config.turns,
             seed=config.seed,
@@ -393,7 +393,7 @@ class Run:
         """The built-in trainer: its own copy of the weights, one GRPO step a batch."""
         config = self.config
         trainer = await asyncio.to_thread(
-            GrpoTrainer, self.model_dir, learning_rate=config.learning_rate, temperature=config.temperature
+            GrpoTrainer, self.model_dir, learning_rate=config.learning_rate, dtype=config.trainer_dtype
         )
         return ClosedLoop(
             feed,
@@ -452,7 +452,7 @@ class Run:
             player = RolloutDriver(
                 client,
                 self._endpoint,
-                temperature=config.temperature,
+                sampling=config.sampling,
                 max_tokens=config.max_tokens,
                 max_turns=config.turns,
                 seed=config.seed,
@@ -681,6 +681,7 @@ class Run:
             turns=config.turns,
             max_tokens=config.max_tokens,
             temperature=config.temperature,
+            sampling=config.sampling,
             seed=config.seed,
             finalized=len(events),
             accepted=accepted,

@@ -78,6 +78,8 @@ class RunSummary:
     turns: int
     max_tokens: int
     temperature: float
+    sampling: dict[str, Any]
+    """What every call sent (``RunConfig.sampling``); the engine may add its model's defaults."""
     seed: int
     finalized: int
     accepted: int
@@ -140,6 +142,7 @@ class RunSummary:
             "turns": self.turns,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
+            "sampling": self.sampling,
             "seed": self.seed,
             "finalized": self.finalized,
             "accepted": self.accepted,

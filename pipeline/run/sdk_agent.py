@@ -24,6 +24,10 @@ from stages.envs.arithmetic import CALCULATOR_TOOL, Episode
 log = logging.getLogger(__name__)
 
 
+SDK_SAMPLING = frozenset({"temperature", "top_p"})
+"""Sampling options the openai SDK's ``chat.completions.create`` takes as parameters."""
+
+
 class SdkAgent:
     """Plays jobs through ``gateway_url``; ``stats`` counts what it did, like the driver's."""
 
@@ -32,7 +36,7 @@ class SdkAgent:
         gateway_url: str,
         model: str,
         *,
-        temperature: float = 1.0,
+        sampling: Mapping[str, Any] | None = None,
         max_tokens: int = 48,
         max_turns: int = 3,
         seed: int | None = None,
@@ -42,7 +46,7 @@ class SdkAgent:
         """``headers``: the environment's credential; the agent itself gets only its rollout's key."""
         self.gateway_url = gateway_url.rstrip("/")
         self.model = model
-        self.temperature = temperature
+        self.sampling = dict(sampling or {"temperature": 1.0})
         self.max_tokens = max_tokens
         self.max_turns = max_turns
         self.seed = seed
@@ -78,9 +82,13 @@ class SdkAgent:
             "model": self.model,
             "messages": episode.messages,
             "tools": [CALCULATOR_TOOL],
-            "temperature": self.temperature,
             "max_tokens": self.max_tokens,
         }
+        for name, value in self.sampling.items():  # the SDK has no top_k or min_p: vLLM's extras
+            if name in SDK_SAMPLING:
+                request[name] = value
+            else:
+                request.setdefault("extra_body", {})[name] = value
         if self.seed is not None:
             request["seed"] = episode_seed(self.seed, job.rollout_id, episode.turns)
         return request

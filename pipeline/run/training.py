@@ -60,6 +60,8 @@ class TrainStep:
     """The most versions any of the step's trained samples was behind, by the feed's measure."""
     stale_dropped: int
     """Samples the feed's staleness policy dropped from the step's batch."""
+    mismatch: dict[str, Any] | None
+    """The batch's training-inference mismatch before the step (``stages.trainer.mismatch``)."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,7 +169,7 @@ class ClosedLoop:
         marks.append(time.monotonic())
         if self.trainer_delay_s:
             await asyncio.sleep(self.trainer_delay_s)
-        report = await asyncio.to_thread(self.trainer.step, batch)
+        report = await asyncio.to_thread(self.trainer.step, batch, policy_version=version)
         path = await asyncio.to_thread(self.trainer.save, self.weights_dir / f"step-{step}")
         marks.append(time.monotonic())
         await refit(self.worker_url, path, version=step, headers=self.operator_headers)
@@ -190,6 +192,7 @@ class ClosedLoop:
             seconds={name: round(value, 3) for name, value in seconds.items()},
             staleness_max=int(batch.staleness.max()) if len(batch) else None,
             stale_dropped=len(batch.stale),
+            mismatch=report.mismatch,
         )
         log.info(
             "train step %d: %d samples of weight version %d, reward mean %s, ratio deviation %.2e, "

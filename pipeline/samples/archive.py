@@ -23,7 +23,7 @@ from typing import IO, Any, Self
 
 import orjson
 
-from topics.records import TrainingSample
+from topics.records import CallSpan, TrainingSample
 
 ARCHIVE_NAME = "samples.jsonl"
 
@@ -58,8 +58,17 @@ def sample_record(sample: TrainingSample, run_id: str) -> dict[str, Any]:
         "weight_versions": list(sample.weight_versions),
         "reward": sample.reward,
         "cumulative_hash": sample.cumulative_hash,
-        "spans": [span.model_dump(mode="json", exclude={"schema_version"}) for span in sample.spans],
+        "spans": [span_record(span) for span in sample.spans],
     }
+
+
+def span_record(span: CallSpan) -> dict[str, Any]:
+    """A span as the archive keeps it: ``sampling`` only when given, and only its
+    non-neutral options (DESIGN §4.7)."""
+    record = span.model_dump(mode="json", exclude={"schema_version", "sampling"})
+    if span.sampling is not None:
+        record["sampling"] = span.sampling.extras()
+    return record
 
 
 def record_sample(record: Mapping[str, Any]) -> TrainingSample:

@@ -21,9 +21,13 @@ FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
 
 def export_row(record: dict[str, Any]) -> dict[str, Any]:
     """The exported object: the archive fields, in a fixed order (a line archived before
-    samples had keys of their own is keyed by its rollout id)."""
+    samples had keys of their own is keyed by its rollout id), then ``unreplayable``:
+    whether a call of the sample applied an option no trainer can replay (DESIGN §4.7).
+    Every span has ``sampling``: its non-neutral options, or null."""
     row = {name: record.get(name) for name in ARCHIVE_FIELDS}
     row["sample_key"] = row["sample_key"] or row["rollout_id"]
+    row["spans"] = [{**span, "sampling": span.get("sampling")} for span in row["spans"] or ()]
+    row["unreplayable"] = any("unreplayable" in (span["sampling"] or {}) for span in row["spans"])
     return row
 
 
@@ -38,6 +42,22 @@ def write_jsonl(records: Sequence[dict[str, Any]], stream: IO[bytes]) -> int:
 def parquet_schema() -> Any:
     import pyarrow as pa
 
+    sampling = pa.struct(
+        [
+            ("temperature", pa.float64()),
+            ("top_p", pa.float64()),
+            ("top_k", pa.int64()),
+            ("min_p", pa.float64()),
+            ("repetition_penalty", pa.float64()),
+            ("frequency_penalty", pa.float64()),
+            ("presence_penalty", pa.float64()),
+            ("min_tokens", pa.int64()),
+            ("logit_bias", pa.list_(pa.struct([("token_id", pa.string()), ("bias", pa.float64())]))),
+            ("allowed_token_ids", pa.list_(pa.int64())),
+            ("bad_words", pa.list_(pa.string())),
+            ("unreplayable", pa.list_(pa.string())),
+        ]
+    )
     span = pa.struct(
         [
             ("call_id", pa.string()),
@@ -45,6 +65,7 @@ def parquet_schema() -> Any:
             ("carry_len", pa.int64()),
             ("gen_len", pa.int64()),
             ("reward", pa.float64()),
+            ("sampling", sampling),
         ]
     )
     return pa.schema(
@@ -60,8 +81,22 @@ def parquet_schema() -> Any:
             ("reward", pa.float64()),
             ("cumulative_hash", pa.string()),
             ("spans", pa.list_(span)),
+            ("unreplayable", pa.bool_()),
         ]
     )
+
+
+def _columnar(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with each logit bias as a list of ``{token_id, bias}`` (a map has no
+    ``datasets`` type); ``SamplingProvenance`` reads that form back."""
+    for span in row["spans"]:
+        bias = (span["sampling"] or {}).get("logit_bias")
+        if bias is not None:
+            span["sampling"] = {
+                **span["sampling"],
+                "logit_bias": [{"token_id": token, "bias": value} for token, value in bias.items()],
+            }
+    return row
 
 
 def write_parquet(records: Sequence[dict[str, Any]], path: Path) -> int:
@@ -69,6 +104,7 @@ def write_parquet(records: Sequence[dict[str, Any]], path: Path) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pylist([export_row(record) for record in records], schema=parquet_schema())
+    rows = [_columnar(export_row(record)) for record in records]
+    table = pa.Table.from_pylist(rows, schema=parquet_schema())
     pq.write_table(table, path)
     return len(records)

@@ -5,9 +5,11 @@ This is the smallest honest trainer for the closed loop of ``tokentrail run
 holds, reports how far the importance ratio ``exp(logp_trainer - logp_sampled)`` is from
 1 before updating (about 0 for on-policy samples: the proof that the captured logprobs
 are the ones the trainer recomputes), and takes one clipped policy-gradient step with
-the batch's group-normalized advantages. Logprobs are taken as the engine records them
-(``processed_logprobs``): ``log_softmax(logits / temperature)``, no top-k/top-p
-(greedy decoding: of the plain logits).
+the batch's group-normalized advantages. Logprobs are of the distribution each token's
+call sampled from, as the engine records them (``processed_logprobs``): the call's own
+temperature, min-p, top-k and top-p replayed on the trainer's logits
+(``pipeline.trainer.recompute``). Every step also reports the batch's training-inference
+mismatch (``stages.trainer.mismatch``), measured before the update.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pipeline.trainer.recompute import mismatch_report, recompute
 from stages.trainer.batch import TrainBatch
 
 CLIP = 0.2
@@ -35,34 +38,35 @@ class StepReport:
     """max |logp_after - logp_before| over the batch's generated tokens: how far the step
     moved the policy. The next step's ``ratio_max_abs_dev`` stays near 0 only if the
     worker sampled with the new weights, so a shift well above it proves the refit."""
+    mismatch: dict[str, Any] | None = None
+    """The batch's mismatch report before the update (``stages.trainer.mismatch``)."""
 
 
 class GrpoTrainer:
     """Holds the policy's weights (fp32, CPU), steps them, saves them for the worker to load."""
 
-    def __init__(self, model_dir: Path, *, learning_rate: float = 1e-3, temperature: float = 1.0) -> None:
+    def __init__(self, model_dir: Path, *, learning_rate: float = 1e-3, dtype: str = "float32") -> None:
+        """``dtype``: the trainer's weights (``bfloat16`` shows a precision mismatch against an
+        fp32 engine in the report)."""
         from transformers import AutoModelForCausalLM
 
-        if temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {temperature}")
-        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
         self.model = model.eval()  # no dropout: the recomputed logprobs must be the sampler's
-        self.temperature = temperature or 1.0  # greedy decoding records the plain logits' logprobs
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=learning_rate)
 
     def token_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """``[B, T]``: the logprob of each token given the ones before it (0 at position 0)."""
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logprobs = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
-        taken = logprobs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        return torch.nn.functional.pad(taken, (1, 0))
+        """``[B, T]``: each generated token's logprob under its call's processed distribution."""
+        return recompute(self.model, batch).logprobs
 
-    def step(self, batch: TrainBatch) -> StepReport:
+    def step(self, batch: TrainBatch, *, policy_version: int = 0) -> StepReport:
+        """``policy_version``: the version of the weights held, for the report's lag buckets."""
         mask = batch.loss_mask
         tokens = int(mask.sum())
         if tokens == 0:
             return StepReport(loss=0.0, ratio_max_abs_dev=0.0, tokens=0, update_norm=0.0, policy_shift=0.0)
-        new = self.token_logprobs(batch)
+        recomputed = recompute(self.model, batch)
+        mismatch = mismatch_report(batch, recomputed, policy_version=policy_version)
+        new = recomputed.logprobs
         ratio = torch.exp(new - batch.old_logprobs)
         deviation = float(((ratio.detach() - 1).abs() * mask).max())
         advantages = (batch.advantages * batch.sample_weights).unsqueeze(-1)
@@ -84,6 +88,7 @@ class GrpoTrainer:
             tokens=tokens,
             update_norm=moved**0.5,
             policy_shift=shift,
+            mismatch=mismatch,
         )
 
     def save(self, out_dir: Path) -> Path:

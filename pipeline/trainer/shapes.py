@@ -13,6 +13,12 @@ No trainer package is imported: these are the field names their public interface
 - SkyRL's generator (``GeneratorOutput``): ``prompt_token_ids``, ``response_ids``,
   ``rewards``, ``loss_masks``, ``rollout_logprobs``, ``stop_reasons``,
   ``rollout_metrics``; one dict of per-sample lists for a batch.
+
+Both carry each call's sampling provenance (DESIGN §4.7) as ``response_sampling``: per
+sample, one entry per call with where its generated tokens start in the response, how
+many there are, and its non-neutral sampling options, so a trainer can recompute the
+distribution the logprobs are of (in verl's ``extra_fields``; in SkyRL's output beside
+the fields it reads).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class Split:
     response_mask: list[int]
     response_logprobs: list[float]
     response_versions: list[int]
+    response_sampling: list[dict[str, Any]]
+    """Per call: ``response_start``, ``gen_len`` and ``sampling`` (its non-neutral options)."""
 
 
 def split(sample: TrainingSample) -> Split:
@@ -44,6 +52,14 @@ def split(sample: TrainingSample) -> Split:
         response_mask=[int(m) for m in sample.token_mask[cut:]],
         response_logprobs=list(sample.logprobs[cut:]),
         response_versions=list(sample.weight_versions[cut:]),
+        response_sampling=[
+            {
+                "response_start": span.start + span.carry_len - cut,
+                "gen_len": span.gen_len,
+                "sampling": span.sampling.extras() if span.sampling is not None else {},
+            }
+            for span in sample.spans
+        ],
     )
 
 
@@ -63,6 +79,7 @@ def verl_agent_loop_output(sample: TrainingSample) -> dict[str, Any]:
             "group_id": sample.group_id,
             "sample_key": sample.key,
             "weight_versions": part.response_versions,
+            "response_sampling": part.response_sampling,
         },
     }
 
@@ -79,6 +96,7 @@ def skyrl_generator_output(samples: Sequence[TrainingSample]) -> dict[str, Any]:
         "rollout_logprobs": [p.response_logprobs for p in parts],
         "stop_reasons": None,
         "rollout_metrics": None,
+        "response_sampling": [p.response_sampling for p in parts],
     }
 
 

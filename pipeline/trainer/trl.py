@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from pipeline.trainer.recompute import measure
 from pipeline.trainer.shapes import split
 from stages.trainer.batch import TrainBatch, span_end_rewards
 from topics.records import TrainingSample
@@ -104,28 +105,6 @@ def distinct_in_order(prompts: Sequence[Messages], num_generations: int) -> list
     return distinct
 
 
-def max_ratio_deviation(model: Any, samples: Sequence[TrainingSample], temperature: float) -> float:
-    """max |exp(logp_model − logp_captured) − 1| over generated tokens: TRL's model recomputes
-    the logprobs of what the worker sampled (about 1e-5 on policy)."""
-    worst = 0.0
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for sample in samples:
-                ids = torch.tensor([sample.token_ids])
-                logits = model(input_ids=ids).logits[0, :-1].float() / temperature
-                taken = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
-                mask = torch.tensor(sample.token_mask[1:]) > 0.5
-                captured = torch.tensor(sample.logprobs[1:], dtype=torch.float32)
-                if mask.any():
-                    deviation = (torch.exp(taken - captured) - 1).abs()[mask].max()
-                    worst = max(worst, float(deviation))
-    finally:
-        model.train(training)
-    return worst
-
-
 @dataclass
 class TrlStep:
     step: int
@@ -140,6 +119,8 @@ class TrlStep:
     were finalized and archived), ``optimizer`` (TRL's forward, backward and step), ``refit``."""
     loss: float | None = None
     """TRL's own loss of the step, as it logged it."""
+    mismatch: dict[str, Any] | None = None
+    """The batch's mismatch report under TRL's weights before the step (``stages.trainer.mismatch``)."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -189,15 +170,18 @@ class TrlBridge:
         out, filled = rollout_fields(groups)
         samples = [s for group in groups for s in group if s is not None]
         rewards = [s.reward for s in samples if s.reward is not None and not math.isnan(s.reward)]
+        version = self._version(None)
+        mismatch = measure(trainer.model, batch, policy_version=version)
         self.steps.append(
             TrlStep(
                 step=len(self.steps) + 1,
-                weight_version=self._version(None),
+                weight_version=version,
                 samples=len(samples),
                 rejected_filled=filled,
                 reward_mean=sum(rewards) / len(rewards) if rewards else None,
-                ratio_max_abs_dev=max_ratio_deviation(trainer.model, samples, self.temperature),
+                ratio_max_abs_dev=mismatch["max_abs_dev"] or 0.0,
                 seconds=self._seconds,
+                mismatch=mismatch,
             )
         )
         self._pending = batch
@@ -300,7 +284,6 @@ __all__ = [
     "TrlStep",
     "distinct_in_order",
     "environment_reward",
-    "max_ratio_deviation",
     "rollout_fields",
     "train",
 ]

@@ -1,7 +1,8 @@
 """Verification (DESIGN §4.5) and linearization of the chains of a rollout.
 
 Checks run in a fixed order so that each corruption maps to exactly one code:
-identity, lengths, mask, digest, chain hash, cumulative hash, weight versions. The
+identity, lengths, mask, digest, chain hash, weight versions, sampling provenance,
+cumulative hash, mixed weight versions. The
 digest covers every field of a row, so a row that passes it and still fails a later
 check was written wrong at the source, not damaged on the way.
 """
@@ -37,6 +38,7 @@ from topics.records import (
     check_weight_spans,
     staging_key,
 )
+from topics.sampling import SamplingProvenance, provenance_of
 
 
 class MixedVersionPolicy(StrEnum):
@@ -112,6 +114,7 @@ def linearize(
             )
         carry = vectors.carry(index)
         versions.append(_token_versions(row, carry))
+        sampling = _provenance(row)
         # Every value is checked by now (the call id is the manifest's), so no validation.
         spans.append(
             assemble(
@@ -123,6 +126,7 @@ def linearize(
                     "carry_len": carry,
                     "gen_len": row.delta_len - carry,
                     "reward": receipt.call_rewards.get(row.call_id),
+                    "sampling": sampling,
                 },
             )
         )
@@ -238,6 +242,13 @@ def _check_digest(record: ManifestEntry, row: StagedCall, vectors: ChainVectors,
     )
     if recomputed != row.digest or recomputed != record.digest or not extras_ok:
         raise Rejected(FinalizerFailure.DIGEST_MISMATCH, f"{row.staging_key}: digest does not recompute")
+
+
+def _provenance(row: StagedCall) -> SamplingProvenance | None:
+    try:
+        return provenance_of(row.extras)
+    except ValueError as exc:
+        raise Rejected(FinalizerFailure.INVALID_PROVENANCE, f"{row.staging_key}: {exc}") from None
 
 
 def _token_versions(row: StagedCall, carry: int) -> npt.NDArray[np.int64]:

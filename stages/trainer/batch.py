@@ -7,6 +7,12 @@ GRPO group, over the samples that stay in the batch (every chain of a multi-samp
 rollout counts, each with its rollout's reward): ``(r - mean) / (std + 1e-6)``, 0 for a
 group of one (``stages.trainer.advantages``). A sample whose rollout has no reward keeps
 its tokens but trains with weight 0 and advantage 0.
+
+Every generated token also carries the sampling options of its call (DESIGN §4.7), as
+the tensors a trainer's replay reads (``stages.trainer.replay``), and where it lies in
+its rollout (turn, refit straddle, right after a tool result) for the mismatch report's
+buckets (``stages.trainer.mismatch``). A call without provenance is replayed at
+temperature 1 with nothing filtered, and its tokens are counted.
 """
 
 from __future__ import annotations
@@ -21,6 +27,11 @@ from stages.finalize.reader import Group
 from stages.trainer.advantages import group_advantages
 from stages.trainer.staleness import StaleMeasure, StaleMode, StalenessPolicy
 from topics.records import TrainingSample
+from topics.sampling import NEUTRAL
+
+AFTER_TOOL_TOKENS = 4
+"""How many of a later call's first generated tokens count as right after a tool (or
+user) result: where a stale prefix cache or a splice would show first."""
 
 
 @dataclass(slots=True)
@@ -49,6 +60,26 @@ class TrainBatch:
     call_rewards: torch.Tensor
     """``[B, T]`` float32: each call's own reward (the seal's ``call_rewards``) on the last
     token of its span, 0 elsewhere and where the seal gave none."""
+    token_versions: torch.Tensor
+    """``[B, T]`` int64: each token's weight version (0 on padding)."""
+    temperature: torch.Tensor
+    """``[B, T]`` float32: what the token's call divided logits by (1 for greedy and padding)."""
+    top_k: torch.Tensor
+    """``[B, T]`` int64: its call's top-k (0: off)."""
+    top_p: torch.Tensor
+    """``[B, T]`` float32: its call's top-p (1: off)."""
+    min_p: torch.Tensor
+    """``[B, T]`` float32: its call's min-p (0: off)."""
+    turn: torch.Tensor
+    """``[B, T]`` int64: the index of the token's call in its sample's chain."""
+    straddled: torch.Tensor
+    """``[B, T]`` bool: the token's call has tokens of more than one weight version."""
+    after_tool: torch.Tensor
+    """``[B, T]`` bool: among the first ``AFTER_TOOL_TOKENS`` generated tokens of a call after the first."""
+    provenance_unknown_tokens: int
+    """Generated tokens of calls that record no provenance (neutral, or captured before it)."""
+    not_replayed_tokens: int
+    """Generated tokens of calls with options the replay does not apply (penalties, masks, grammars)."""
     samples: list[TrainingSample]
     groups: list[Group]
     stale: list[str] = field(default_factory=list)
@@ -85,7 +116,9 @@ def build_batch(
     loss_mask = torch.zeros((len(samples), width), dtype=torch.float32)
     old_logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
     call_rewards = torch.zeros((len(samples), width), dtype=torch.float32)
+    tokens = TokenLayout.empty(len(samples), width)
     for row, sample in enumerate(samples):
+        tokens.fill(row, sample)
         for position, reward in span_end_rewards(sample):
             call_rewards[row, position] = reward
         n = len(sample.token_ids)
@@ -106,10 +139,70 @@ def build_batch(
         ).reshape(len(samples), 2),
         staleness=torch.tensor(ages, dtype=torch.int64),
         call_rewards=call_rewards,
+        token_versions=tokens.versions,
+        temperature=tokens.temperature,
+        top_k=tokens.top_k,
+        top_p=tokens.top_p,
+        min_p=tokens.min_p,
+        turn=tokens.turn,
+        straddled=tokens.straddled,
+        after_tool=tokens.after_tool,
+        provenance_unknown_tokens=tokens.unknown,
+        not_replayed_tokens=tokens.not_replayed,
         samples=samples,
         groups=list(groups),
         stale=stale,
     )
+
+
+@dataclass(slots=True)
+class TokenLayout:
+    """The per-token tensors of a batch that come from its samples' spans."""
+
+    versions: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    turn: torch.Tensor
+    straddled: torch.Tensor
+    after_tool: torch.Tensor
+    unknown: int = 0
+    not_replayed: int = 0
+
+    @classmethod
+    def empty(cls, rows: int, width: int) -> TokenLayout:
+        shape = (rows, width)
+        return cls(
+            versions=torch.zeros(shape, dtype=torch.int64),
+            temperature=torch.ones(shape, dtype=torch.float32),
+            top_k=torch.zeros(shape, dtype=torch.int64),
+            top_p=torch.ones(shape, dtype=torch.float32),
+            min_p=torch.zeros(shape, dtype=torch.float32),
+            turn=torch.zeros(shape, dtype=torch.int64),
+            straddled=torch.zeros(shape, dtype=torch.bool),
+            after_tool=torch.zeros(shape, dtype=torch.bool),
+        )
+
+    def fill(self, row: int, sample: TrainingSample) -> None:
+        self.versions[row, : len(sample.weight_versions)] = torch.tensor(sample.weight_versions)
+        for turn, span in enumerate(sample.spans):
+            begin = span.start + span.carry_len
+            end = begin + span.gen_len
+            sampling = span.sampling or NEUTRAL
+            if span.sampling is None:
+                self.unknown += span.gen_len
+            elif sampling.not_replayed:
+                self.not_replayed += span.gen_len
+            self.temperature[row, begin:end] = sampling.scale
+            self.top_k[row, begin:end] = 0 if sampling.greedy else sampling.top_k
+            self.top_p[row, begin:end] = 1.0 if sampling.greedy else sampling.top_p
+            self.min_p[row, begin:end] = 0.0 if sampling.greedy else sampling.min_p
+            self.turn[row, span.start : end] = turn
+            versions = self.versions[row, begin:end]
+            self.straddled[row, begin:end] = bool(versions.min() != versions.max())
+            if turn > 0:
+                self.after_tool[row, begin : min(end, begin + AFTER_TOOL_TOKENS)] = True
 
 
 def span_end_rewards(sample: TrainingSample) -> list[tuple[int, float]]:
@@ -126,9 +219,11 @@ def _reward(sample: TrainingSample) -> float:
 
 
 __all__ = [  # the policy lives in its torch-free module; importable here as it always was
+    "AFTER_TOOL_TOKENS",
     "StaleMeasure",
     "StaleMode",
     "StalenessPolicy",
+    "TokenLayout",
     "TrainBatch",
     "build_batch",
     "span_end_rewards",

@@ -333,7 +333,7 @@ def test_refit_mid_call_records_two_weight_spans(host: EngineHost, models: Model
     assert (event.min_weight_version, event.max_weight_version) == (0, 1)
     prompt_len = len(rig.recorder.calls[0].prompt_ids)
     assert sample.weight_versions == [0] * (prompt_len + boundary) + [1] * (max_tokens - boundary)
-    assert extras == {EXTRAS_WEIGHT_SPANS: [[0, 0], [boundary, 1]]}
+    assert extras == {EXTRAS_WEIGHT_SPANS: [[0, 0], [boundary, 1]], "sampling": {"temperature": 0.0}}
     assert straddles == 1
     # Tokens before the boundary follow the old weights, tokens from it on the new ones.
     old = oracle.log_softmax(models.chatml, sample.token_ids)
@@ -343,3 +343,59 @@ def test_refit_mid_call_records_two_weight_spans(host: EngineHost, models: Model
         log_probs = old if offset < boundary else new
         assert int(log_probs[i - 1].argmax()) == sample.token_ids[i], offset
         assert abs(float(log_probs[i - 1, sample.token_ids[i]]) - sample.logprobs[i]) <= LOGPROB_TOL, offset
+
+
+TRUNCATED: dict[str, Any] = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+
+def processed_logprobs(oracle: HFOracle, model_dir: Path, ids: list[int], options: dict[str, Any]) -> Any:
+    """An independent processed distribution per position: HF's logits through vLLM's own
+    temperature division and top-k/top-p op (``apply_top_k_top_p_pytorch``)."""
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    logits = oracle.log_softmax(model_dir, ids) / options["temperature"]
+    n = len(ids)
+    filtered = apply_top_k_top_p_pytorch(
+        logits.clone(), torch.full((n,), options["top_k"]), torch.full((n,), options["top_p"])
+    )
+    return filtered.log_softmax(-1), torch.log_softmax(logits, -1)
+
+
+def test_truncated_sampling_is_recorded_and_replayed_exactly(
+    host: EngineHost, models: Models, oracle: HFOracle
+) -> None:
+    """Two captured turns at temperature 0.7, top-p 0.8, top-k 20: each span carries those
+    options, every logprob is of the processed distribution an HF forward gives, and the
+    built-in trainer's replay recomputes them; without the replay the ratio is off by log S."""
+    from pipeline.trainer.grpo import GrpoTrainer
+    from stages.finalize.reader import FinalizedRollout, Group
+    from stages.trainer.batch import build_batch
+    from stages.trainer.staleness import StalenessPolicy
+
+    rig = start_rig(host, models.chatml)
+    try:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Add 2 and 3."}]
+        reply, coords = captured_call(rig, "r-trunc", messages, None, max_tokens=12, seed=5, **TRUNCATED)
+        messages += [assistant(reply), {"role": "user", "content": "And then 4?"}]
+        captured_call(rig, "r-trunc", messages, coords, max_tokens=12, seed=6, **TRUNCATED)
+        event, sample = rig.finalize("r-trunc")
+    finally:
+        rig.close()
+    assert event.status == "accepted" and sample is not None
+    assert [span.sampling.extras() if span.sampling else None for span in sample.spans] == [TRUNCATED] * 2
+    processed, plain = processed_logprobs(oracle, models.chatml, sample.token_ids, TRUNCATED)
+    positions = [i for i, m in enumerate(sample.token_mask) if m == 1.0]
+    bias = 0.0
+    for i in positions:
+        token = sample.token_ids[i]
+        assert abs(float(processed[i - 1, token]) - sample.logprobs[i]) <= 1e-4, i
+        bias = max(bias, abs(float(plain[i - 1, token]) - sample.logprobs[i]))
+    assert bias > 1e-2  # the unprocessed distribution is measurably another one
+    batch = build_batch(
+        [Group("g", [FinalizedRollout(event, (sample,))])], policy_version=0, staleness=StalenessPolicy()
+    )
+    report = GrpoTrainer(models.chatml).step(batch)
+    assert report.ratio_max_abs_dev <= 1e-4, report
+    assert report.mismatch is not None and report.mismatch["provenance_unknown_tokens"] == 0
+    assert report.mismatch["mean_log_kept"] < 0  # the truncation removed mass, and the replay accounts it

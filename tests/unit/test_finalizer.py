@@ -33,6 +33,7 @@ from topics.records import (
     StagedCallBody,
     staging_key,
 )
+from topics.sampling import EXTRAS_SAMPLING
 
 
 async def captured_rollout(
@@ -372,3 +373,21 @@ def test_all_or_nothing_from_the_seal_or_else_the_stage(
     assert event.status == ("accepted" if "branch-ok" in outcome else "rejected")
     if event.status == "rejected":
         assert event.rejection_reason == "digest_mismatch" and data_plane.samples == {}
+
+
+def test_sampling_provenance_reaches_the_span_of_its_call() -> None:
+    data_plane = MemoryDataPlane()
+    options = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    events, _, _ = asyncio.run(captured_rollout(data_plane, extras={EXTRAS_SAMPLING: options}))
+    event, _, _ = run_stages(events, data_plane)
+    assert event.status == "accepted"
+    spans = data_plane.samples["r1"].spans
+    assert [span.sampling for span in spans[:2]] == [None, None]  # neutral calls record nothing
+    assert spans[2].sampling is not None and spans[2].sampling.extras() == options
+
+
+def test_malformed_provenance_is_rejected_with_its_code() -> None:
+    data_plane = MemoryDataPlane()
+    events, _, _ = asyncio.run(captured_rollout(data_plane, extras={EXTRAS_SAMPLING: {"top_p": 0.0}}))
+    event, _, _ = run_stages(events, data_plane)
+    assert event.status == "rejected" and event.rejection_reason == "invalid_provenance"

@@ -172,7 +172,9 @@ def test_export_carries_the_design_fields_in_both_formats(tmp_path: Path) -> Non
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     required = {"rollout_id", "group_id", "token_ids", "token_mask", "logprobs", "weight_versions", "reward"}
     assert all(required | {"run_id"} <= line.keys() for line in lines)
-    assert lines[0]["spans"] == [{"call_id": "c1", "start": 0, "carry_len": 2, "gen_len": 3, "reward": None}]
+    assert lines[0]["spans"] == [
+        {"call_id": "c1", "start": 0, "carry_len": 2, "gen_len": 3, "reward": None, "sampling": None}
+    ]
     assert write_parquet(records, tmp_path / "out.parquet") == 2
     table = pq.read_table(tmp_path / "out.parquet")
     assert table.to_pylist() == [export_row(record) for record in records]

@@ -24,9 +24,11 @@ from enum import StrEnum
 from typing import Any
 
 from stages.capture.vllm.logprobs import SAMPLED_ONLY, SampledLogprobHook
+from stages.capture.vllm.provenance import provenance_of_params
 from stages.capture.vllm.scope import CaptureCounters, CaptureScope
 from topics.failures import WorkerFailure
 from topics.records import EXTRAS_WEIGHT_SPANS
+from topics.sampling import EXTRAS_SAMPLING
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +172,7 @@ class CapturingEngineClient:
         version = self._version  # the version in effect when the call enters the engine
         scope.response_id = request_id  # vLLM's: the reply's id for chat and completions
         params, sampled_only = _with_sampled_logprob(sampling_params, self.sampled_logprobs is not None)
+        sampling = provenance_of_params(sampling_params).extras()
         delta = _is_delta(params)
         prompt_ids = [int(t) for t in prompt.get("prompt_token_ids") or ()]
         choices: dict[int, _Choice] = {}
@@ -185,7 +188,7 @@ class CapturingEngineClient:
                     if completion.finish_reason in UNFINISHED:
                         scope.abandon(WorkerFailure.NOT_SERVED, version, index)
                     elif completion.finish_reason is not None:
-                        self._finish(scope, index, prompt_ids, choice, completion, version)
+                        self._finish(scope, index, prompt_ids, choice, completion, version, sampling)
                 yield output
             outcome = WorkerFailure.NOT_SERVED  # the stream ended: a choice not finished was aborted
         except (asyncio.CancelledError, GeneratorExit):
@@ -205,10 +208,12 @@ class CapturingEngineClient:
         choice: _Choice,
         completion: Any,
         version: int,
+        sampling: dict[str, Any],
     ) -> None:
-        """Capture a finished choice (synchronous, no I/O), with its weight spans if a refit landed."""
+        """Capture a finished choice (synchronous, no I/O), with its sampling provenance
+        when not neutral and its weight spans if a refit landed."""
         failure: WorkerFailure | None = None
-        extras: dict[str, Any] | None = None
+        extras: dict[str, Any] = {EXTRAS_SAMPLING: sampling} if sampling else {}
         try:
             spans = weight_spans(getattr(completion, "weight_versions", None) or (), version)
         except InvalidWeightVersion as exc:
@@ -219,14 +224,14 @@ class CapturingEngineClient:
                 self.counters.refit_straddles += 1
                 if self.span_policy is SpanPolicy.REJECT:
                     failure = WorkerFailure.EPOCH_SPAN_REJECTED
-                extras = {EXTRAS_WEIGHT_SPANS: spans}
+                extras[EXTRAS_WEIGHT_SPANS] = spans
         scope.capture(
             index,
             prompt_ids,
             choice.token_ids,
             choice.logprobs,
             weight_version=version,
-            extras=extras,
+            extras=extras or None,
             failure=failure,
         )
 
