@@ -26,8 +26,9 @@ def export_row(record: dict[str, Any]) -> dict[str, Any]:
     Every span has ``sampling``: its non-neutral options, or null."""
     row = {name: record.get(name) for name in ARCHIVE_FIELDS}
     row["sample_key"] = row["sample_key"] or row["rollout_id"]
-    row["spans"] = [{**span, "sampling": span.get("sampling")} for span in row["spans"] or ()]
-    row["unreplayable"] = any("unreplayable" in (span["sampling"] or {}) for span in row["spans"])
+    spans = [{**span, "sampling": span.get("sampling")} for span in record.get("spans") or ()]
+    row["spans"] = spans
+    row["unreplayable"] = any("unreplayable" in (span["sampling"] or {}) for span in spans)
     return row
 
 
