@@ -23,6 +23,7 @@ VERBS: tuple[str, ...] = (
     "replay",
     "ledger",
     "samples",
+    "mismatch",
     "inspect",
     "make_tiny_model",
 )

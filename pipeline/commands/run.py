@@ -21,8 +21,9 @@ from pipeline.commands.jsonlog import LogFormat, add_log_format_argument, config
 from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
-from pipeline.run.config import TRAINER_DTYPES, RunConfig, TrainerKind
+from pipeline.run.config import RunConfig, TrainerKind
 from stages.envs.arithmetic import read_tasks
+from stages.trainer.settings import TRAINER_DTYPES
 from stages.trainer.staleness import StaleMeasure
 
 if TYPE_CHECKING:

@@ -19,6 +19,7 @@ from pipeline.kafka.broker import StorageMode
 from pipeline.kafka.config import KafkaConfig
 from stages.driver import Job
 from stages.envs.arithmetic import Task, make_tasks
+from stages.trainer.settings import TRAINER_DTYPES, TrainerDtype
 from stages.trainer.staleness import StaleMeasure
 
 RunDataPlaneMode = Literal["embedded", "ray"]
@@ -29,7 +30,6 @@ TINY_MODEL_DIR_NAME = "tiny-model"
 AgentKind = Literal["driver", "sdk"]
 StageHosting = Literal["processes", "inline"]
 TrainerKind = Literal["builtin", "trl"]
-TRAINER_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +105,7 @@ class RunConfig:
     or its admission's (``StalenessPolicy``)."""
     trainer_delay_s: float = 0.0
     """A deliberately slow trainer: each built-in step sleeps this long first (benchmarks, tests)."""
-    trainer_dtype: str = "float32"
+    trainer_dtype: TrainerDtype = "float32"
     """The built-in trainer's weights (``TRAINER_DTYPES``)."""
 
     @property

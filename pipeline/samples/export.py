@@ -13,9 +13,16 @@ from typing import IO, Any, Literal
 
 import orjson
 
-from pipeline.samples.archive import ARCHIVE_FIELDS
+from pipeline.samples.archive import ARCHIVE_FIELDS, record_sample
+from topics.records import TrainingSample
 
 ExportFormat = Literal["jsonl", "parquet"]
+
+
+class ExportReadError(ValueError):
+    """A line or row of an export that is not a sample, named by its number and field."""
+
+
 FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
 
 
@@ -109,3 +116,29 @@ def write_parquet(records: Sequence[dict[str, Any]], path: Path) -> int:
     table = pa.Table.from_pylist(rows, schema=parquet_schema())
     pq.write_table(table, path)
     return len(records)
+
+
+def read_export(path: Path) -> list[TrainingSample]:
+    """The samples of a JSON-lines export or archive, or of a Parquet export (by suffix),
+    validated again (``record_sample``). Raises ``ExportReadError`` naming the first bad row."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        records = pq.read_table(path).to_pylist()
+    else:
+        records = []
+        with path.open("rb") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(orjson.loads(line))
+                except orjson.JSONDecodeError as exc:
+                    raise ExportReadError(f"{path}:{number}: not JSON ({exc})") from None
+    samples = []
+    for number, record in enumerate(records, start=1):
+        try:
+            samples.append(record_sample(record))
+        except (KeyError, ValueError) as exc:
+            raise ExportReadError(f"{path}: sample {number}: {exc}") from None
+    return samples

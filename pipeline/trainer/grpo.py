@@ -22,6 +22,7 @@ import torch
 
 from pipeline.trainer.recompute import mismatch_report, recompute
 from stages.trainer.batch import TrainBatch
+from stages.trainer.settings import TrainerDtype
 
 CLIP = 0.2
 
@@ -45,7 +46,9 @@ class StepReport:
 class GrpoTrainer:
     """Holds the policy's weights (fp32, CPU), steps them, saves them for the worker to load."""
 
-    def __init__(self, model_dir: Path, *, learning_rate: float = 1e-3, dtype: str = "float32") -> None:
+    def __init__(
+        self, model_dir: Path, *, learning_rate: float = 1e-3, dtype: TrainerDtype = "float32"
+    ) -> None:
         """``dtype``: the trainer's weights (``bfloat16`` shows a precision mismatch against an
         fp32 engine in the report)."""
         from transformers import AutoModelForCausalLM

@@ -9,14 +9,18 @@ generated tokens, with the counts of what could not be replayed.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from stages.trainer.batch import TrainBatch
-from stages.trainer.mismatch import Bounds, Tokens, report
+from stages.trainer.batch import TrainBatch, audit_batch
+from stages.trainer.mismatch import Bounds, Tokens, concat, report
 from stages.trainer.replay import replay
+from stages.trainer.settings import ReplayMode
+from topics.records import TrainingSample
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +59,9 @@ def recompute(model: Any, batch: TrainBatch) -> Recomputed:
     )
 
 
-def mismatch_report(
-    batch: TrainBatch, recomputed: Recomputed, *, policy_version: int, bounds: Bounds | None = None
-) -> dict[str, Any]:
-    """The batch's mismatch report (``stages.trainer.mismatch``) and what it could not replay."""
+def mismatch_tokens(batch: TrainBatch, recomputed: Recomputed, *, first_sample: int = 0) -> Tokens:
+    """The batch's generated tokens, flat, for ``stages.trainer.mismatch`` (their samples
+    numbered from ``first_sample``, for a report over several batches)."""
     if recomputed.logprobs.shape != batch.loss_mask.shape:
         raise ValueError(
             f"trainer logprobs: shape {tuple(recomputed.logprobs.shape)} != the batch's mask"
@@ -66,10 +69,10 @@ def mismatch_report(
         )
     where = batch.loss_mask > 0
     rows, positions = where.nonzero(as_tuple=True)
-    tokens = Tokens(
+    return Tokens(
         behaviour=batch.old_logprobs[where],
         trainer=recomputed.logprobs.detach()[where],
-        sample=rows,
+        sample=rows + first_sample,
         position=positions,
         version=batch.token_versions[where],
         turn=batch.turn[where],
@@ -78,12 +81,25 @@ def mismatch_report(
         log_kept=recomputed.log_kept[where],
         rank=recomputed.rank[where],
     )
+
+
+def mismatch_report(
+    batch: TrainBatch, recomputed: Recomputed, *, policy_version: int, bounds: Bounds | None = None
+) -> dict[str, Any]:
+    """The batch's mismatch report (``stages.trainer.mismatch``) and what it could not replay."""
+    tokens = mismatch_tokens(batch, recomputed)
     result = report(tokens, batch.samples, policy_version=policy_version, bounds=bounds)
-    result["provenance_unknown_tokens"] = batch.provenance_unknown_tokens
-    result["not_replayed_tokens"] = batch.not_replayed_tokens
-    result["unreplayable_samples"] = sum(sample.unreplayable for sample in batch.samples)
-    result["mean_log_kept"] = float(tokens.log_kept.double().mean()) if len(tokens.log_kept) else None
-    return result
+    return result | replay_counts([batch], tokens)
+
+
+def replay_counts(batches: Sequence[TrainBatch], tokens: Tokens) -> dict[str, Any]:
+    """What the replay could not apply, over ``batches``, and the mean kept mass."""
+    return {
+        "provenance_unknown_tokens": sum(batch.provenance_unknown_tokens for batch in batches),
+        "not_replayed_tokens": sum(batch.not_replayed_tokens for batch in batches),
+        "unreplayable_samples": sum(sample.unreplayable for batch in batches for sample in batch.samples),
+        "mean_log_kept": float(tokens.log_kept.double().mean()) if len(tokens.log_kept) else None,
+    }
 
 
 def measure(
@@ -101,4 +117,55 @@ def measure(
     return mismatch_report(batch, recomputed, policy_version=policy_version, bounds=bounds)
 
 
-__all__ = ["Recomputed", "measure", "mismatch_report", "recompute"]
+def replaying(batch: TrainBatch, mode: ReplayMode) -> TrainBatch:
+    """The batch with only part of each call's processing replayed, to show what skipping
+    it costs: ``temperature`` drops the filters (what trainers that ignore truncation
+    compute), ``none`` the temperature too; ``full`` is the batch as it is."""
+    if mode == "full":
+        return batch
+    temperature = torch.ones_like(batch.temperature) if mode == "none" else batch.temperature
+    return dataclasses.replace(
+        batch,
+        temperature=temperature,
+        top_k=torch.zeros_like(batch.top_k),
+        top_p=torch.ones_like(batch.top_p),
+        min_p=torch.zeros_like(batch.min_p),
+    )
+
+
+def audit(
+    model: Any,
+    samples: Sequence[TrainingSample],
+    *,
+    policy_version: int,
+    mode: ReplayMode = "full",
+    batch_size: int = 8,
+    bounds: Bounds | None = None,
+) -> dict[str, Any]:
+    """The mismatch report of ``samples`` under ``model``, in batches of ``batch_size``
+    (``tokentrail mismatch``: a past run's export, or a changed trainer, audited offline)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    batches: list[TrainBatch] = []
+    parts: list[Tokens] = []
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(samples), batch_size):
+            batch = replaying(audit_batch(samples[start : start + batch_size]), mode)
+            parts.append(mismatch_tokens(batch, recompute(model, batch), first_sample=start))
+            batches.append(batch)
+    tokens = concat(parts)
+    result = report(tokens, samples, policy_version=policy_version, bounds=bounds)
+    return {"samples": len(samples), "replay": mode} | result | replay_counts(batches, tokens)
+
+
+__all__ = [
+    "Recomputed",
+    "audit",
+    "measure",
+    "mismatch_report",
+    "mismatch_tokens",
+    "recompute",
+    "replay_counts",
+    "replaying",
+]

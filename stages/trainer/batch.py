@@ -110,6 +110,36 @@ def build_batch(
     for sample, _, index in kept:
         by_group.setdefault(index, []).append(sample.reward)
     advantages = [a for rewards in by_group.values() for a in group_advantages(rewards)]
+    return _padded(
+        samples,
+        advantages=advantages,
+        weights=[weight for _, weight, _ in kept],
+        ages=ages,
+        groups=list(groups),
+        stale=stale,
+        pad_id=pad_id,
+    )
+
+
+def audit_batch(samples: Sequence[TrainingSample], pad_id: int = 0) -> TrainBatch:
+    """Samples as a batch to measure, not to train (``tokentrail mismatch``): no groups,
+    advantage 0, weight 1, staleness 0."""
+    n = len(samples)
+    return _padded(
+        samples, advantages=[0.0] * n, weights=[1.0] * n, ages=[0] * n, groups=[], stale=[], pad_id=pad_id
+    )
+
+
+def _padded(
+    samples: Sequence[TrainingSample],
+    *,
+    advantages: list[float],
+    weights: list[float],
+    ages: list[int],
+    groups: list[Group],
+    stale: list[str],
+    pad_id: int,
+) -> TrainBatch:
     width = max((len(s.token_ids) for s in samples), default=0)
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.int64)
     attention_mask = torch.zeros((len(samples), width), dtype=torch.int64)
@@ -133,7 +163,7 @@ def build_batch(
         old_logprobs=old_logprobs,
         rewards=torch.tensor([_reward(s) for s in samples], dtype=torch.float32),
         advantages=torch.tensor(advantages, dtype=torch.float32),
-        sample_weights=torch.tensor([weight for _, weight, _ in kept], dtype=torch.float32),
+        sample_weights=torch.tensor(weights, dtype=torch.float32),
         weight_versions=torch.tensor(
             [[min(s.weight_versions), max(s.weight_versions)] for s in samples], dtype=torch.int64
         ).reshape(len(samples), 2),
@@ -149,8 +179,8 @@ def build_batch(
         after_tool=tokens.after_tool,
         provenance_unknown_tokens=tokens.unknown,
         not_replayed_tokens=tokens.not_replayed,
-        samples=samples,
-        groups=list(groups),
+        samples=list(samples),
+        groups=groups,
         stale=stale,
     )
 
@@ -225,6 +255,7 @@ __all__ = [  # the policy lives in its torch-free module; importable here as it 
     "StalenessPolicy",
     "TokenLayout",
     "TrainBatch",
+    "audit_batch",
     "build_batch",
     "span_end_rewards",
 ]

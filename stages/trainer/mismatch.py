@@ -96,6 +96,17 @@ class Tokens:
                 )
 
 
+def concat(parts: Sequence[Tokens]) -> Tokens:
+    """The tokens of several batches as one (their ``sample`` indices already distinct)."""
+    names = Tokens.__slots__
+    if not parts:
+        empty = torch.zeros(0)
+        return Tokens(
+            **{name: empty.bool() if name in ("straddled", "after_tool") else empty for name in names}
+        )
+    return Tokens(**{name: torch.cat([getattr(part, name) for part in parts]) for name in names})
+
+
 def report(
     tokens: Tokens,
     samples: Sequence[TrainingSample],
@@ -230,4 +241,4 @@ def _worst(
     return worst
 
 
-__all__ = ["Bounds", "Tokens", "metrics", "report"]
+__all__ = ["Bounds", "Tokens", "concat", "metrics", "report"]

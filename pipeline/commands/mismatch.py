@@ -1,0 +1,109 @@
+"""``tokentrail mismatch SAMPLES --model DIR``: a past run's training-inference mismatch, offline.
+
+Recomputes every generated token's logprob with a Hugging Face forward of ``--model``
+(CPU works), replaying each call's recorded sampling options (DESIGN §4.7), and prints
+the report every train step carries (§14.1) as one JSON document: audit a past run, or
+a changed trainer (another dtype, other weights), without re-running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from stages.trainer.settings import REPLAY_MODES, TRAINER_DTYPES
+
+EXAMPLES = """\
+examples:
+  tokentrail samples export --data-dir .tokentrail --format jsonl --out samples.jsonl
+  tokentrail mismatch samples.jsonl --model .tokentrail/tiny-model
+  tokentrail mismatch samples.parquet --model .tokentrail/weights/step-2 --dtype bfloat16
+  tokentrail mismatch samples.jsonl --model DIR --replay temperature   # what ignoring truncation costs
+
+The report: k1, k3, log_ppl_diff, chi2_token, chi2_sequence, ess_token, ess_sequence,
+ratio_min/mean/p99/max, max_abs_dev, corrections (token, sequence, geometric), buckets
+(clean, straddled, lag, turn, after_tool, later), worst tokens, and the counts of tokens
+without provenance or with options not replayed.
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "mismatch",
+        help="recompute the training-inference mismatch report of exported samples with a model",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("samples", type=Path, help="a JSON-lines or Parquet export, or a run's samples.jsonl")
+    parser.add_argument("--model", type=Path, required=True, help="the trainer's model directory")
+    parser.add_argument("--dtype", choices=TRAINER_DTYPES, default="float32", help="(default: %(default)s)")
+    parser.add_argument(
+        "--replay",
+        choices=REPLAY_MODES,
+        default="full",
+        help="replay each call's temperature and filters (full), its temperature only, or nothing "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--policy-version",
+        type=int,
+        default=None,
+        help="the model's weight version, for the lag buckets (default: the newest version in the samples)",
+    )
+    parser.add_argument("--worst", type=int, default=10, help="worst tokens to list (default: %(default)s)")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="samples per forward (default: %(default)s)"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.samples.export import ExportReadError, read_export
+    from pipeline.trainer.recompute import audit
+    from stages.trainer.mismatch import Bounds
+
+    if not (args.model / "config.json").is_file():
+        print(f"tokentrail mismatch: {args.model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        bounds = Bounds(worst=args.worst)
+        samples = read_export(args.samples)
+    except (ExportReadError, ValueError, OSError) as exc:
+        print(f"tokentrail mismatch: {exc}", file=sys.stderr)
+        return 2
+    if not samples:
+        print(f"tokentrail mismatch: {args.samples} holds no samples", file=sys.stderr)
+        return 1
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=getattr(torch, args.dtype))
+    version = args.policy_version
+    if version is None:
+        version = max(max(sample.weight_versions) for sample in samples)
+    try:
+        report = audit(
+            model,
+            samples,
+            policy_version=version,
+            mode=args.replay,
+            batch_size=args.batch_size,
+            bounds=bounds,
+        )
+    except ValueError as exc:
+        print(f"tokentrail mismatch: {exc}", file=sys.stderr)
+        return 2
+    unknown = report["provenance_unknown_tokens"]
+    if unknown:
+        print(
+            f"tokentrail mismatch: {unknown} of {report['tokens']} generated tokens have no sampling "
+            "provenance (neutral calls, or samples exported before it was recorded): assumed "
+            "temperature 1, nothing filtered",
+            file=sys.stderr,
+        )
+    print(json.dumps({"model": str(args.model), "dtype": args.dtype, "policy_version": version, **report}))
+    return 0
