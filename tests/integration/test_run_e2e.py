@@ -9,7 +9,10 @@ are checked); the second plays through a gateway with an SDK agent and trains th
 on its samples (``--train-steps``); the third interrupts a run with SIGINT and checks that
 nothing it started is left running; the fourth kills a stage process and checks that the
 run reports it as its failure; the fifth trains with TRL's GRPOTrainer (``--trainer trl``);
-the sixth lets generation run ahead of a deliberately slow trainer, paced.
+the sixth lets generation run ahead of a deliberately slow trainer, paced; the seventh
+serves a model whose generation config carries sampling defaults. The training runs
+sample with truncation (temperature 0.7, top-p 0.8, top-k 20) and check that both
+trainers replay it and report the mismatch of every step.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.m
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--rollouts", "4", "--group-size", "2", "--turns", "2", "--max-tokens", "16"]
+TRUNCATED = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+TRUNCATED_FLAGS = ["--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
+MISMATCH_METRICS = {
+    "tokens", "k1", "k3", "log_ppl_diff", "chi2_token", "chi2_sequence", "ess_token", "ess_sequence",
+    "ratio_min", "ratio_mean", "ratio_p99", "ratio_max", "max_abs_dev", "corrections", "buckets", "worst",
+    "provenance_unknown_tokens", "not_replayed_tokens", "unreplayable_samples", "mean_log_kept",
+}  # fmt: skip
 
 
 def tokentrail(*args: str, timeout: float, stderr: Any = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
@@ -68,6 +78,30 @@ def export(data_dir: Path, *extra: str) -> list[dict[str, Any]]:
     )
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def check_mismatch(step: dict[str, Any]) -> dict[str, Any]:
+    """A step's mismatch report has every metric and bucket; returns it."""
+    mismatch: dict[str, Any] = step["mismatch"]
+    assert mismatch.keys() >= MISMATCH_METRICS, sorted(mismatch)
+    assert {"clean", "straddled", "lag", "turn", "after_tool", "later"} == mismatch["buckets"].keys()
+    assert set(mismatch["corrections"]) == {"token", "sequence", "geometric"}
+    assert mismatch["worst"] and {"sample_key", "call_id", "turn", "position", "rank", "log_kept"} <= set(
+        mismatch["worst"][0]
+    )
+    assert mismatch["tokens"] > 0 and mismatch["unreplayable_samples"] == 0
+    return mismatch
+
+
+def mismatch_offline(data_dir: Path, model: Path, *extra: str) -> dict[str, Any]:
+    """``tokentrail mismatch`` over the run's export."""
+    path = data_dir / "export.jsonl"
+    done = tokentrail("samples", "export", "--data-dir", str(data_dir), "--out", str(path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    done = tokentrail("mismatch", str(path), "--model", str(model), *extra, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report
 
 
 def check_summary(summary: dict[str, Any], data_dir: Path) -> None:
@@ -140,12 +174,15 @@ def test_two_runs_on_one_data_dir_finalize_each_rollout_once(tmp_path: Path) -> 
 def test_an_sdk_agent_trains_the_policy_through_the_gateway(tmp_path: Path) -> None:
     """The agent uses only the openai SDK (the gateway admits, seals and strips), and
     ``--train-steps`` closes the loop: rollouts -> samples -> a GRPO step -> new weights in
-    the worker, twice."""
+    the worker, twice. Sampled at temperature 0.7, top-p 0.8, top-k 20 (top-k reaches vLLM
+    as an SDK extra): every span records them, the trainer replays them (on policy to 1e-4),
+    and ``tokentrail mismatch`` shows the log S bias a trainer that ignores them would have."""
     data_dir = tmp_path / "tt"
     summary = run_small(  # stages in process: the stage processes are covered by the other runs
         data_dir,
         tmp_path / "run.log",
         *("--agent", "sdk", "--train-steps", "2", "--broker-storage", "memory", "--stages", "inline"),
+        *TRUNCATED_FLAGS,
     )
     assert summary["status"] == "completed" and summary["lag"] == 0, summary
     assert summary["agent"] == "sdk" and summary["gateway_url"].startswith("http://127.0.0.1:")
@@ -156,22 +193,36 @@ def test_an_sdk_agent_trains_the_policy_through_the_gateway(tmp_path: Path) -> N
     assert first["samples"] == second["samples"] == 4
     # The trainer recomputes the logprobs the worker sampled with, before and after a refit
     # that moved the policy by far more than that: the worker really serves the new weights.
-    assert first["ratio_max_abs_dev"] < 1e-3 and second["ratio_max_abs_dev"] < 1e-3
+    assert first["ratio_max_abs_dev"] <= 1e-4 and second["ratio_max_abs_dev"] <= 1e-4, summary["train_steps"]
     assert first["update_norm"] > 0 and first["policy_shift"] > 100 * second["ratio_max_abs_dev"]
+    for step in (first, second):
+        mismatch = check_mismatch(step)
+        assert mismatch["provenance_unknown_tokens"] == 0 and mismatch["mean_log_kept"] < 0
+        assert abs(mismatch["k1"]) < 1e-5 and set(mismatch["buckets"]["lag"]) == {"0"}
     assert summary["dataplane_samples_left"] == 0
     samples = export(data_dir)
     for sample in samples:
         check_sample(sample)
+        assert all(span["sampling"] == TRUNCATED for span in sample["spans"]), sample["spans"]
     versions = Counter(frozenset(sample["weight_versions"]) for sample in samples)
     assert versions == {frozenset({0}): 4, frozenset({1}): 4}
     assert (data_dir / "weights" / "step-2" / "config.json").is_file()
+    # Offline, the step-0 samples against the model they were sampled from: replayed, on
+    # policy; with the temperature alone, every ratio is off by the kept mass.
+    model = data_dir / "tiny-model"
+    replayed = mismatch_offline(data_dir, model, "--policy-version", "0")["buckets"]["lag"]["0"]
+    ignored = mismatch_offline(data_dir, model, "--policy-version", "0", "--replay", "temperature")
+    assert replayed["max_abs_dev"] <= 1e-4, replayed
+    assert ignored["buckets"]["lag"]["0"]["k1"] > 1e-2 and ignored["mean_log_kept"] == 0.0, ignored
 
 
 @pytest.mark.timeout(400)
 def test_a_slow_trainer_paces_generation_instead_of_dropping_stale_samples(tmp_path: Path) -> None:
     """``--max-staleness 1`` with a deliberately slow trainer: the rollouts run ahead of it
     by one version and no further (the third step's wait for version 1, so some are held
-    back), every trained sample is at most one version behind, and none is dropped."""
+    back), every trained sample is at most one version behind, and none is dropped. The
+    mismatch report says where a step's deviation comes from: tokens one version behind
+    (lag bucket 1) deviate, tokens of the trainer's own version (lag 0) do not."""
     data_dir = tmp_path / "tt"
     summary = run_small(
         data_dir,
@@ -187,6 +238,9 @@ def test_a_slow_trainer_paces_generation_instead_of_dropping_stale_samples(tmp_p
     assert all(step["staleness_max"] is not None and step["staleness_max"] <= 1 for step in steps), steps
     assert max(step["staleness_max"] for step in steps) == 1, steps  # generation ran ahead
     assert summary["paced_waits"] > 0, summary  # and was held back
+    lagged = [check_mismatch(step)["buckets"]["lag"] for step in steps if step["staleness_max"] == 1]
+    assert lagged and all(lag["1"]["tokens"] > 0 and lag["1"]["max_abs_dev"] > 1e-2 for lag in lagged), lagged
+    assert all(lag["0"]["max_abs_dev"] <= 1e-4 for lag in lagged if "0" in lag), lagged
     assert summary["dataplane_samples_left"] == 0
     samples = export(data_dir)
     for sample in samples:
@@ -357,12 +411,17 @@ def test_trl_grpo_trainer_trains_on_the_samples(tmp_path: Path, agent: str) -> N
         tmp_path / "run.log",
         *("--trainer", "trl", "--train-steps", "2", "--broker-storage", "memory", "--stages", "inline"),
         *("--agent", agent),
+        *TRUNCATED_FLAGS,
     )
     assert summary["status"] == "completed" and summary["accepted"] == summary["rollouts"] == 8, summary
     first, second = summary["train_steps"]
     assert [first["weight_version"], second["weight_version"]] == [0, 1]
     assert first["samples"] + first["rejected_filled"] == second["samples"] + second["rejected_filled"] == 4
     assert first["ratio_max_abs_dev"] <= 1e-4 and second["ratio_max_abs_dev"] <= 1e-4, summary["train_steps"]
+    assert (
+        check_mismatch(first)["mean_log_kept"] < 0
+        and check_mismatch(second)["provenance_unknown_tokens"] == 0
+    )
     assert isinstance(first["loss"], float) and isinstance(second["loss"], float)
     assert summary["dataplane_samples_left"] == 0
     before = load_file(data_dir / "tiny-model" / "model.safetensors")
@@ -370,3 +429,28 @@ def test_trl_grpo_trainer_trains_on_the_samples(tmp_path: Path, agent: str) -> N
     assert any(not torch.equal(before[name], after[name]) for name in before), "TRL's step changed nothing"
     versions = Counter(frozenset(sample["weight_versions"]) for sample in export(data_dir))
     assert versions == {frozenset({0}): 4, frozenset({1}): 4}
+
+
+@pytest.mark.timeout(400)
+def test_a_model_s_generation_config_sampling_is_recorded_and_replayed(tmp_path: Path) -> None:
+    """A model that ships sampling defaults (Qwen3's top-p 0.95, top-k 20) and a run that
+    sends only its temperature: vLLM samples with those defaults, every span records them,
+    and the built-in trainer replays them (on policy to 1e-4, not the 0.35 of ignoring them)."""
+    data_dir = tmp_path / "tt"
+    model = tmp_path / "model"
+    done = tokentrail("make-tiny-model", str(model), timeout=120)
+    assert done.returncode == 0, done.stderr
+    config_path = model / "generation_config.json"
+    config = json.loads(config_path.read_text()) | {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    config_path.write_text(json.dumps(config))
+    summary = run_small(
+        data_dir,
+        tmp_path / "run.log",
+        *("--model", str(model), "--train-steps", "1", "--broker-storage", "memory", "--stages", "inline"),
+    )
+    assert summary["status"] == "completed" and summary["accepted"] == 4, summary
+    (step,) = summary["train_steps"]
+    assert step["ratio_max_abs_dev"] <= 1e-4, step
+    assert check_mismatch(step)["provenance_unknown_tokens"] == 0
+    for sample in export(data_dir):  # the driver's temperature 1.0 wins; the filters are the model's
+        assert all(span["sampling"] == {"top_p": 0.95, "top_k": 20} for span in sample["spans"]), sample
