@@ -441,7 +441,8 @@ def test_a_model_s_generation_config_sampling_is_recorded_and_replayed(tmp_path:
     done = tokentrail("make-tiny-model", str(model), timeout=120)
     assert done.returncode == 0, done.stderr
     config_path = model / "generation_config.json"
-    config = json.loads(config_path.read_text()) | {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}  # as Qwen3 ships them
+    config = json.loads(config_path.read_text()) | qwen3
     config_path.write_text(json.dumps(config))
     summary = run_small(
         data_dir,

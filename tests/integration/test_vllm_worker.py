@@ -343,6 +343,29 @@ def test_refit_mid_call_records_two_weight_spans(host: EngineHost, models: Model
         log_probs = old if offset < boundary else new
         assert int(log_probs[i - 1].argmax()) == sample.token_ids[i], offset
         assert abs(float(log_probs[i - 1, sample.token_ids[i]]) - sample.logprobs[i]) <= LOGPROB_TOL, offset
+    # The mismatch report of a trainer holding the new weights puts the call in the
+    # straddled bucket: exact on the tokens of its own version, off on the older ones.
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.trainer.recompute import measure
+    from stages.finalize.reader import FinalizedRollout, Group
+    from stages.trainer.batch import build_batch
+    from stages.trainer.mismatch import Bounds
+    from stages.trainer.staleness import StalenessPolicy
+
+    batch = build_batch(
+        [Group("g", [FinalizedRollout(event, (sample,))])], policy_version=1, staleness=StalenessPolicy()
+    )
+    report = measure(
+        AutoModelForCausalLM.from_pretrained(str(models.refit)), batch, policy_version=1, bounds=Bounds()
+    )
+    assert (
+        report["buckets"]["straddled"]["tokens"] == max_tokens and report["buckets"]["clean"]["tokens"] == 0
+    )
+    lag = report["buckets"]["lag"]
+    assert lag["0"]["tokens"] == max_tokens - boundary and lag["0"]["max_abs_dev"] <= LOGPROB_TOL, lag
+    assert lag["1"]["tokens"] == boundary and lag["1"]["max_abs_dev"] > 1e-2, lag
+    assert all(worst["straddled"] and worst["lag"] == 1 for worst in report["worst"])
 
 
 TRUNCATED: dict[str, Any] = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
@@ -399,3 +422,7 @@ def test_truncated_sampling_is_recorded_and_replayed_exactly(
     assert report.ratio_max_abs_dev <= 1e-4, report
     assert report.mismatch is not None and report.mismatch["provenance_unknown_tokens"] == 0
     assert report.mismatch["mean_log_kept"] < 0  # the truncation removed mass, and the replay accounts it
+    # A bf16 trainer against the fp32 engine: a known, non-zero mismatch, in the clean bucket.
+    bf16 = GrpoTrainer(models.chatml, dtype="bfloat16").step(batch).mismatch
+    assert bf16 is not None and bf16["k3"] > 1e-7 and bf16["max_abs_dev"] > 1e-3, bf16
+    assert bf16["buckets"]["clean"]["tokens"] == bf16["tokens"]
