@@ -40,6 +40,8 @@ def inspect_policy() -> dict[str, Access]:
         "/rollouts/{rollout_id}": operator,
         "/samples/{sample_key}/tokens": operator,
         "/groups/{group_id}": operator,
+        "/steps": operator,
+        "/steps/{name}": operator,
         "/pipeline": operator,
         "/static": PUBLIC,
         "/health": PUBLIC,
@@ -125,11 +127,28 @@ def create_inspect_app(source: RunSource, credentials: Credentials, *, secure: b
         return render(request, "rollout.html", row=row, detail=source.rollout(rollout_id))
 
     @app.get("/samples/{sample_key}/tokens")
-    async def tokens(request: Request, sample_key: str) -> HTMLResponse:
-        view = source.tokens(sample_key)
+    async def tokens(request: Request, sample_key: str, step: str | None = None) -> HTMLResponse:
+        log = None if step is None else source.steps.get(step)
+        if step is not None and log is None:
+            return missing(request, "train step", step)
+        try:
+            view = source.tokens(sample_key, log)
+        except ValueError as exc:  # a step file whose logprobs do not fit the sample
+            return render(request, "missing.html", 409, what="usable train step", key=str(exc))
         if view is None:
             return missing(request, "sample", sample_key)
-        return render(request, "tokens.html", view=view)
+        return render(request, "tokens.html", view=view, steps=source.steps_of(sample_key))
+
+    @app.get("/steps")
+    async def steps(request: Request) -> HTMLResponse:
+        return render(request, "steps.html", steps=list(source.steps.values()))
+
+    @app.get("/steps/{name}")
+    async def step(request: Request, name: str) -> HTMLResponse:
+        log = source.steps.get(name)
+        if log is None:
+            return missing(request, "train step", name)
+        return render(request, "step.html", log=log, report=log.mismatch)
 
     @app.get("/groups/{group_id}")
     async def group(request: Request, group_id: str) -> HTMLResponse:

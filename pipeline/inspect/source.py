@@ -22,6 +22,7 @@ from pipeline.kafka.broker import BUCKET_DIR
 from pipeline.kafka.config import KafkaConfig
 from pipeline.run.config import TINY_MODEL_DIR_NAME
 from pipeline.samples.archive import ARCHIVE_NAME, archive_path, read_archive
+from pipeline.trainer.steplog import StepLog, read_steps
 
 
 class NotADataDir(ValueError):
@@ -83,6 +84,9 @@ class RunSource:
         contents = read_archive(archive_path(data_dir))
         self.samples = {str(r.get("sample_key") or r["rollout_id"]): r for r in contents.records}
         self.archive = ArchiveSummary(len(contents.records), contents.skipped_lines, contents.runs)
+        steps, self.unreadable_steps = read_steps(data_dir)
+        self.steps = {log.name: log for log in steps}
+        """The train steps the trainer recorded (``DATA_DIR/steps``), by name."""
         self.timeline: Timeline | None = None
         if isinstance(log, LogContents):
             self.table = RolloutTable.from_log(log.seals, log.finalized)
@@ -113,9 +117,19 @@ class RunSource:
         calls, receipt = self.log.ledger.rollout(rollout_id)
         return rollout_detail(rollout_id, calls, receipt, self.log.finalized.get(rollout_id))
 
-    def tokens(self, sample_key: str) -> TokenView | None:
+    def tokens(self, sample_key: str, step: StepLog | None = None) -> TokenView | None:
+        """The sample's tokens; beside ``step``'s trainer logprobs when that step trained on it."""
         record = self.samples.get(sample_key)
-        return None if record is None else render_tokens(record, self.decoder)
+        if record is None:
+            return None
+        trainer = None if step is None else step.trainer_logprobs.get(sample_key)
+        if step is None or trainer is None:
+            return render_tokens(record, self.decoder)
+        return render_tokens(record, self.decoder, step=step.name, trainer_logprobs=trainer)
+
+    def steps_of(self, sample_key: str) -> list[str]:
+        """The recorded steps that trained on the sample."""
+        return [name for name, log in self.steps.items() if sample_key in log.trainer_logprobs]
 
     def archived_keys(self, rollout_id: str) -> list[str]:
         return [key for key, r in self.samples.items() if r["rollout_id"] == rollout_id]

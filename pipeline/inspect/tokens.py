@@ -7,6 +7,10 @@ scale, prompt and tool tokens (mask 0) are drawn apart, unshaded. Call boundarie
 separate elements without a token id. A call whose tokens were sampled across a refit
 (its weight version changes inside its span) has the first token of the new version
 marked ``refit``, titled with the change, so a straddle is found without hovering.
+
+Beside a train step the trainer recorded (``pipeline.trainer.steplog``), each generated
+token also carries the trainer's logprob and ``Δ = trainer − behaviour``, and is shaded
+by ``|Δ|`` instead (``DIFF_BOUNDS``): the tokens that drift are found at a glance.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from tokenizers import Tokenizer
 
 SHADES = 10
 """Probability buckets; ``static/inspect.css`` gives ``.v0`` … ``.v9`` viridis colours."""
+
+DIFF_BOUNDS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+"""|Δ| bucket edges; ``static/inspect.css`` gives ``.d0`` (below 1e-4) … ``.d5`` (1 and above)."""
 
 Decoder = Callable[[int], str]
 
@@ -46,6 +53,11 @@ def shade(logprob: float) -> int:
     return min(SHADES - 1, int(math.exp(logprob) * SHADES))
 
 
+def diff_shade(delta: float) -> int:
+    """The ``.dN`` bucket of a logprob difference."""
+    return sum(abs(delta) >= edge for edge in DIFF_BOUNDS)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenView:
     """One archived sample and its rendering."""
@@ -61,10 +73,25 @@ class TokenView:
     straddles: int
     """Tokens where the weight version changes inside one call's span."""
     html: Markup
+    step: str | None = None
+    """The train step whose trainer logprobs the view shows beside the behaviour's."""
+    max_abs_delta: float | None = None
 
 
-def render_tokens(record: Mapping[str, Any], decode: Decoder | None) -> TokenView:
-    """``record`` is an archive line (``pipeline.samples.archive``)."""
+def render_tokens(
+    record: Mapping[str, Any],
+    decode: Decoder | None,
+    *,
+    step: str | None = None,
+    trainer_logprobs: Sequence[float] | None = None,
+) -> TokenView:
+    """``record`` is an archive line (``pipeline.samples.archive``); ``trainer_logprobs``, at
+    the sample's length, are step ``step``'s (raises ``ValueError`` at another length)."""
+    if trainer_logprobs is not None and len(trainer_logprobs) != len(record["token_ids"]):
+        raise ValueError(
+            f"trainer_logprobs of step {step}: {len(trainer_logprobs)} values for "
+            f"{len(record['token_ids'])} tokens of sample {record.get('sample_key')}"
+        )
     ids: Sequence[int] = record["token_ids"]
     mask: Sequence[float] = record["token_mask"]
     logprobs: Sequence[float] = record["logprobs"]
@@ -73,6 +100,7 @@ def render_tokens(record: Mapping[str, Any], decode: Decoder | None) -> TokenVie
     parts: list[str] = []
     call = ""
     straddles = 0
+    worst: float | None = None
     for i, token_id in enumerate(ids):
         title = ""
         if i in starts:
@@ -80,6 +108,15 @@ def render_tokens(record: Mapping[str, Any], decode: Decoder | None) -> TokenVie
             parts.append(f'<span class="cb" title="call boundary">{escape(call)}</span>')
         generated = mask[i] >= 0.5
         classes = f"t m1 v{shade(logprobs[i])}" if generated else "t m0"
+        trainer = ""
+        if generated and trainer_logprobs is not None:
+            delta = float(trainer_logprobs[i]) - float(logprobs[i])
+            worst = abs(delta) if worst is None else max(worst, abs(delta))
+            classes = f"t m1 d{diff_shade(delta)}"
+            trainer = (
+                f' id="p{i}" data-trainer-logprob="{float(trainer_logprobs[i])!r}" data-delta="{delta!r}"'
+            )
+
         if call and i not in starts and versions[i] != versions[i - 1]:
             straddles += 1
             classes += " refit"
@@ -87,7 +124,7 @@ def render_tokens(record: Mapping[str, Any], decode: Decoder | None) -> TokenVie
         piece = decode(token_id) if decode is not None else f"⟨{token_id}⟩"
         parts.append(
             f'<span class="{classes}"{title} tabindex="0" data-token-id="{token_id}" data-mask="{int(generated)}" '
-            f'data-logprob="{float(logprobs[i])!r}" data-version="{versions[i]}" data-call="{escape(call)}">'
+            f'data-logprob="{float(logprobs[i])!r}"{trainer} data-version="{versions[i]}" data-call="{escape(call)}">'
             f"{escape(piece) or '∅'}</span>"
         )
     return TokenView(
@@ -101,4 +138,6 @@ def render_tokens(record: Mapping[str, Any], decode: Decoder | None) -> TokenVie
         calls=len(starts),
         straddles=straddles,
         html=Markup("".join(parts)),
+        step=step,
+        max_abs_delta=worst,
     )

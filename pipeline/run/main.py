@@ -81,6 +81,7 @@ from pipeline.samples.archive import SampleArchive, archive_path
 from pipeline.stagehost.lag import StageLagProbe
 from pipeline.trainer.feed import FeedSettings, TrainerFeed
 from pipeline.trainer.grpo import GrpoTrainer
+from pipeline.trainer.steplog import StepWriter
 from pipeline.trainer.trl import TrlBridge, prompt_key
 from pipeline.trainer.trl import train as train_with_trl
 from stages.client import RolloutClient
@@ -403,6 +404,7 @@ class Run:
             batch_timeout_s=config.finalize_timeout_s,
             operator_headers=self.credentials.authorization(Role.OPERATOR),
             trainer_delay_s=config.trainer_delay_s,
+            step_writer=StepWriter(config.data_dir, self.run_id, "builtin"),
         )
 
     def _task(
@@ -576,6 +578,7 @@ class Run:
             version=version,
             weights_dir=config.data_dir / WEIGHTS_DIR,
             temperature=config.temperature,
+            step_writer=StepWriter(config.data_dir, self.run_id, "trl"),
         )
         await asyncio.to_thread(
             train_with_trl,

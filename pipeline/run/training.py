@@ -31,6 +31,7 @@ import httpx
 
 from pipeline.trainer.feed import TrainerFeed
 from pipeline.trainer.grpo import GrpoTrainer
+from pipeline.trainer.steplog import StepWriter
 from stages.trainer.batch import TrainBatch
 from stages.trainer.pacing import admissible
 
@@ -81,8 +82,11 @@ class ClosedLoop:
         batch_timeout_s: float,
         operator_headers: Mapping[str, str] | None = None,
         trainer_delay_s: float = 0.0,
+        step_writer: StepWriter | None = None,
     ) -> None:
-        """``trainer_delay_s``: sleep this long before each optimizer step (a slow trainer)."""
+        """``trainer_delay_s``: sleep this long before each optimizer step (a slow trainer);
+        ``step_writer``: where each step's report and logprobs are kept (the inspector's)."""
+        self.step_writer = step_writer
         self.feed = feed
         self.batch_timeout_s = batch_timeout_s
         self.trainer = trainer
@@ -170,6 +174,10 @@ class ClosedLoop:
         if self.trainer_delay_s:
             await asyncio.sleep(self.trainer_delay_s)
         report = await asyncio.to_thread(self.trainer.step, batch, policy_version=version)
+        if self.step_writer is not None and report.mismatch is not None:
+            await asyncio.to_thread(
+                self.step_writer.write, step, version, report.mismatch, report.trainer_logprobs or {}
+            )
         path = await asyncio.to_thread(self.trainer.save, self.weights_dir / f"step-{step}")
         marks.append(time.monotonic())
         await refit(self.worker_url, path, version=step, headers=self.operator_headers)

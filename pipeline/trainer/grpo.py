@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipeline.trainer.recompute import mismatch_report, recompute
+from pipeline.trainer.recompute import mismatch_report, per_sample, recompute
 from stages.trainer.batch import TrainBatch
 from stages.trainer.settings import TrainerDtype
 
@@ -41,6 +41,8 @@ class StepReport:
     worker sampled with the new weights, so a shift well above it proves the refit."""
     mismatch: dict[str, Any] | None = None
     """The batch's mismatch report before the update (``stages.trainer.mismatch``)."""
+    trainer_logprobs: dict[str, list[float]] | None = None
+    """Per sample key, the logprobs the report compared, before the update."""
 
 
 class GrpoTrainer:
@@ -92,6 +94,7 @@ class GrpoTrainer:
             update_norm=moved**0.5,
             policy_shift=shift,
             mismatch=mismatch,
+            trainer_logprobs=per_sample(batch, recomputed),
         )
 
     def save(self, out_dir: Path) -> Path:

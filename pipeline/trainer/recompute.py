@@ -59,6 +59,15 @@ def recompute(model: Any, batch: TrainBatch) -> Recomputed:
     )
 
 
+def per_sample(batch: TrainBatch, recomputed: Recomputed) -> dict[str, list[float]]:
+    """The trainer's logprobs of each sample, at its own length, by sample key."""
+    logprobs = recomputed.logprobs.detach()
+    return {
+        sample.key: logprobs[row, : len(sample.token_ids)].tolist()
+        for row, sample in enumerate(batch.samples)
+    }
+
+
 def mismatch_tokens(batch: TrainBatch, recomputed: Recomputed, *, first_sample: int = 0) -> Tokens:
     """The batch's generated tokens, flat, for ``stages.trainer.mismatch`` (their samples
     numbered from ``first_sample``, for a report over several batches)."""
@@ -104,9 +113,9 @@ def replay_counts(batches: Sequence[TrainBatch], tokens: Tokens) -> dict[str, An
 
 def measure(
     model: Any, batch: TrainBatch, *, policy_version: int, bounds: Bounds | None = None
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """The batch's mismatch report under ``model`` in eval mode, without gradients (a
-    trainer that computes its own loss, such as TRL's, or an audit)."""
+    trainer that computes its own loss, such as TRL's), and its logprobs per sample."""
     training = model.training
     model.eval()
     try:
@@ -114,7 +123,8 @@ def measure(
             recomputed = recompute(model, batch)
     finally:
         model.train(training)
-    return mismatch_report(batch, recomputed, policy_version=policy_version, bounds=bounds)
+    report = mismatch_report(batch, recomputed, policy_version=policy_version, bounds=bounds)
+    return report, per_sample(batch, recomputed)
 
 
 def replaying(batch: TrainBatch, mode: ReplayMode) -> TrainBatch:
@@ -165,6 +175,7 @@ __all__ = [
     "measure",
     "mismatch_report",
     "mismatch_tokens",
+    "per_sample",
     "recompute",
     "replay_counts",
     "replaying",

@@ -34,6 +34,7 @@ import torch
 
 from pipeline.trainer.recompute import measure
 from pipeline.trainer.shapes import split
+from pipeline.trainer.steplog import StepWriter
 from stages.trainer.batch import TrainBatch, span_end_rewards
 from topics.records import TrainingSample
 
@@ -144,8 +145,11 @@ class TrlBridge:
         version: Callable[[int | None], int],
         weights_dir: Path,
         temperature: float,
+        step_writer: StepWriter | None = None,
     ) -> None:
+        """``step_writer``: where each step's report and logprobs are kept (the inspector's)."""
         self.loop = loop
+        self.step_writer = step_writer
         self._play, self._next_batch, self._refit, self._ack = play, next_batch, refit, ack
         self._version = version
         self.weights_dir = weights_dir
@@ -171,7 +175,9 @@ class TrlBridge:
         samples = [s for group in groups for s in group if s is not None]
         rewards = [s.reward for s in samples if s.reward is not None and not math.isnan(s.reward)]
         version = self._version(None)
-        mismatch = measure(trainer.model, batch, policy_version=version)
+        mismatch, logprobs = measure(trainer.model, batch, policy_version=version)
+        if self.step_writer is not None:
+            self.step_writer.write(len(self.steps) + 1, version, mismatch, logprobs)
         self.steps.append(
             TrlStep(
                 step=len(self.steps) + 1,

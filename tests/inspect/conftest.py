@@ -1,7 +1,7 @@
 """One real data directory for the inspector's tests, made once per session.
 
 ``tokentrail run`` plays a few rollouts into it (durable broker, embedded data plane, the
-vLLM CPU engine). The run's driver seals every rollout under ``terminal`` and rarely gets
+vLLM CPU engine) and takes one train step on them, which it records (``DATA_DIR/steps``). The run's driver seals every rollout under ``terminal`` and rarely gets
 one rejected, so three more rollouts are then played on the same durable log through the
 real capture core, data plane and stages, from the scenarios of
 ``tests/integration/test_sample_policies.py``: a rewritten history under ``chains`` (two
@@ -41,6 +41,8 @@ from topics.records import FinalizedEvent
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--rollouts", "4", "--group-size", "2", "--turns", "2", "--max-tokens", "16"]
+TRAIN = ["--train-steps", "1", "--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
+"""One train step on truncated sampling: the step's report and trainer logprobs to look at."""
 EXTRA = {"chains": "rewritten-chains", "ambiguous": "tree-terminal", "corrupt": "corrupt-all-or-nothing"}
 """Our rollout suffix → the scenario (``scenariokit``) it plays."""
 
@@ -88,7 +90,17 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunDir]:
     log = base / "run.log"
     with log.open("w") as err:
         done = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "run", "--json", *SMALL, "--data-dir", str(data_dir)],
+            [
+                sys.executable,
+                "-m",
+                "pipeline.cli",
+                "run",
+                "--json",
+                *SMALL,
+                *TRAIN,
+                "--data-dir",
+                str(data_dir),
+            ],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=err,

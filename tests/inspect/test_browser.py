@@ -243,6 +243,42 @@ def test_groups_and_the_pipeline_page(page: Page, server: str, run_dir: RunDir, 
     shot(page, screenshots, "pipeline")
 
 
+def test_a_train_step_s_report_and_its_worst_tokens_beside_the_behaviour(
+    page: Page, server: str, run_dir: RunDir, screenshots: Path
+) -> None:
+    """The step the run recorded: its report (on policy, so ~0), its worst tokens linking to
+    the token view, which then shows the trainer's logprob beside the behaviour's and shades
+    each generated token by their difference."""
+    page.goto(f"{server}/steps")
+    rows = page.locator("table.steps tbody tr")
+    expect(rows).to_have_count(1)
+    assert float(rows.first.locator("td.dev").inner_text()) <= 1e-4
+    rows.first.locator("a").first.click()
+    assert float(page.locator("[data-metric='max_abs_dev']").inner_text()) <= 1e-4
+    expect(page.locator("table.buckets")).to_contain_text("lag 0")
+    shot(page, screenshots, "step")
+    worst = page.locator("table.worst tbody tr").first
+    position = int(worst.locator("td").nth(4).inner_text())
+    worst.locator("a").click()
+    assert "step=" in page.url
+    expect(page.locator(".legend.diff")).to_be_visible()
+    generated = page.locator("#tokens [data-mask='1']")
+    classes = generated.evaluate_all("els => els.map(e => e.className)")
+    assert classes and all(" d" in c and " v" not in c for c in classes), classes[:5]
+    token = page.locator(f"#p{position}")
+    token.hover()
+    tip = page.locator("#tip").inner_text()
+    assert "trainer" in tip and "Δ" in tip
+    behaviour, trainer = (
+        float(token.get_attribute(name) or "") for name in ("data-logprob", "data-trainer-logprob")
+    )
+    assert abs(trainer - behaviour) <= 1e-4  # on policy: the replayed distribution is the sampled one
+    shot(page, screenshots, "tokens-step")
+    page.goto(page.url.split("?")[0])  # without a step: shaded by probability again
+    expect(page.locator(".legend.diff")).to_have_count(0)
+    expect(page.locator(".steps-of a").first).to_be_visible()
+
+
 def test_unknown_ids_give_404_pages(
     browser: Browser, server: str, run_dir: RunDir, screenshots: Path
 ) -> None:
@@ -254,6 +290,7 @@ def test_unknown_ids_give_404_pages(
     for path, what in (
         ("/rollouts/no-such-rollout", "no-such-rollout"),
         ("/samples/no-such@key/tokens", "no-such@key"),
+        ("/steps/no-such-step", "no-such-step"),
     ):
         reply = page.goto(server + path)
         assert reply is not None and reply.status == 404

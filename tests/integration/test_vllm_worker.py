@@ -356,7 +356,7 @@ def test_refit_mid_call_records_two_weight_spans(host: EngineHost, models: Model
     batch = build_batch(
         [Group("g", [FinalizedRollout(event, (sample,))])], policy_version=1, staleness=StalenessPolicy()
     )
-    report = measure(
+    report, _ = measure(
         AutoModelForCausalLM.from_pretrained(str(models.refit)), batch, policy_version=1, bounds=Bounds()
     )
     assert (

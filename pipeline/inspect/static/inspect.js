@@ -14,7 +14,9 @@
     if (!el.dataset || el.dataset.tokenId === undefined) { return; }
     var d = el.dataset;
     tip.textContent = "id " + d.tokenId + " · piece " + JSON.stringify(el.textContent) +
-      " · logprob " + d.logprob + " · weight version " + d.version + " · call " + d.call +
+      " · logprob " + d.logprob +
+      (d.trainerLogprob !== undefined ? " · trainer " + d.trainerLogprob + " · Δ " + d.delta : "") +
+      " · weight version " + d.version + " · call " + d.call +
       (d.mask === "1" ? " · generated" : " · prompt/tool (mask 0)");
     tip.dataset.logprob = d.logprob;
     tip.dataset.tokenId = d.tokenId;

@@ -1,0 +1,97 @@
+"""Each train step's mismatch report and the trainer's per-token logprobs, kept on disk.
+
+The run's summary carries every step's report; the per-token logprobs the trainer
+recomputed are too many for it, and the inspector (DESIGN §16) shows them beside the
+behaviour's in a sample's token view. One JSON file per step under ``DATA_DIR/steps/``,
+written whole (a temporary file renamed into place), so a reader never sees half a step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+STEPS_DIR = "steps"
+
+
+@dataclass(frozen=True, slots=True)
+class StepLog:
+    """One step as written: who trained, on which version, its report, its logprobs."""
+
+    run_id: str
+    step: int
+    trainer: str
+    weight_version: int
+    mismatch: Mapping[str, Any]
+    trainer_logprobs: Mapping[str, Sequence[float]]
+    """Per sample key, the trainer's logprob at every position (0 where the mask is 0)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.run_id}-step-{self.step}"
+
+
+class StepWriter:
+    """Writes a run's steps into ``data_dir/steps``."""
+
+    def __init__(self, data_dir: Path, run_id: str, trainer: str) -> None:
+        self.directory = data_dir / STEPS_DIR
+        self.run_id = run_id
+        self.trainer = trainer
+
+    def write(
+        self,
+        step: int,
+        weight_version: int,
+        mismatch: Mapping[str, Any],
+        trainer_logprobs: Mapping[str, Sequence[float]],
+    ) -> Path:
+        log = StepLog(self.run_id, step, self.trainer, weight_version, mismatch, trainer_logprobs)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"{log.name}.json"
+        partial = path.with_suffix(".json.partial")
+        partial.write_bytes(
+            orjson.dumps(
+                {
+                    "run_id": log.run_id,
+                    "step": log.step,
+                    "trainer": log.trainer,
+                    "weight_version": log.weight_version,
+                    "mismatch": log.mismatch,
+                    "trainer_logprobs": log.trainer_logprobs,
+                }
+            )
+        )
+        os.replace(partial, path)
+        return path
+
+
+def read_steps(data_dir: Path) -> tuple[list[StepLog], int]:
+    """Every step written under ``data_dir``, by run and step, and how many files were unreadable."""
+    steps: list[StepLog] = []
+    unreadable = 0
+    for path in sorted((data_dir / STEPS_DIR).glob("*.json")):
+        try:
+            document = orjson.loads(path.read_bytes())
+            steps.append(
+                StepLog(
+                    run_id=str(document["run_id"]),
+                    step=int(document["step"]),
+                    trainer=str(document["trainer"]),
+                    weight_version=int(document["weight_version"]),
+                    mismatch=dict(document["mismatch"]),
+                    trainer_logprobs=dict(document["trainer_logprobs"]),
+                )
+            )
+        except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            unreadable += 1
+    steps.sort(key=lambda log: (log.run_id, log.step))
+    return steps, unreadable
+
+
+__all__ = ["STEPS_DIR", "StepLog", "StepWriter", "read_steps"]
