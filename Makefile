@@ -12,7 +12,7 @@ export TQ_NUM_THREADS ?= 2
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install run test lint bench faults-table escape-table family-table clean
+.PHONY: install browser run test lint bench faults-table escape-table family-table clean
 
 $(VENV):
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,20 @@ install: $(STAMP)
 run: install
 	$(BIN)/tokentrail run
 
+# The inspector's browser tests drive Debian's chromium, which pip cannot install: as
+# root with apt it is installed here, otherwise make stops before any test with the command.
+browser:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	  else \
+	    echo "make test needs Debian's chromium; install it with:" >&2; \
+	    echo "  sudo apt-get install -y --no-install-recommends chromium" >&2; \
+	    exit 1; \
+	  fi; }
+
 # pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
-test: install
+test: install browser
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # Re-run the fault suite and rewrite the table of faults survived in README.md.

@@ -26,6 +26,7 @@ VERBS: tuple[str, ...] = (
     "mismatch",
     "inspect",
     "make_tiny_model",
+    "mint_credentials",
 )
 PLUGIN_GROUP = "tokentrail.verbs"
 

@@ -20,10 +20,10 @@ from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pipeline.api.errors import api_error
 from pipeline.auth.audit import Audit
 from pipeline.auth.capability import AgentCapabilities
 from pipeline.auth.credentials import ANONYMOUS, Credentials, Principal, Role
-from pipeline.worker.protocol import api_error
 from topics.wire import Dialect
 
 ROLLOUT_PARAM = "rollout_id"

@@ -19,10 +19,10 @@ from typing import Any
 
 import orjson
 
-from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.dataplane.addresses import AddressesError, DataPlaneAddresses
 from pipeline.dataplane.config import DEFAULT_HOST, DataPlaneConfig
 from pipeline.process.heap import collect_per_batch
+from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 
 EXAMPLE = """\
 example:

@@ -15,17 +15,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
+from pipeline.auth.arguments import add_auth_arguments
 from pipeline.commands.run import add_rollout_arguments, execute_and_report, rollout_settings
 from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.run.config import Attach, RunConfig
 
 EXAMPLES = """\
 examples:
   tokentrail drive --bootstrap 127.0.0.1:9092 --worker http://127.0.0.1:8000 \\
       --dataplane-addresses runs/exp1/dataplane.json --rollouts 12 --json
-  tokentrail drive --bootstrap kafka:9092 --gateway http://gateway:8100 --model-name tiny-model
+  tokentrail drive --bootstrap kafka:9092 --gateway http://gateway:8100 --model-name tiny-model \\
+      --credentials-dir /etc/tokentrail
 """
 
 
@@ -55,6 +57,7 @@ def add_parser(subparsers: Any) -> None:
     )
     add_rollout_arguments(parser, defaults)
     add_kafka_arguments(parser, bootstrap_required=True)
+    add_auth_arguments(parser, server=False, client=False)
     parser.add_argument("--json", action="store_true", help="print one JSON summary on stdout (run's keys)")
     add_log_format_argument(parser)
     parser.set_defaults(run=run)
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
                 gateway_url=args.gateway,
                 model=args.model_name,
                 dataplane_addresses=args.dataplane_addresses,
+                credentials_dir=args.credentials_dir,
             ),
             agent="sdk" if args.gateway else "driver",
             **rollout_settings(args),

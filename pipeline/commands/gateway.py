@@ -12,10 +12,10 @@ from typing import Any, get_args
 from aiokafka.errors import KafkaError
 
 from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
-from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.gateway.pacing import Pacing
 from pipeline.gateway.quotas import Quotas
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.worker import add_body_limit_argument
 from topics.records import SamplePolicy
 

@@ -14,11 +14,11 @@ import uvicorn
 from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
 from pipeline.auth.credentials import CREDENTIALS_DIR, Credentials, Role
 from pipeline.auth.transport import InsecureBind, check_bind
-from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.inspect.app import create_inspect_app
 from pipeline.inspect.source import NotADataDir, RunSource
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
+from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 
 EXAMPLES = """\
 examples:

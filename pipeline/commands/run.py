@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-from pipeline.commands.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
 from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
+from pipeline.process.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
 from pipeline.run.config import RunConfig, TrainerKind
 from stages.envs.arithmetic import read_tasks
 from stages.trainer.settings import TRAINER_DTYPES

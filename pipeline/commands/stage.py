@@ -13,7 +13,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.dataplane.config import OWNER_WAIT_S, RESTAGE_GRACE_S, add_dataplane_addresses_argument
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
@@ -21,6 +20,7 @@ from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.kafka.errors import BROKER_UNREACHABLE
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.process.heap import collect_per_batch
+from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S
 from pipeline.stagehost.metrics import Health, StageMetrics
 from pipeline.stagehost.runner import serve_stage

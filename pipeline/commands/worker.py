@@ -20,10 +20,10 @@ from aiokafka.errors import KafkaError
 
 from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
 from pipeline.auth.transport import check_bind
-from pipeline.commands.jsonlog import add_log_format_argument, configure_logging, vllm_logging
 from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
+from pipeline.process.jsonlog import add_log_format_argument, configure_logging, vllm_logging
 from pipeline.worker import add_body_limit_argument
 from stages.capture.retain import DEFAULT_BUDGET_BYTES
 from stages.ports import DataPlaneError

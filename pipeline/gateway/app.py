@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipeline.api.errors import InvalidRequest, api_error, parse_body
 from pipeline.auth.audit import Audit
 from pipeline.auth.capability import AgentCapabilities
 from pipeline.auth.credentials import Credentials, Role
@@ -40,7 +41,6 @@ from pipeline.gateway.sessions import SessionError, Sessions
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render
-from pipeline.worker.protocol import InvalidRequest, api_error, parse_body
 from topics.records import IDENT_PATTERN, FiniteFloat, HistoryPolicy, SamplePolicy
 from topics.wire import CAPTURE_FIELD, Dialect
 

@@ -21,6 +21,7 @@ import httpx
 import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pipeline.api.errors import api_error
 from pipeline.gateway.lineage import GatewayCall, logical_call_id, resolve
 from pipeline.gateway.normalize import (
     History,
@@ -33,7 +34,6 @@ from pipeline.gateway.normalize import (
 from pipeline.gateway.replies import hidden_fields, strip_event, take_coords
 from pipeline.gateway.sessions import Session
 from pipeline.gateway.upstream import NoWorker, Workers
-from pipeline.worker.protocol import api_error
 from stages.client import RolloutClient
 from topics.choices import choice_admissions
 from topics.records import CaptureAdmission, CommitCoords

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.worker.protocol import InvalidRequest
+from pipeline.api.errors import InvalidRequest
 
 PREVIOUS = "previous_response_id"
 

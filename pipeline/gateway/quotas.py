@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pipeline.gateway.sessions import Session
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +36,20 @@ class Usage:
     request_bytes: int = 0
 
 
+class Metered(Protocol):
+    """What a quota reads of a session (the gateway's ``Session`` is one); a protocol, so
+    the quotas sit below the sessions that carry their usage."""
+
+    @property
+    def rollout_id(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def usage(self) -> Usage: ...
+
+
 class QuotaExceeded(Exception):
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(message)
@@ -51,7 +62,7 @@ class QuotaGuard:
         self.quotas = quotas
         self.refused: Counter[str] = Counter()
 
-    def check(self, session: Session, request_bytes: int) -> None:
+    def check(self, session: Metered, request_bytes: int) -> None:
         """Raise ``QuotaExceeded`` naming the first limit this call would pass."""
         q, used = self.quotas, session.usage
         over = (
@@ -70,9 +81,9 @@ class QuotaGuard:
                 raise QuotaExceeded(limit, f"{limit}: rollout {session.rollout_id} is at its quota of {what}")
 
     @staticmethod
-    def charge(session: Session, request_bytes: int) -> None:
+    def charge(session: Metered, request_bytes: int) -> None:
         session.usage.calls += 1
         session.usage.request_bytes += request_bytes
 
 
-__all__ = ["QuotaExceeded", "QuotaGuard", "Quotas", "Usage"]
+__all__ = ["Metered", "QuotaExceeded", "QuotaGuard", "Quotas", "Usage"]

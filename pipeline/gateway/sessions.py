@@ -18,10 +18,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from pipeline.api.errors import InvalidRequest
 from pipeline.gateway.lineage import GatewayCall
 from pipeline.gateway.previous import ResponseLog
 from pipeline.gateway.quotas import Usage
-from pipeline.worker.protocol import InvalidRequest
 from stages.client import RolloutClient
 from topics.records import IDENT_PATTERN, HistoryPolicy, RolloutSeal, SamplePolicy
 

@@ -42,6 +42,8 @@ class Attach:
     model: str | None = None
     dataplane_addresses: Path | None = None
     """Where accepted samples are read back for the archive (None: ``TOKENTRAIL_DATAPLANE_*``)."""
+    credentials_dir: Path | None = None
+    """The cluster's role secrets, one file each; ``TOKENTRAIL_*`` variables override them."""
 
     def __post_init__(self) -> None:
         if (self.worker_url is None) == (self.gateway_url is None):

@@ -190,8 +190,8 @@ class Run:
         self.error: str | None = None
         self.completed = False
         self.operator_token_file: str | None = None
-        if config.attach is not None:  # the cluster's credentials, from TOKENTRAIL_*_TOKEN
-            self.credentials = Credentials.load(None)
+        if config.attach is not None:  # the cluster's: its files, TOKENTRAIL_* variables over them
+            self.credentials = Credentials.load(config.attach.credentials_dir)
         else:  # minted once per data dir, handed to the run's worker, gateway and clients
             directory = config.data_dir / CREDENTIALS_DIR
             self.credentials = Credentials.mint(directory)

@@ -26,9 +26,9 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from pipeline.commands.jsonlog import configured_format
 from pipeline.kafka.config import KafkaConfig, kafka_arguments
 from pipeline.kafka.consumer import ConsumerTuning
+from pipeline.process.jsonlog import configured_format
 from stages.ledger.stage import LedgerConfig
 from stages.specs import STAGES, staging_ttl
 

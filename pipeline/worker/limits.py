@@ -7,7 +7,7 @@ import logging
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipeline.worker.protocol import error_body
+from pipeline.api.errors import error_body
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pipeline.worker.protocol import InvalidRequest
+from pipeline.api.errors import InvalidRequest
 from topics.wire import CAPTURE_FIELD
 
 

@@ -1,4 +1,4 @@
-"""The worker's own HTTP shapes: the capture field, errors in each API's shape, admin bodies.
+"""The worker's own HTTP shapes: the capture field and the admin bodies.
 
 Requests are validated before anything reaches vLLM or capture, so a bad field is a 400
 that names it and never a half-captured call.
@@ -6,85 +6,14 @@ that names it and never a half-captured call.
 
 from __future__ import annotations
 
-import re
-from typing import Any, TypeVar
+from typing import Any
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.api.errors import InvalidRequest, invalid_request
 from topics.choices import check_shared_prefix, choice_admissions
 from topics.records import CaptureAdmission
-from topics.wire import CAPTURE_FIELD, Dialect
-
-ModelT = TypeVar("ModelT", bound=BaseModel)
-
-
-class InvalidRequest(ValueError):
-    """A request field is invalid; ``param`` is its dotted path (OpenAI's ``param``)."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
-
-
-# A model-level validator names its field first: "Value error, staging_chain: ...".
-_FIELD_IN_MESSAGE = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_]*): ")
-
-
-def invalid_request(exc: ValidationError, root: str | None = None) -> InvalidRequest:
-    """The first error of ``exc`` as a 400 naming its field by its full dotted path."""
-    error = exc.errors(include_url=False)[0]
-    path = [str(part) for part in error["loc"]]
-    message = str(error["msg"])
-    if not path:
-        match = _FIELD_IN_MESSAGE.match(message)
-        if match is not None:
-            path = [match.group(1)]
-    param = ".".join(([root] if root else []) + path) or None
-    return InvalidRequest(param, f"{param or 'body'}: {message}")
-
-
-def parse_body(model: type[ModelT], body: Any) -> ModelT:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise invalid_request(exc) from None
-
-
-def error_body(
-    message: str, *, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def anthropic_error_body(message: str, *, kind: str = "invalid_request_error") -> dict[str, Any]:
-    """Anthropic's error shape (it has no ``param``: the message names the field)."""
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-_KINDS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "conflict",
-    413: "request_too_large",
-    429: "rate_limit_error",
-}
-
-
-def api_error(
-    dialect: Dialect, status: int, message: str, *, param: str | None = None, kind: str | None = None
-) -> JSONResponse:
-    """An error reply in the shape of the API the client speaks (Anthropic's for Messages)."""
-    if dialect == "messages":
-        return JSONResponse(
-            anthropic_error_body(message, kind=_KINDS.get(status, "api_error")), status_code=status
-        )
-    body = error_body(message, param=param, kind=kind or _KINDS.get(status, "server_error"))
-    return JSONResponse(body, status_code=status)
+from topics.wire import CAPTURE_FIELD
 
 
 def capture_admissions(raw: Any, n: int) -> list[CaptureAdmission]:

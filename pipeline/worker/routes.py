@@ -28,16 +28,12 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.exceptions import VLLMClientError
 
+from pipeline.api.errors import InvalidRequest, api_error, invalid_request
 from pipeline.auth.audit import Audit
 from pipeline.auth.credentials import Role
 from pipeline.auth.gate import principal_of
 from pipeline.worker.options import COMMON, RESPONSES, Refusal, check_content, check_options, field_names
-from pipeline.worker.protocol import (
-    InvalidRequest,
-    api_error,
-    capture_admissions,
-    invalid_request,
-)
+from pipeline.worker.protocol import capture_admissions
 from pipeline.worker.replies import attach_coords, stream_with_coords
 from pipeline.worker.serving import Serving
 from stages.capture.vllm.renderer import CaptureRefused

@@ -26,13 +26,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from vllm.entrypoints.rl.online.api_router import router as rl_router
 
+from pipeline.api.errors import InvalidRequest, error_body, parse_body
 from pipeline.auth.audit import Audit
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render, worker_registry
-from pipeline.worker.protocol import InvalidRequest, ReloadWeights, SetWeightVersion, error_body, parse_body
+from pipeline.worker.protocol import ReloadWeights, SetWeightVersion
 from pipeline.worker.routes import GENERATION_PATHS, add_generation_routes
 from pipeline.worker.serving import Serving
 from stages.capture.vllm.client import InvalidWeightVersion

@@ -160,6 +160,9 @@ def test_the_walkthrough_survives_a_killed_replica_of_each_stage(tmp_path: Path)
                     wait_for(lambda: Path(env["PLANE"]).is_file(), "data plane")
                 elif verb == "worker":
                     wait_for(lambda: worker_healthy(int(env["WORKER_PORT"])), "worker")
+                    # Started with the minted credentials: its routes want them, so drive needs them too.
+                    admin = f"http://127.0.0.1:{env['WORKER_PORT']}/admin/weight_version"
+                    assert httpx.get(admin, timeout=5).status_code == 401
                 elif verb == "stage":
                     replicas[line.split()[2]].append(process)
                 continue

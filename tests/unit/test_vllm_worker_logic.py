@@ -23,11 +23,12 @@ import orjson
 import pytest
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+from pipeline.api.errors import InvalidRequest
 from pipeline.cli import build_parser
 from pipeline.commands.worker import worker_config
 from pipeline.models.tiny import make_tiny_model, read_manifest
 from pipeline.worker.options import COMMON, RESPONSES, check_content, check_options, field_names
-from pipeline.worker.protocol import InvalidRequest, capture_admissions
+from pipeline.worker.protocol import capture_admissions
 from pipeline.worker.replies import Dialect, attach_coords, stream_with_coords
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer

@@ -1,0 +1,1 @@
+"""What every HTTP server of the runtime shares (the worker, the gateway, the route gate)."""
