@@ -727,8 +727,8 @@ class CallSpan(RowRecord):
     """The reward the seal gave this call (``call_rewards``), credited to the last token of
     its span; None: none given. Stored only when given, so other samples stay as they were."""
     sampling: SamplingProvenance | None = None
-    """The options the call was sampled with (``topics.sampling``); None: neutral, or
-    captured before provenance was recorded. Stored only when given, like ``reward``."""
+    """The options the call was sampled with (``topics.sampling``); None: unknown (captured
+    before provenance was recorded). Stored only when given, like ``reward``."""
 
 
 class TrainingSample(RowRecord):

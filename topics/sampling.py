@@ -6,9 +6,9 @@ kept. A trainer that compares its own logprob with it must compute the same proc
 distribution, so every captured call records the options that shaped it, in the row's
 extras under ``EXTRAS_SAMPLING`` (covered by the extras digest) and on the sample's span.
 
-Only options that are not neutral are written, so a call sampled from the plain
-distribution keeps the bytes it had before provenance existed; a reader cannot tell such
-a call from one captured before, and both mean temperature 1 with nothing filtered.
+Only options that are not neutral are written; a call sampled from the plain distribution
+writes ``{}``, so a reader tells it from a call captured before provenance existed (no
+``sampling`` at all: unknown, read as temperature 1 with nothing filtered, and counted).
 ``unreplayable`` names options the engine applied that no trainer can replay from the
 sample (a grammar's mask, a thinking budget, a custom logits processor).
 """
@@ -98,8 +98,9 @@ NEUTRAL = SamplingProvenance()
 
 
 def provenance_of(extras: dict[str, Any] | None) -> SamplingProvenance | None:
-    """The provenance a row's extras record, None when they record none (neutral, or
-    captured before provenance). Raises ``ValueError`` naming the field when it is malformed."""
+    """The provenance a row's extras record (``NEUTRAL`` for ``{}``), None when they record
+    none (captured before provenance, or an engine that handed none over). Raises
+    ``ValueError`` naming the field when it is malformed."""
     raw = (extras or {}).get(EXTRAS_SAMPLING)
     if raw is None:
         return None

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(
             f"tokentrail mismatch: {unknown} of {report['tokens']} generated tokens have no sampling "
-            "provenance (neutral calls, or samples exported before it was recorded): assumed "
+            "provenance (captured before it was recorded, or by an engine that hands none over): assumed "
             "temperature 1, nothing filtered",
             file=sys.stderr,
         )

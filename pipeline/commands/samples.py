@@ -20,11 +20,11 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from pipeline.commands.jsonlog import add_log_format_argument, configure_logging
 from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.consumer import ConsumerLoop
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.samples.archive import archive_path, read_archive
 from pipeline.samples.export import FORMATS, write_jsonl, write_parquet
 from pipeline.samples.rotation import ARCHIVE_GROUP, ArchiveStats, RotatingArchive, RotationSettings
@@ -39,7 +39,9 @@ examples:
 Each object: run_id, rollout_id, group_id, token_ids, token_mask (0 prompt/tool tokens,
 1 generated), logprobs (of the sampled tokens; 0.0 where the mask is 0),
 weight_versions (per token), reward, cumulative_hash, spans (per call: call_id,
-start, carry_len, gen_len).
+start, carry_len, gen_len, reward, sampling: its non-neutral sampling options, {} when
+neutral, null when unknown),
+unreplayable (a call applied an option no trainer can replay).
 """
 
 

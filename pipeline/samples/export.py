@@ -30,7 +30,7 @@ def export_row(record: dict[str, Any]) -> dict[str, Any]:
     """The exported object: the archive fields, in a fixed order (a line archived before
     samples had keys of their own is keyed by its rollout id), then ``unreplayable``:
     whether a call of the sample applied an option no trainer can replay (DESIGN §4.7).
-    Every span has ``sampling``: its non-neutral options, or null."""
+    Every span has ``sampling``: its non-neutral options ({} when neutral), or null when unknown."""
     row = {name: record.get(name) for name in ARCHIVE_FIELDS}
     row["sample_key"] = row["sample_key"] or row["rollout_id"]
     spans = [{**span, "sampling": span.get("sampling")} for span in record.get("spans") or ()]

@@ -77,7 +77,7 @@ class TrainBatch:
     after_tool: torch.Tensor
     """``[B, T]`` bool: among the first ``AFTER_TOOL_TOKENS`` generated tokens of a call after the first."""
     provenance_unknown_tokens: int
-    """Generated tokens of calls that record no provenance (neutral, or captured before it)."""
+    """Generated tokens of calls that record no provenance (captured before it was recorded)."""
     not_replayed_tokens: int
     """Generated tokens of calls with options the replay does not apply (penalties, masks, grammars)."""
     samples: list[TrainingSample]

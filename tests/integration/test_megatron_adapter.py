@@ -64,6 +64,7 @@ from topics.records import (
     RolloutReceipt,
     StagedEvent,
 )
+from topics.sampling import EXTRAS_SAMPLING
 from topics.wire import COORDS_FIELD
 
 DynamicInferenceRequest = inference_request.DynamicInferenceRequest
@@ -888,5 +889,41 @@ def test_weight_spans_land_in_row_extras_on_generated_offsets() -> None:
         row = worker.data_plane.calls[result.coords.staging_key]
         assert row.extras == {EXTRAS_WEIGHT_SPANS: [[0, 3], [2, 4], [3, 6]]}
         assert row.weight_version == 3
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("options", "recorded"),
+    [
+        ({"temperature": 0.7, "top_k": 20, "top_p": 0.8}, {"temperature": 0.7, "top_k": 20, "top_p": 0.8}),
+        ({"temperature": 1.0, "top_k": 0, "top_p": 0.0}, {}),  # Megatron's neutral: known to be neutral
+    ],
+)
+def test_a_request_s_sampling_params_land_in_row_extras(
+    options: dict[str, float], recorded: dict[str, float]
+) -> None:
+    """Megatron's processed log probs are of its request's temperature, top-k and top-p:
+    a 0.19.2 request record carries them, and the row records them (DESIGN §4.7)."""
+
+    async def go() -> None:
+        worker = Worker(eos_token_ids=[2])
+        worker.start()
+        params = RolloutClient.request_body({}, worker.client.admit("r1"))
+        served = worker.preparer.prepare_prompt([5, 6, 7], offload_params=params)
+        request = DynamicInferenceRequest(
+            request_id=1,
+            prompt_tokens=torch.tensor([5, 6, 7], dtype=torch.int64),
+            sampling_params=SamplingParams(**options, return_log_probs=True),
+        )
+        record = DynamicInferenceRequestRecord.from_request(request)
+        request.generated_tokens = [8, 9]
+        request.generated_log_probs = [-0.5, -0.25]
+        request.policy_epoch = [(0, 0)]
+        result = worker.stager.stage("u", record, offload_params=served.offload_params)
+        await worker.stop()
+        assert result is not None and FAILURE_FIELD not in result.response_metadata, result
+        row = worker.data_plane.calls[result.coords.staging_key]
+        assert row.extras is not None and row.extras[EXTRAS_SAMPLING] == recorded
 
     asyncio.run(go())

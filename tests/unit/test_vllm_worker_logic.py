@@ -50,6 +50,7 @@ from stages.memory import MemoryDataPlane, RecordingSink
 from topics.choices import choice_admissions
 from topics.failures import WorkerFailure
 from topics.records import EXTRAS_WEIGHT_SPANS, CaptureAdmission, CommitCoords, StagedCall, StagedEvent
+from topics.sampling import EXTRAS_SAMPLING
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 T = TypeVar("T")
@@ -283,7 +284,7 @@ def test_captured_call_is_staged_with_the_sampled_logprobs(
         assert row.token_ids_delta == prompt + GEN
         assert row.logprobs_delta == [0.0] * len(prompt) + LOGPROBS
         assert row.token_mask_delta == [0.0] * len(prompt) + [1.0] * len(GEN)
-        assert row.weight_version == 3 and row.extras is None
+        assert row.weight_version == 3 and row.extras == {EXTRAS_SAMPLING: {}}  # neutral, and known
         [event] = rig.events()
         # The staged event names vLLM's request id (the reply's id), not the scope's provisional one.
         assert event.coords.disposition == "staged" and event.response_id == "req"
@@ -475,7 +476,7 @@ def test_refit_spans_recorded_or_rejected(
             assert failed(coords, code) and rig.data_plane.calls == {}
             return
         assert coords.disposition == "staged" and coords.weight_version == 0
-        assert rig.row(coords).extras == {EXTRAS_WEIGHT_SPANS: [[0, 0], [1, 1]]}
+        assert rig.row(coords).extras == {EXTRAS_SAMPLING: {}, EXTRAS_WEIGHT_SPANS: [[0, 0], [1, 1]]}
         assert rig.client.counters.refit_straddles == 1
 
     run(renderer, body, span_policy=policy)
@@ -514,7 +515,7 @@ def test_weight_version_stamps_calls_entering_after_it(renderer: ChatRenderer) -
             pass
         in_flight = await early.coords(0)
         assert in_flight.weight_version == 0
-        assert rig.row(in_flight).extras == {EXTRAS_WEIGHT_SPANS: [[0, 0], [1, 7]]}
+        assert rig.row(in_flight).extras == {EXTRAS_SAMPLING: {}, EXTRAS_WEIGHT_SPANS: [[0, 0], [1, 7]]}
 
         late = await rig.scope([rig.driver.admit("r")])
         await rig.serve(late, [1, 2], sampling(), [Output([1, 2], [choice(0, GEN, LOGPROBS, "stop")])])

@@ -34,9 +34,11 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import ValidationError
 
 from stages.capture.errors import CaptureFailure
 from topics.failures import WorkerFailure
+from topics.sampling import SamplingProvenance
 
 IdArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -127,6 +129,39 @@ def read_finished_call(payload: Any, finished_metadata: Any = None) -> FinishedC
             f"{generated_logprobs.size} logprobs for {generated_ids.size} generated ids",
         )
     return FinishedCall(prompt_ids, generated_ids, generated_logprobs, epoch_boundaries(epoch))
+
+
+SAMPLING_FIELD = "sampling_params"
+
+
+def sampling_extras(payload: Any, finished_metadata: Any = None) -> dict[str, Any] | None:
+    """The non-neutral sampling options of a finished request (DESIGN §4.7; {} when all are
+    neutral), None when the engine hands over none.
+
+    Megatron's processed log probs are of the logits divided by the temperature, then
+    top-k and top-p, the options its ``SamplingParams`` carry (``top_p`` 0 and ``top_k`` 0
+    are off). A 0.19.2 request and its record carry them; Megatron-LM main's offloaded
+    payload does not, unless its metadata does, and such a call is then counted as of
+    unknown provenance by the trainers."""
+    requests = _get(payload, "requests")
+    source = requests[0] if isinstance(requests, list | tuple) and requests else payload
+    params = _get(source, SAMPLING_FIELD)
+    if params is None and finished_metadata is not None:
+        params = _get(finished_metadata, SAMPLING_FIELD)
+    if params is None:
+        return None
+    top_p = float(_get(params, "top_p") or 0.0)
+    options = {
+        "temperature": float(_get(params, "temperature") or 1.0),
+        "top_k": max(int(_get(params, "top_k") or 0), 0),
+        "top_p": top_p if 0.0 < top_p < 1.0 else 1.0,
+    }
+    try:
+        return SamplingProvenance.model_validate(options).extras()
+    except ValidationError as exc:
+        raise InvalidPayload(
+            PayloadDefect.MALFORMED_PAYLOAD, f"{SAMPLING_FIELD}: {exc.errors()[0]['msg']}"
+        ) from None
 
 
 def token_ids(value: Any, field: str) -> IdArray:

@@ -37,10 +37,12 @@ from stages.capture.megatron.payload import (
     InvalidPayload,
     generation_versions,
     read_finished_call,
+    sampling_extras,
 )
 from stages.capture.megatron.registry import PreparedCalls
 from topics.failures import WorkerFailure
 from topics.records import EXTRAS_WEIGHT_SPANS, CaptureAdmission, CommitCoords
+from topics.sampling import EXTRAS_SAMPLING
 from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 log = logging.getLogger(__name__)
@@ -216,7 +218,16 @@ class MegatronPayloadStager:
             return _failed_work(
                 prepared, prepared.failure.code, version, response_id, prepared.failure.detail
             )
-        extras = None if versions.spans is None else {EXTRAS_WEIGHT_SPANS: versions.spans}
+        extras: dict[str, Any] = {}
+        if versions.spans is not None:
+            extras[EXTRAS_WEIGHT_SPANS] = versions.spans
+        try:
+            sampling = sampling_extras(payload, finished_metadata)
+        except InvalidPayload as exc:
+            self.stats.defects[exc.defect.value] += 1
+            return _failed_work(prepared, exc.code, version, response_id, str(exc))
+        if sampling is not None:
+            extras[EXTRAS_SAMPLING] = sampling
         if versions.straddles_refit and self.span_policy is EpochSpanPolicy.REJECT:
             detail = f"epochs {versions.spans} under policy reject"
             return _failed_work(prepared, WorkerFailure.EPOCH_SPAN_REJECTED, version, response_id, detail)
@@ -227,11 +238,11 @@ class MegatronPayloadStager:
                 call.generated_ids,
                 call.generated_logprobs,
                 weight_version=version,
-                extras=extras,
+                extras=extras or None,
             )
         except CaptureFailure as exc:
             return _failed_work(prepared, exc.code, version, response_id, exc.detail)
-        return _Work(prepared, captured, version, extras, None, None, response_id)
+        return _Work(prepared, captured, version, extras or None, None, None, response_id)
 
     def _hand_off(self, work: _Work) -> dict[str, Any]:
         try:

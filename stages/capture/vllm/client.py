@@ -211,9 +211,9 @@ class CapturingEngineClient:
         sampling: dict[str, Any],
     ) -> None:
         """Capture a finished choice (synchronous, no I/O), with its sampling provenance
-        when not neutral and its weight spans if a refit landed."""
+        and its weight spans if a refit landed."""
         failure: WorkerFailure | None = None
-        extras: dict[str, Any] = {EXTRAS_SAMPLING: sampling} if sampling else {}
+        extras: dict[str, Any] = {EXTRAS_SAMPLING: sampling}  # {} when neutral: known, not absent
         try:
             spans = weight_spans(getattr(completion, "weight_versions", None) or (), version)
         except InvalidWeightVersion as exc:
