@@ -3,7 +3,8 @@
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
 verbs. Each benchmark (``bench.engine``, ``bench.pipeline``, ``bench.replay``,
-``bench.long_horizon``) has a ``run(...) -> dict`` for programs and the same options here;
+``bench.long_horizon``, ...) has a ``run(...) -> dict`` for programs and a ``BENCHMARK``
+(``bench.command``) that declares its options, the same here as for ``python -m``;
 their heavy imports (torch, TransferQueue, the broker) happen when a benchmark runs, not
 when the CLI starts. A benchmark's name is its module's, with ``-`` for ``_``.
 """
@@ -14,7 +15,10 @@ import argparse
 import importlib
 import shlex
 import sys
+from collections.abc import Callable
 from typing import Any
+
+from bench.command import Benchmark
 
 BENCHMARKS: dict[str, str] = {
     "engine": "engine throughput with capture off, inline and tokentrail, vs data-plane delay",
@@ -54,26 +58,19 @@ def add_parser(subparsers: Any) -> None:
     )
     which = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, summary in BENCHMARKS.items():
-        module = _module(name)
+        benchmark: Benchmark[Any] = importlib.import_module(f"bench.{name.replace('-', '_')}").BENCHMARK
         sub: argparse.ArgumentParser = which.add_parser(
             name,
             help=summary,
-            description=module.__doc__,
+            description=benchmark.doc,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        module.add_arguments(sub)
-        sub.set_defaults(run=_runner(name))
+        benchmark.add_arguments(sub)
+        sub.set_defaults(run=_runner(benchmark))
 
 
-def _module(name: str) -> Any:
-    return importlib.import_module(f"bench.{name.replace('-', '_')}")
-
-
-def _runner(name: str) -> Any:
+def _runner(benchmark: Benchmark[Any]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        module = _module(name)
-        command = shlex.join(["tokentrail", *sys.argv[1:]])
-        result: int = module.run_args(args, command)
-        return result
+        return benchmark.run_args(args, shlex.join(["tokentrail", *sys.argv[1:]]))
 
     return run

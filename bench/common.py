@@ -7,15 +7,12 @@ run says how much the figures may be off.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import platform
 import re
-import shlex
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from importlib import metadata
@@ -75,34 +72,6 @@ def cdf(samples: Sequence[float], points: int = 101) -> list[float]:
         return []
     levels = np.linspace(0.0, 100.0, points)
     return [float(v) for v in np.percentile(np.asarray(samples, dtype=np.float64), levels)]
-
-
-def emit(report: dict[str, Any], *, as_json: bool, text: str) -> None:
-    """One JSON document on stdout with ``--json``, else the human-readable summary."""
-    print(json.dumps(report, sort_keys=True) if as_json else text)
-
-
-def parse_list(text: str, kind: type[int] | type[float] = int) -> list[Any]:
-    """``"1,4,16"`` → ``[1, 4, 16]``, for sweep options."""
-    return [kind(part) for part in text.split(",") if part.strip()]
-
-
-def standalone(
-    name: str,
-    description: str | None,
-    add_arguments: Callable[[argparse.ArgumentParser], None],
-    run_args: Callable[[argparse.Namespace, str], int],
-    argv: Sequence[str] | None = None,
-) -> int:
-    """``python -m bench.NAME``: the same options and report as ``tokentrail bench NAME``."""
-    parser = argparse.ArgumentParser(
-        prog=f"python -m bench.{name.replace('-', '_')}",
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_args(parser.parse_args(argv), shlex.join(["tokentrail", "bench", name, *argv]))
 
 
 def best_of(
@@ -219,12 +188,9 @@ def _first_document(process: subprocess.Popen[bytes]) -> dict[str, Any]:
 
 __all__ = [
     "cdf",
-    "emit",
     "machine",
-    "parse_list",
     "percentiles",
     "process_cpu_s",
-    "standalone",
     "started",
     "tree_cpu_s",
     "versions",

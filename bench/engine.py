@@ -26,7 +26,6 @@ inside its measuring window. Ratios are medians of the per-round ratios to ``off
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -36,11 +35,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from bench.common import emit, machine, parse_list, percentiles, process_cpu_s, standalone, versions
+from bench.command import Benchmark, Option, Quick, floats, ints
+from bench.common import machine, percentiles, process_cpu_s, versions
 from bench.planes import PLACEMENTS, Placement, open_plane, with_delay
 from bench.standin_engine import (
     BatchEngine,
@@ -81,14 +81,42 @@ class EngineConfig:
         return max(1, self.max_batch // finishing)
 
 
-QUICK = EngineConfig(
-    trials=1,
-    latencies_ms=(0.0, 5.0),
-    finishing=(4,),
-    warmup_s=0.3,
-    measure_s=1.0,
-    concurrency=16,
-    max_batch=8,
+DEFAULT = EngineConfig()
+QUICK = Quick(
+    "one round, two delays, one finishing rate",
+    EngineConfig(
+        trials=1,
+        latencies_ms=(0.0, 5.0),
+        finishing=(4,),
+        warmup_s=0.3,
+        measure_s=1.0,
+        concurrency=16,
+        max_batch=8,
+    ),
+)
+OPTIONS = (
+    Option("--trials", f"round-robin rounds (default {DEFAULT.trials})", int),
+    Option(
+        "--latencies",
+        "injected delays per data-plane call in ms, 0 = none (default 0,1,5,20)",
+        floats,
+        field="latencies_ms",
+    ),
+    Option("--finishing", "requests finishing per step (default 1,4,16)", ints),
+    Option("--concurrency", f"rollouts in flight (default {DEFAULT.concurrency})", int),
+    Option("--max-batch", f"engine batch size (default {DEFAULT.max_batch})", int),
+    Option("--turns", f"calls per rollout (default {DEFAULT.turns})", int),
+    Option("--warmup", f"seconds before measuring (default {DEFAULT.warmup_s})", float, field="warmup_s"),
+    Option(
+        "--duration",
+        f"seconds measured per trial (default {DEFAULT.measure_s})",
+        float,
+        field="measure_s",
+    ),
+    Option("--placement", "where TransferQueue runs (default separate)", choices=PLACEMENTS),
+    Option("--threads", "torch threads for the model (default 1)", int),
+    Option("--model-dir", "tiny model directory (built if missing)", Path, for_run=True),
+    Option("--plot", "write throughput vs data-plane delay to this PNG", Path, for_run=True),
 )
 
 
@@ -447,14 +475,11 @@ def run(
     *,
     model_dir: Path | None = None,
     plot: Path | None = None,
-    command: str | None = None,
 ) -> dict[str, Any]:
     """Run the sweep and return the report; ``plot`` also draws throughput vs latency."""
     config = config or EngineConfig()
     directory = model_dir or Path(tempfile.gettempdir()) / "tokentrail-bench-model"
     report = asyncio.run(run_async(config, directory))
-    if command is not None:
-        report["command"] = command
     if plot is not None:
         from bench.plots import engine_throughput
 
@@ -511,55 +536,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tokentrail bench engine`` (and ``python -m bench.engine``)."""
-    default = EngineConfig()
-    parser.add_argument("--quick", action="store_true", help="one round, two delays, one finishing rate")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    parser.add_argument("--trials", type=int, help=f"round-robin rounds (default {default.trials})")
-    parser.add_argument(
-        "--latencies", type=str, help="injected delays per data-plane call in ms, 0 = none (default 0,1,5,20)"
-    )
-    parser.add_argument("--finishing", type=str, help="requests finishing per step (default 1,4,16)")
-    parser.add_argument("--concurrency", type=int, help=f"rollouts in flight (default {default.concurrency})")
-    parser.add_argument("--max-batch", type=int, help=f"engine batch size (default {default.max_batch})")
-    parser.add_argument("--turns", type=int, help=f"calls per rollout (default {default.turns})")
-    parser.add_argument("--warmup", type=float, help=f"seconds before measuring (default {default.warmup_s})")
-    parser.add_argument(
-        "--duration", type=float, help=f"seconds measured per trial (default {default.measure_s})"
-    )
-    parser.add_argument("--placement", choices=PLACEMENTS, help="where TransferQueue runs (default separate)")
-    parser.add_argument("--threads", type=int, help="torch threads for the model (default 1)")
-    parser.add_argument("--model-dir", type=Path, help="tiny model directory (built if missing)")
-    parser.add_argument("--plot", type=Path, help="write throughput vs data-plane delay to this PNG")
-
-
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    config = QUICK if args.quick else EngineConfig()
-    changes: dict[str, Any] = {
-        "trials": args.trials,
-        "concurrency": args.concurrency,
-        "max_batch": args.max_batch,
-        "turns": args.turns,
-        "warmup_s": args.warmup,
-        "measure_s": args.duration,
-        "placement": args.placement,
-        "threads": args.threads,
-        "latencies_ms": tuple(parse_list(args.latencies, float)) if args.latencies else None,
-        "finishing": tuple(parse_list(args.finishing)) if args.finishing else None,
-    }
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
-
-
-def run_args(args: argparse.Namespace, command: str) -> int:
-    report = run(config_from_args(args), model_dir=args.model_dir, plot=args.plot, command=command)
-    emit(report, as_json=args.json, text=render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return standalone("engine", __doc__, add_arguments, run_args, argv)
-
+BENCHMARK = Benchmark("engine", __doc__, DEFAULT, QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

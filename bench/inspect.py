@@ -22,7 +22,6 @@ includes sorting it (each order is computed once per process).
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import subprocess
@@ -32,11 +31,12 @@ import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit, machine, standalone, versions
+from bench.command import Benchmark, Option, Quick
+from bench.common import machine, versions
 from pipeline.kafka.broker import free_port
 from pipeline.run.config import TINY_MODEL_DIR_NAME
 from pipeline.samples.archive import SampleArchive, archive_path, sample_record
@@ -101,7 +101,18 @@ class InspectBenchConfig:
     """The deep table page measured beside the first."""
 
 
-QUICK = InspectBenchConfig(rollouts=10_000, long_tokens=8192, trials=2, hovers=2, page=100)
+QUICK = Quick(
+    "10,000 rollouts, an 8K sample, 2 trials",
+    InspectBenchConfig(rollouts=10_000, long_tokens=8192, trials=2, hovers=2, page=100),
+)
+OPTIONS = (
+    Option("--rollouts", "small archived rollouts (default 100000)", int),
+    Option("--long-tokens", "tokens of the long sample (default 32768)", int),
+    Option("--calls", "calls of the long sample (default 8)", int),
+    Option("--trials", "times each page is opened (default 5)", int),
+    Option("--hovers", "hovers timed on the last token (default 5)", int),
+    Option("--page", "the deep table page measured (default 1000)", int),
+)
 
 
 def small_sample(i: int) -> TrainingSample:
@@ -240,7 +251,7 @@ def median(trials: Sequence[Mapping[str, Any]], key: str) -> float | None:
     return round(statistics.median(values), 1) if values else None
 
 
-def run(config: InspectBenchConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
+def run(config: InspectBenchConfig | None = None) -> dict[str, Any]:
     """Build the data directory, start the inspector, then time each page in chromium."""
     from playwright.sync_api import sync_playwright
 
@@ -283,7 +294,7 @@ def run(config: InspectBenchConfig | None = None, *, command: str | None = None)
     summary["hover_last_token"] = {
         key: median(hovers, key) for key in ("dispatched", "tooltip", "next_frame")
     }
-    report: dict[str, Any] = {
+    return {
         "benchmark": "inspect",
         "config": asdict(config),
         "machine": load_before,
@@ -296,9 +307,6 @@ def run(config: InspectBenchConfig | None = None, *, command: str | None = None)
         "summary": summary,
         "target_load_ms": TARGET_LOAD_MS,
     }
-    if command is not None:
-        report["command"] = command
-    return report
 
 
 def render(report: dict[str, Any]) -> str:
@@ -324,34 +332,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tokentrail bench inspect`` (and ``python -m bench.inspect``)."""
-    parser.add_argument("--quick", action="store_true", help="10,000 rollouts, an 8K sample, 2 trials")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    parser.add_argument("--rollouts", type=int, help="small archived rollouts (default 100000)")
-    parser.add_argument("--long-tokens", type=int, help="tokens of the long sample (default 32768)")
-    parser.add_argument("--calls", type=int, help="calls of the long sample (default 8)")
-    parser.add_argument("--trials", type=int, help="times each page is opened (default 5)")
-    parser.add_argument("--hovers", type=int, help="hovers timed on the last token (default 5)")
-    parser.add_argument("--page", type=int, help="the deep table page measured (default 1000)")
-
-
-def config_from_args(args: argparse.Namespace) -> InspectBenchConfig:
-    config = QUICK if args.quick else InspectBenchConfig()
-    names = ("rollouts", "long_tokens", "calls", "trials", "hovers", "page")
-    changes = {name: getattr(args, name) for name in names}
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
-
-
-def run_args(args: argparse.Namespace, command: str) -> int:
-    report = run(config_from_args(args), command=command)
-    emit(report, as_json=args.json, text=render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return standalone("inspect", __doc__, add_arguments, run_args, argv)
-
+BENCHMARK = Benchmark("inspect", __doc__, InspectBenchConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

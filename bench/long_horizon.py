@@ -31,7 +31,6 @@ compact manifest stay the same size per call (DESIGN §4.6). The default lengths
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -47,7 +46,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.common import emit, machine, parse_list, standalone, versions
+from bench.command import Benchmark, Option, Quick, ints
+from bench.common import machine, versions
 from bench.pipeline import attacher, members, publish_all, put_rows
 from bench.planes import PLACEMENTS, Placement, open_plane
 from bench.rollouts import Rollout
@@ -96,7 +96,18 @@ class LongHorizonConfig:
             raise ValueError(f"lengths: distinct call counts >= 1, got {self.lengths}")
 
 
-QUICK = LongHorizonConfig(lengths=(10, 100))
+DEFAULT = LongHorizonConfig()
+QUICK = Quick("lengths 10 and 100 only", LongHorizonConfig(lengths=(10, 100)))
+OPTIONS = (
+    Option("--lengths", "calls per rollout (default 10,100,1000,10000)", ints),
+    Option(
+        "--timeout",
+        f"seconds one rollout may take through the stages (default {DEFAULT.timeout_s:g})",
+        float,
+        field="timeout_s",
+    ),
+    Option("--placement", "where TransferQueue runs (default embedded)", choices=PLACEMENTS),
+)
 
 
 class CaptureRefused(RuntimeError):
@@ -467,12 +478,9 @@ def summarize(config: LongHorizonConfig, results: Sequence[dict[str, Any]]) -> d
     }
 
 
-def run(config: LongHorizonConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
+def run(config: LongHorizonConfig | None = None) -> dict[str, Any]:
     """Run every length and return the report."""
-    report = asyncio.run(run_async(config or LongHorizonConfig()))
-    if command is not None:
-        report["command"] = command
-    return report
+    return asyncio.run(run_async(config or LongHorizonConfig()))
 
 
 def render(report: dict[str, Any]) -> str:
@@ -499,39 +507,7 @@ def _cell(value: Any) -> str:
     return f"{value:,.0f}" if isinstance(value, float) else str(value)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tokentrail bench long-horizon`` (and ``python -m bench.long_horizon``)."""
-    default = LongHorizonConfig()
-    parser.add_argument("--quick", action="store_true", help="lengths 10 and 100 only")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    parser.add_argument("--lengths", type=str, help="calls per rollout (default 10,100,1000,10000)")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        help=f"seconds one rollout may take through the stages (default {default.timeout_s:g})",
-    )
-    parser.add_argument("--placement", choices=PLACEMENTS, help="where TransferQueue runs (default embedded)")
-
-
-def config_from_args(args: argparse.Namespace) -> LongHorizonConfig:
-    config = QUICK if args.quick else LongHorizonConfig()
-    changes: dict[str, Any] = {
-        "lengths": tuple(parse_list(args.lengths)) if args.lengths else None,
-        "timeout_s": args.timeout,
-        "placement": args.placement,
-    }
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
-
-
-def run_args(args: argparse.Namespace, command: str) -> int:
-    report = run(config_from_args(args), command=command)
-    emit(report, as_json=args.json, text=render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return standalone("long-horizon", __doc__, add_arguments, run_args, argv)
-
+BENCHMARK = Benchmark("long-horizon", __doc__, DEFAULT, QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

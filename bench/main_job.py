@@ -16,7 +16,6 @@ that says where a difference comes from.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -26,13 +25,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from bench.common import emit, machine, parse_list, standalone, versions
+from bench.command import Benchmark, Option, Quick, ints
+from bench.common import machine, versions
 
 STORAGES = ("memory", "durable")
 TARGET_RATIO = 1.2
@@ -49,7 +49,18 @@ class MainJobConfig:
     timeout_s: float = 1_800.0
 
 
-QUICK = MainJobConfig(sizes=(64,))
+def _words(text: str) -> tuple[str, ...]:
+    """``--run-args '--partitions 1'`` → ``("--partitions", "1")``, split as a shell would."""
+    return tuple(shlex.split(text))
+
+
+QUICK = Quick("64 rollouts only", MainJobConfig(sizes=(64,)))
+OPTIONS = (
+    Option("--sizes", "rollouts per run (default 64,256)", ints),
+    Option("--trials", "runs per size and storage (default 1)", int),
+    Option("--concurrency", "rollouts in flight (default 16)", int),
+    Option("--run-args", "more tokentrail run flags for both storages, e.g. '--partitions 1'", _words),
+)
 
 
 def process_role(command_line: Sequence[str], name: str) -> str:
@@ -183,7 +194,7 @@ def make_model(directory: Path) -> Path:
     return model_dir
 
 
-def run(config: MainJobConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
+def run(config: MainJobConfig | None = None) -> dict[str, Any]:
     """Every size, the storages alternating trial by trial; returns the report."""
     config = config or MainJobConfig()
     trials: list[dict[str, Any]] = []
@@ -194,7 +205,7 @@ def run(config: MainJobConfig | None = None, *, command: str | None = None) -> d
             for trial in range(config.trials):
                 order = STORAGES if trial % 2 == 0 else tuple(reversed(STORAGES))
                 trials += [run_trial(storage, size, model_dir, config) for storage in order]
-    report: dict[str, Any] = {
+    return {
         "benchmark": "main-job",
         "config": asdict(config),
         "machine": load_before,
@@ -203,9 +214,6 @@ def run(config: MainJobConfig | None = None, *, command: str | None = None) -> d
         "trials": trials,
         "summary": summarize(trials, config.sizes),
     }
-    if command is not None:
-        report["command"] = command
-    return report
 
 
 def render(report: dict[str, Any]) -> str:
@@ -227,38 +235,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tokentrail bench main-job`` (and ``python -m bench.main_job``)."""
-    parser.add_argument("--quick", action="store_true", help="64 rollouts only")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    parser.add_argument("--sizes", type=str, help="rollouts per run (default 64,256)")
-    parser.add_argument("--trials", type=int, help="runs per size and storage (default 1)")
-    parser.add_argument("--concurrency", type=int, help="rollouts in flight (default 16)")
-    parser.add_argument(
-        "--run-args", type=str, help="more tokentrail run flags for both storages, e.g. '--partitions 1'"
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> MainJobConfig:
-    config = QUICK if args.quick else MainJobConfig()
-    changes: dict[str, Any] = {
-        "sizes": tuple(parse_list(args.sizes)) if args.sizes else None,
-        "trials": args.trials,
-        "concurrency": args.concurrency,
-        "run_args": tuple(shlex.split(args.run_args)) if args.run_args else None,
-    }
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
-
-
-def run_args(args: argparse.Namespace, command: str) -> int:
-    report = run(config_from_args(args), command=command)
-    emit(report, as_json=args.json, text=render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return standalone("main-job", __doc__, add_arguments, run_args, argv)
-
+BENCHMARK = Benchmark("main-job", __doc__, MainJobConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

@@ -37,7 +37,6 @@ publisher; the broker; in ``processes`` mode each member), to read against
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -46,17 +45,15 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from bench.command import Benchmark, Option, Quick, ints, names
 from bench.common import (
     cdf,
-    emit,
     machine,
-    parse_list,
     percentiles,
     process_cpu_s,
-    standalone,
     tree_cpu_s,
     versions,
 )
@@ -111,13 +108,32 @@ class PipelineConfig:
         return max(1, self.calls // length), max(self.min_latency_rollouts, self.latency_calls // length)
 
 
-QUICK = PipelineConfig(
-    instances=(1,),
-    lengths=(4, 16),
-    calls=512,
-    latency_calls=128,
-    min_latency_rollouts=20,
-    memory_rollouts=200,
+DEFAULT = PipelineConfig()
+QUICK = Quick(
+    "one instance, lengths 4 and 16, small backlog",
+    PipelineConfig(
+        instances=(1,),
+        lengths=(4, 16),
+        calls=512,
+        latency_calls=128,
+        min_latency_rollouts=20,
+        memory_rollouts=200,
+    ),
+)
+OPTIONS = (
+    Option("--instances", "stage instances per group (default 1,2,4)", ints),
+    Option("--lengths", "calls per rollout (default 4,16,64)", ints),
+    Option("--calls", f"calls in the throughput backlog (default {DEFAULT.calls})", int),
+    Option("--latency-calls", f"calls in the paced latency phase (default {DEFAULT.latency_calls})", int),
+    Option("--load", f"paced rate as a fraction of throughput (default {DEFAULT.load})", float),
+    Option("--placement", "where TransferQueue runs (default embedded)", choices=PLACEMENTS),
+    Option(
+        "--modes",
+        "how the stages are hosted: inline (members in this process), processes (tokentrail stage "
+        "children, a core each), or both side by side: inline,processes (default inline)",
+        names,
+    ),
+    Option("--plot", "write the seal-to-finalized latency CDFs to this PNG", for_run=True),
 )
 
 
@@ -494,13 +510,9 @@ def cpu_ms_per_call(result: dict[str, Any]) -> float:
     return round(seconds * 1000 / calls, 3)
 
 
-def run(
-    config: PipelineConfig | None = None, *, plot: Any = None, command: str | None = None
-) -> dict[str, Any]:
+def run(config: PipelineConfig | None = None, *, plot: Any = None) -> dict[str, Any]:
     """Run the sweep and return the report; ``plot`` (a path) also draws the latency CDFs."""
     report = asyncio.run(run_async(config or PipelineConfig()))
-    if command is not None:
-        report["command"] = command
     if plot is not None:
         from bench.plots import latency_cdf
 
@@ -543,59 +555,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tokentrail bench pipeline`` (and ``python -m bench.pipeline``)."""
-    default = PipelineConfig()
-    parser.add_argument("--quick", action="store_true", help="one instance, lengths 4 and 16, small backlog")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    parser.add_argument("--instances", type=str, help="stage instances per group (default 1,2,4)")
-    parser.add_argument("--lengths", type=str, help="calls per rollout (default 4,16,64)")
-    parser.add_argument(
-        "--calls", type=int, help=f"calls in the throughput backlog (default {default.calls})"
-    )
-    parser.add_argument(
-        "--latency-calls",
-        type=int,
-        help=f"calls in the paced latency phase (default {default.latency_calls})",
-    )
-    parser.add_argument(
-        "--load", type=float, help=f"paced rate as a fraction of throughput (default {default.load})"
-    )
-    parser.add_argument("--placement", choices=PLACEMENTS, help="where TransferQueue runs (default embedded)")
-    parser.add_argument(
-        "--modes",
-        type=str,
-        help=(
-            "how the stages are hosted: inline (members in this process), processes (tokentrail stage "
-            "children, a core each), or both side by side: inline,processes (default inline)"
-        ),
-    )
-    parser.add_argument("--plot", help="write the seal-to-finalized latency CDFs to this PNG")
-
-
-def config_from_args(args: argparse.Namespace) -> PipelineConfig:
-    config = QUICK if args.quick else PipelineConfig()
-    changes: dict[str, Any] = {
-        "instances": tuple(parse_list(args.instances)) if args.instances else None,
-        "lengths": tuple(parse_list(args.lengths)) if args.lengths else None,
-        "calls": args.calls,
-        "latency_calls": args.latency_calls,
-        "load": args.load,
-        "placement": args.placement,
-        "modes": tuple(args.modes.split(",")) if args.modes else None,
-    }
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
-
-
-def run_args(args: argparse.Namespace, command: str) -> int:
-    report = run(config_from_args(args), plot=args.plot, command=command)
-    emit(report, as_json=args.json, text=render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return standalone("pipeline", __doc__, add_arguments, run_args, argv)
-
+BENCHMARK = Benchmark("pipeline", __doc__, DEFAULT, QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

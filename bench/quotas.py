@@ -19,7 +19,6 @@ trial, CPU seconds of the gateway, the worker's API process, its engine core and
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing
 import os
@@ -29,7 +28,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.queues import Queue
@@ -39,13 +37,11 @@ from typing import Any
 
 import httpx
 
+from bench.command import Benchmark, Option, Quick, ints
 from bench.common import (
-    emit,
     machine,
-    parse_list,
     percentiles,
     process_cpu_s,
-    standalone,
     started,
     tree_cpu_s,
     versions,
@@ -69,7 +65,15 @@ class QuotaBenchConfig:
     """One gateway per ``--max-in-flight``; the other quotas are the defaults."""
 
 
-QUICK = QuotaBenchConfig(calls=4, trials=1)
+QUICK = Quick("4 calls per agent, one round", QuotaBenchConfig(calls=4, trials=1))
+OPTIONS = (
+    Option("--agents", "well-behaved agents (default 3)", int),
+    Option("--calls", "sequential calls per well-behaved agent (default 8)", int),
+    Option("--tokens", "generated tokens per call (default 16)", int),
+    Option("--flood", "requests the flooding agent keeps in flight (default 64)", int),
+    Option("--trials", "rounds (alone, flooded) per gateway (default 3)", int),
+    Option("--in-flight", f"one gateway per --max-in-flight, comma separated (default 8,{UNLIMITED})", ints),
+)
 
 
 def chat(model: str, text: str, tokens: int) -> dict[str, Any]:
@@ -192,7 +196,7 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(config: QuotaBenchConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
+def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
     """Start the services and both gateways, then interleave alone and flooded trials."""
     config = config or QuotaBenchConfig()
     cli = [sys.executable, "-m", "pipeline.cli"]
@@ -239,7 +243,7 @@ def run(config: QuotaBenchConfig | None = None, *, command: str | None = None) -
                     result["cpu_s"] = {role: round(after[role] - cpu[role], 2) for role in after}
                     result["cpu_s"]["flooder"] = result.pop("flooder_cpu_s")
                     trials.append({"gateway": name, "round": number, "mode": mode, **result})
-    report: dict[str, Any] = {
+    return {
         "benchmark": "quotas",
         "config": asdict(config),
         "machine": load_before,
@@ -248,9 +252,6 @@ def run(config: QuotaBenchConfig | None = None, *, command: str | None = None) -
         "trials": trials,
         "summary": summarize(trials),
     }
-    if command is not None:
-        report["command"] = command
-    return report
 
 
 def render(report: dict[str, Any]) -> str:
@@ -275,39 +276,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tokentrail bench quotas`` (and ``python -m bench.quotas``)."""
-    parser.add_argument("--quick", action="store_true", help="4 calls per agent, one round")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    parser.add_argument("--agents", type=int, help="well-behaved agents (default 3)")
-    parser.add_argument("--calls", type=int, help="sequential calls per well-behaved agent (default 8)")
-    parser.add_argument("--tokens", type=int, help="generated tokens per call (default 16)")
-    parser.add_argument("--flood", type=int, help="requests the flooding agent keeps in flight (default 64)")
-    parser.add_argument("--trials", type=int, help="rounds (alone, flooded) per gateway (default 3)")
-    parser.add_argument(
-        "--in-flight",
-        type=str,
-        help=f"one gateway per --max-in-flight, comma separated (default 8,{UNLIMITED})",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> QuotaBenchConfig:
-    config = QUICK if args.quick else QuotaBenchConfig()
-    changes = {name: getattr(args, name) for name in ("agents", "calls", "tokens", "flood", "trials")}
-    if args.in_flight:
-        changes["in_flight"] = tuple(parse_list(args.in_flight))
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
-
-
-def run_args(args: argparse.Namespace, command: str) -> int:
-    report = run(config_from_args(args), command=command)
-    emit(report, as_json=args.json, text=render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return standalone("quotas", __doc__, add_arguments, run_args, argv)
-
+BENCHMARK = Benchmark("quotas", __doc__, QuotaBenchConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

@@ -18,7 +18,6 @@ stage alone on already decoded events (in memory, outputs kept in a list).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import resource
 import statistics
@@ -26,11 +25,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit, machine, parse_list, process_cpu_s, standalone, versions
+from bench.command import Benchmark, Option, Quick, ints
+from bench.common import machine, process_cpu_s, versions
 from bench.events import rollout_events
 from topics.records import Record
 
@@ -47,7 +47,13 @@ class ReplayConfig:
     rounds: int = 2  # each processes count, alternating, on the same topics
 
 
-QUICK = ReplayConfig(sizes=(10_000,), sample=10_000, rounds=1)
+QUICK = Quick("10,000 events only", ReplayConfig(sizes=(10_000,), sample=10_000, rounds=1))
+OPTIONS = (
+    Option("--sizes", "events per replay (default 10000,100000,1000000)", ints),
+    Option("--calls", "calls per rollout (default 8)", int),
+    Option("--processes", "processes counts to compare (default 1,2)", ints),
+    Option("--rounds", "rebuilds per processes count, alternating (default 2)", int),
+)
 
 
 def events(total: int, calls: int, *, chunk: int = 5_000) -> Iterator[list[Record]]:
@@ -214,12 +220,9 @@ async def run_async(config: ReplayConfig) -> dict[str, Any]:
     }
 
 
-def run(config: ReplayConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
+def run(config: ReplayConfig | None = None) -> dict[str, Any]:
     """Run every size and return the report."""
-    report = asyncio.run(run_async(config or ReplayConfig()))
-    if command is not None:
-        report["command"] = command
-    return report
+    return asyncio.run(run_async(config or ReplayConfig()))
 
 
 def render(report: dict[str, Any]) -> str:
@@ -241,36 +244,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tokentrail bench replay`` (and ``python -m bench.replay``)."""
-    parser.add_argument("--quick", action="store_true", help="10,000 events only")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    parser.add_argument("--sizes", type=str, help="events per replay (default 10000,100000,1000000)")
-    parser.add_argument("--calls", type=int, help="calls per rollout (default 8)")
-    parser.add_argument("--processes", type=str, help="processes counts to compare (default 1,2)")
-    parser.add_argument("--rounds", type=int, help="rebuilds per processes count, alternating (default 2)")
-
-
-def config_from_args(args: argparse.Namespace) -> ReplayConfig:
-    config = QUICK if args.quick else ReplayConfig()
-    changes: dict[str, Any] = {
-        "sizes": tuple(parse_list(args.sizes)) if args.sizes else None,
-        "calls": args.calls,
-        "processes": tuple(parse_list(args.processes)) if args.processes else None,
-        "rounds": args.rounds,
-    }
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
-
-
-def run_args(args: argparse.Namespace, command: str) -> int:
-    report = run(config_from_args(args), command=command)
-    emit(report, as_json=args.json, text=render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return standalone("replay", __doc__, add_arguments, run_args, argv)
-
+BENCHMARK = Benchmark("replay", __doc__, ReplayConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

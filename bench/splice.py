@@ -15,16 +15,16 @@ Run: ``tokentrail bench splice [--quick] [--json]``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import best_of, emit, machine, parse_list, standalone, versions
+from bench.command import Benchmark, Option, Quick, ints
+from bench.common import best_of, machine, versions
 from pipeline.models.tiny import chatml_template, make_tiny_model, reasoning_stripping_template
 from stages.capture.chat import ChatRenderer
 
@@ -42,7 +42,11 @@ class SpliceBenchConfig:
     """Calls timed per round at 10 turns; fewer at more turns, never under 2."""
 
 
-QUICK = SpliceBenchConfig(turns=(10, 100), rounds=2, calls=5)
+QUICK = Quick("10 and 100 turns, 2 rounds", SpliceBenchConfig(turns=(10, 100), rounds=2, calls=5))
+OPTIONS = (
+    Option("--turns", "conversation lengths (default 10,100,1000)", ints),
+    Option("--rounds", "rounds, best kept (default 5)", int),
+)
 
 
 def conversation(turns: int) -> list[dict[str, Any]]:
@@ -83,7 +87,7 @@ def measure(renderer: ChatRenderer, turns: int, config: SpliceBenchConfig) -> di
     }
 
 
-def run(config: SpliceBenchConfig = SpliceBenchConfig(), *, command: str = "") -> dict[str, Any]:
+def run(config: SpliceBenchConfig = SpliceBenchConfig()) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-splice-") as scratch:
         model_dir = make_tiny_model(Path(scratch) / "model")
         rows = []
@@ -91,7 +95,6 @@ def run(config: SpliceBenchConfig = SpliceBenchConfig(), *, command: str = "") -
             renderer = ChatRenderer.from_pretrained(model_dir, chat_template=template())
             rows += [{"template": name, **measure(renderer, turns, config)} for turns in config.turns]
     return {
-        "command": command,
         "config": asdict(config),
         "machine": machine(),
         "versions": versions(("transformers", "tokenizers", "jinja2")),
@@ -109,32 +112,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tokentrail bench splice`` (and ``python -m bench.splice``)."""
-    parser.add_argument("--quick", action="store_true", help="10 and 100 turns, 2 rounds")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    parser.add_argument("--turns", type=parse_list, help="conversation lengths (default 10,100,1000)")
-    parser.add_argument("--rounds", type=int, help="rounds, best kept (default 5)")
-
-
-def config_from_args(args: argparse.Namespace) -> SpliceBenchConfig:
-    config = QUICK if args.quick else SpliceBenchConfig()
-    if args.turns:
-        config = replace(config, turns=tuple(args.turns))
-    if args.rounds:
-        config = replace(config, rounds=args.rounds)
-    return config
-
-
-def run_args(args: argparse.Namespace, command: str) -> int:
-    report = run(config_from_args(args), command=command)
-    emit(report, as_json=args.json, text=render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return standalone("splice", __doc__, add_arguments, run_args, argv)
-
+BENCHMARK = Benchmark("splice", __doc__, SpliceBenchConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

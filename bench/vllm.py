@@ -26,7 +26,6 @@ engine core together, on minus off, median over rounds) of the first path;
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import subprocess
@@ -34,19 +33,17 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.command import Benchmark, Option, Quick, names
 from bench.common import (
-    emit,
     machine,
     percentiles,
     process_cpu_s,
-    standalone,
     started,
     thread_cpu_s,
     tree_cpu_s,
@@ -72,7 +69,20 @@ class VllmBenchConfig:
     logprob_paths: tuple[str, ...] = ("sampled",)
 
 
-QUICK = VllmBenchConfig(requests=48, trials=1)
+QUICK = Quick("48 requests, one trial per mode", VllmBenchConfig(requests=48, trials=1))
+OPTIONS = (
+    Option("--requests", "requests per trial (default 96)", int),
+    Option("--tokens", "generated tokens per request (default 32)", int),
+    Option("--concurrency", "requests in flight (default 16)", int),
+    Option("--trials", "rounds (off, logprobs, on) per ack policy (default 3)", int),
+    Option("--acks", "ack policies, comma separated (default staged,enqueued)", names),
+    Option("--plot", "write the CPU-per-call-by-process chart (PNG) here", Path, for_run=True),
+    Option(
+        "--logprob-paths",
+        "worker logprob paths, comma separated, a worker each (default sampled; also: vllm)",
+        names,
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +216,9 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     return {**by_path[paths[0]], "by_path": by_path, "target": TARGET_RATIO}
 
 
-def run(config: VllmBenchConfig | None = None, *, command: str | None = None) -> dict[str, Any]:
-    """Start the services, then per ack policy a worker and its interleaved off/on trials."""
+def run(config: VllmBenchConfig | None = None, *, plot: Path | None = None) -> dict[str, Any]:
+    """Start the services, then per ack policy a worker and its interleaved off/on trials;
+    ``plot`` also draws the CPU per call by process."""
     config = config or VllmBenchConfig()
     cli = [sys.executable, "-m", "pipeline.cli"]
     trials: list[dict[str, Any]] = []
@@ -253,8 +264,10 @@ def run(config: VllmBenchConfig | None = None, *, command: str | None = None) ->
         "trials": trials,
         "summary": summarize(trials),
     }
-    if command is not None:
-        report["command"] = command
+    if plot is not None:
+        from bench.plots import cpu_per_call
+
+        report["plot"] = str(cpu_per_call(report, plot))
     return report
 
 
@@ -287,53 +300,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tokentrail bench vllm`` (and ``python -m bench.vllm``)."""
-    parser.add_argument("--quick", action="store_true", help="48 requests, one trial per mode")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    parser.add_argument("--requests", type=int, help="requests per trial (default 96)")
-    parser.add_argument("--tokens", type=int, help="generated tokens per request (default 32)")
-    parser.add_argument("--concurrency", type=int, help="requests in flight (default 16)")
-    parser.add_argument("--trials", type=int, help="rounds (off, logprobs, on) per ack policy (default 3)")
-    parser.add_argument("--acks", type=str, help="ack policies, comma separated (default staged,enqueued)")
-    parser.add_argument("--plot", type=Path, help="write the CPU-per-call-by-process chart (PNG) here")
-    parser.add_argument(
-        "--logprob-paths",
-        type=str,
-        help="worker logprob paths, comma separated, a worker each (default sampled; also: vllm)",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> VllmBenchConfig:
-    config = QUICK if args.quick else VllmBenchConfig()
-    changes: dict[str, Any] = {
-        "requests": args.requests,
-        "tokens": args.tokens,
-        "concurrency": args.concurrency,
-        "trials": args.trials,
-        "acks": _names(args.acks),
-        "logprob_paths": _names(args.logprob_paths),
-    }
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
-
-
-def _names(text: str | None) -> tuple[str, ...] | None:
-    return tuple(name.strip() for name in text.split(",") if name.strip()) if text else None
-
-
-def run_args(args: argparse.Namespace, command: str) -> int:
-    report = run(config_from_args(args), command=command)
-    if args.plot is not None:
-        from bench.plots import cpu_per_call
-
-        report["plot"] = str(cpu_per_call(report, args.plot))
-    emit(report, as_json=args.json, text=render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return standalone("vllm", __doc__, add_arguments, run_args, argv)
-
+BENCHMARK = Benchmark("vllm", __doc__, VllmBenchConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

@@ -7,10 +7,14 @@ bench/RESULTS.md, measured side by side, not in assertions on a shared machine.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import importlib
+import json
 import os
 import threading
 import time
 from collections.abc import Iterator
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,8 @@ import pytest
 
 from bench import inspect as inspect_bench
 from bench import ledger_memory, main_job, quotas, vllm
+from bench.cli import BENCHMARKS
+from bench.command import Benchmark, Option, Quick, ints
 from bench.common import thread_cpu_s
 from bench.engine import MODES, EngineConfig
 from bench.long_horizon import LongHorizonConfig
@@ -45,11 +51,11 @@ def engine_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
         finishing=(2,),
         placement="memory",
     )
-    yield engine.run(config, model_dir=tmp_path_factory.mktemp("bench") / "model", command="test")
+    yield engine.run(config, model_dir=tmp_path_factory.mktemp("bench") / "model")
 
 
 def test_engine_report_has_every_mode_per_cell(engine_report: dict[str, Any]) -> None:
-    assert engine_report["benchmark"] == "engine" and engine_report["command"] == "test"
+    assert engine_report["benchmark"] == "engine"
     cells = engine_report["cells"]
     assert [(c["latency_ms"], c["finishing"]) for c in cells] == [(0.0, 2), (2.0, 2)]
     for cell in cells:
@@ -162,8 +168,8 @@ def test_replay_smallest_configuration() -> None:
 def test_long_horizon_smallest_configuration() -> None:
     from bench import long_horizon
 
-    report = long_horizon.run(LongHorizonConfig(lengths=(2,)), command="test")
-    assert report["benchmark"] == "long-horizon" and report["command"] == "test"
+    report = long_horizon.run(LongHorizonConfig(lengths=(2,)))
+    assert report["benchmark"] == "long-horizon"
     (result,) = report["results"]
     assert result["calls"] == result["captured_calls"] == 2 and not result["errors"]
     for figure in ("admission", "staged", "committed"):
@@ -217,29 +223,62 @@ def test_cli_wires_the_benchmarks() -> None:
     from bench import pipeline as pipeline_bench
     from bench import replay as replay_bench
 
-    assert engine_bench.config_from_args(engine).latencies_ms == (0.0, 5.0)
+    assert engine_bench.BENCHMARK.config(engine).latencies_ms == (0.0, 5.0)
     piped = parser.parse_args(["bench", "pipeline", "--instances", "1,2", "--lengths", "4"])
-    assert pipeline_bench.config_from_args(piped).instances == (1, 2)
-    assert pipeline_bench.config_from_args(piped).modes == ("inline",)
+    assert pipeline_bench.BENCHMARK.config(piped).instances == (1, 2)
+    assert pipeline_bench.BENCHMARK.config(piped).modes == ("inline",)
     both = parser.parse_args(["bench", "pipeline", "--quick", "--modes", "inline,processes"])
-    assert pipeline_bench.config_from_args(both).modes == ("inline", "processes")
+    assert pipeline_bench.BENCHMARK.config(both).modes == ("inline", "processes")
     replayed = parser.parse_args(["bench", "replay", "--sizes", "1000"])
-    assert replay_bench.config_from_args(replayed).sizes == (1000,)
+    assert replay_bench.BENCHMARK.config(replayed).sizes == (1000,)
     long = parser.parse_args(["bench", "long-horizon", "--quick", "--lengths", "3,30", "--timeout", "5"])
     from bench import long_horizon
 
-    config = long_horizon.config_from_args(long)
+    config = long_horizon.BENCHMARK.config(long)
     assert (config.lengths, config.timeout_s) == ((3, 30), 5.0) and callable(long.run)
     job = parser.parse_args(["bench", "main-job", "--quick", "--trials", "2", "--json"])
-    assert main_job.config_from_args(job) == main_job.MainJobConfig(sizes=(64,), trials=2)
+    assert main_job.BENCHMARK.config(job) == main_job.MainJobConfig(sizes=(64,), trials=2)
     flooded = parser.parse_args(["bench", "quotas", "--quick", "--in-flight", "2,8", "--flood", "16"])
-    assert quotas.config_from_args(flooded) == quotas.QuotaBenchConfig(
+    assert quotas.BENCHMARK.config(flooded) == quotas.QuotaBenchConfig(
         calls=4, trials=1, flood=16, in_flight=(2, 8)
     )
     inspected = parser.parse_args(["bench", "inspect", "--quick", "--rollouts", "500", "--long-tokens", "64"])
-    assert inspect_bench.config_from_args(inspected) == inspect_bench.InspectBenchConfig(
+    assert inspect_bench.BENCHMARK.config(inspected) == inspect_bench.InspectBenchConfig(
         rollouts=500, long_tokens=64, trials=2, hovers=2, page=100
     )
+
+
+def test_a_benchmark_prints_its_report_with_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Options given replace fields of the quick (or default) config, and the report on stdout
+    carries the command line that produced it, as ``tokentrail bench NAME`` spells it."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        sizes: tuple[int, ...] = (1, 2)
+        rounds: int = 3
+
+    def run(config: Toy) -> dict[str, Any]:
+        return {"config": dataclasses.asdict(config)}
+
+    toy = Benchmark(
+        "toy-bench", "A toy.", Toy(), Quick("small", Toy(rounds=1)), (Option("--sizes", "", ints),), run, str
+    )
+    assert toy.main(["--quick", "--json", "--sizes", "4,5"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "command": "tokentrail bench toy-bench --quick --json --sizes 4,5",
+        "config": {"sizes": [4, 5], "rounds": 1},
+    }
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_every_benchmark_option_lands_somewhere(name: str) -> None:
+    """Each option names a field of its benchmark's config or a keyword of its ``run``: a
+    misspelt one would otherwise fail only when that option is given."""
+    benchmark = importlib.import_module(f"bench.{name.replace('-', '_')}").BENCHMARK
+    fields = {field.name for field in dataclasses.fields(benchmark.default)}
+    keywords = set(signature(benchmark.run).parameters)
+    assert {option.field or option.dest for option in benchmark.options if not option.for_run} <= fields
+    assert {option.dest for option in benchmark.options if option.for_run} <= keywords
 
 
 def test_the_inspect_bench_samples_are_valid_and_the_long_one_straddles_a_refit() -> None:
@@ -354,7 +393,7 @@ def test_splice_bench_smallest_configuration() -> None:
     from bench import splice
 
     parsed = cli.build_parser().parse_args(["bench", "splice", "--quick", "--turns", "10", "--rounds", "1"])
-    config = splice.config_from_args(parsed)
+    config = splice.BENCHMARK.config(parsed)
     assert config == splice.SpliceBenchConfig(turns=(10,), rounds=1, calls=5)
     rows = {row["template"]: row for row in splice.run(config)["rows"]}
     assert rows.keys() == {"chatml", "strip_reasoning"}
