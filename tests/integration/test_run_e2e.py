@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,22 @@ import httpx
 import psutil
 import pytest
 import torch
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.mark.dataplane]
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--rollouts", "4", "--group-size", "2", "--turns", "2", "--max-tokens", "16"]
+FINALIZED_TOPIC = "tokentrail.finalized"
+STAGE_GROUPS = ("tokentrail-ledger", "tokentrail-finalizer")
 TRUNCATED = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
 TRUNCATED_FLAGS = ["--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
 MISMATCH_METRICS = {
@@ -154,6 +164,17 @@ def test_two_runs_on_one_data_dir_finalize_each_rollout_once(tmp_path: Path) -> 
     # file (never a secret) in serving.json, and the worker checks it.
     with kept_run(data_dir, tmp_path / "run2.log", "--stages", "inline") as (second, serving):
         check_the_credentials_a_kept_run_hands_out(data_dir, serving)
+        # Kafka's own client library reads what the run wrote, not only aiokafka.
+        finalized, lag = librdkafka_view(serving["bootstrap"], STAGE_GROUPS)
+        assert lag == dict.fromkeys(STAGE_GROUPS, 0), lag
+        ids = Counter(event["rollout_id"] for event in finalized)
+        assert all(count == 1 for count in ids.values()), ids
+        assert {
+            run: sum(1 for i in ids if i.startswith(run + ".")) for run in (first["run_id"], second["run_id"])
+        } == {
+            first["run_id"]: first["rollouts"],
+            second["run_id"]: second["rollouts"],
+        }
     check_summary(second, data_dir)
     assert second["stages"] == "inline"
     assert second["run_id"] != first["run_id"]
@@ -249,6 +270,59 @@ def test_a_slow_trainer_paces_generation_instead_of_dropping_stale_samples(tmp_p
     for sample in samples:
         check_sample(sample)  # every token's version stays on the sample
     assert max(max(sample["weight_versions"]) for sample in samples) >= 1  # refits reached generation
+
+
+def librdkafka_view(bootstrap: str, groups: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """What librdkafka (confluent-kafka), not aiokafka, reads of a running pipeline: the
+    finalized events, and each group's lag (end offset − committed, summed over the
+    partitions it committed)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    committed: dict[str, list[TopicPartition]] = {}
+    for group in groups:
+        future = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)])[group]
+        committed[group] = list(future.result(timeout=30).topic_partitions)
+    topics = {tp.topic for tps in committed.values() for tp in tps} | {FINALIZED_TOPIC}
+    records, ends = read_to_end(bootstrap, topics)
+    lag = {
+        group: sum(ends[(tp.topic, tp.partition)] - max(tp.offset, 0) for tp in tps)
+        for group, tps in committed.items()
+    }
+    return [json.loads(value) for topic, value in records if topic == FINALIZED_TOPIC], lag
+
+
+def read_to_end(
+    bootstrap: str, topics: set[str]
+) -> tuple[list[tuple[str, bytes]], dict[tuple[str, int], int]]:
+    """Every record of ``topics`` from the beginning, and each partition's end offset,
+    with partitions assigned (no group join) and read until each reports its end."""
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": "e2e-reader", "enable.partition.eof": True}
+    )
+    try:
+        metadata = consumer.list_topics(timeout=30).topics
+        partitions = [
+            TopicPartition(t, p, OFFSET_BEGINNING) for t in sorted(topics) for p in metadata[t].partitions
+        ]
+        consumer.assign(partitions)
+        records: list[tuple[str, bytes]] = []
+        ends: dict[tuple[str, int], int] = {}
+        deadline = time.monotonic() + 60
+        while len(ends) < len(partitions):
+            assert time.monotonic() < deadline, (
+                f"partitions never reached their end: {len(ends)}/{len(partitions)}"
+            )
+            message = consumer.poll(1.0)
+            if message is None:
+                continue
+            error = message.error()
+            if error is not None and error.code() == KafkaError._PARTITION_EOF:
+                ends[(message.topic(), message.partition())] = message.offset()
+                continue
+            assert error is None, error
+            records.append((message.topic(), message.value()))
+        return records, ends
+    finally:
+        consumer.close()
 
 
 @contextlib.contextmanager
