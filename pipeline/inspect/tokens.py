@@ -73,9 +73,21 @@ class TokenView:
     straddles: int
     """Tokens where the weight version changes inside one call's span."""
     html: Markup
+    sampling: tuple[tuple[str, str], ...] = ()
+    """Each call's sampling options as a label (``sampling_label``), in call order."""
     step: str | None = None
     """The train step whose trainer logprobs the view shows beside the behaviour's."""
     max_abs_delta: float | None = None
+
+
+def sampling_label(options: Mapping[str, Any] | None) -> str:
+    """What a call's recorded options (a span's ``sampling``, DESIGN §4.7) say its logprobs
+    are of, for a person: the options, the plain distribution, or unknown."""
+    if options is None:
+        return "unknown (captured before sampling was recorded): read as the plain distribution"
+    if not options:
+        return "the plain distribution (temperature 1, nothing filtered)"
+    return ", ".join(f"{name} {value}" for name, value in options.items())
 
 
 def render_tokens(
@@ -96,7 +108,9 @@ def render_tokens(
     mask: Sequence[float] = record["token_mask"]
     logprobs: Sequence[float] = record["logprobs"]
     versions: Sequence[int] = record["weight_versions"]
-    starts = {int(span["start"]): str(span["call_id"]) for span in record.get("spans", [])}
+    spans = record.get("spans", [])
+    starts = {int(span["start"]): str(span["call_id"]) for span in spans}
+    sampled = {str(span["call_id"]): sampling_label(span.get("sampling")) for span in spans}
     parts: list[str] = []
     call = ""
     straddles = 0
@@ -105,7 +119,10 @@ def render_tokens(
         title = ""
         if i in starts:
             call = starts[i]
-            parts.append(f'<span class="cb" title="call boundary">{escape(call)}</span>')
+            parts.append(
+                f'<span class="cb" title="call {escape(call)}, sampled from: {escape(sampled[call])}" '
+                f'data-sampling="{escape(sampled[call])}">{escape(call)}</span>'
+            )
         generated = mask[i] >= 0.5
         classes = f"t m1 v{shade(logprobs[i])}" if generated else "t m0"
         trainer = ""
@@ -138,6 +155,7 @@ def render_tokens(
         calls=len(starts),
         straddles=straddles,
         html=Markup("".join(parts)),
+        sampling=tuple(sampled.items()),
         step=step,
         max_abs_delta=worst,
     )

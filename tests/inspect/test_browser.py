@@ -19,6 +19,7 @@ import pytest
 from inspectkit import RunDir
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
+from pipeline.inspect.tokens import sampling_label
 from pipeline.kafka.broker import free_port
 from pipeline.samples.archive import archive_path, read_archive
 from stages.trainer.advantages import group_advantages
@@ -161,6 +162,7 @@ def test_a_chains_rollout_links_two_samples(
 
 
 def test_the_token_view_is_the_sample(page: Page, server: str, run_dir: RunDir, screenshots: Path) -> None:
+    labels: set[str] = set()
     for key, record in samples(run_dir).items():
         page.goto(f"{server}/samples/{key}/tokens")
         tokens = page.locator("#tokens [data-token-id]")
@@ -168,6 +170,14 @@ def test_the_token_view_is_the_sample(page: Page, server: str, run_dir: RunDir, 
         assert ids == record["token_ids"]
         masks = tokens.evaluate_all("els => els.map(e => Number(e.dataset.mask))")
         assert masks == [int(m) for m in record["token_mask"]]
+        # Which distribution the logprobs are of: each call's recorded options, said once.
+        shown = page.locator(".sampling [data-sampling]").evaluate_all(
+            "els => els.map(e => e.dataset.sampling)"
+        )
+        assert set(shown) == {sampling_label(span.get("sampling")) for span in record["spans"]}, shown
+        labels.update(shown)
+    # The run's samples were drawn truncated; the scenarios' calls recorded no options.
+    assert {"temperature 0.7, top_p 0.8, top_k 20", sampling_label(None)} <= labels, labels
     key, record = next((k, r) for k, r in samples(run_dir).items() if "@" in k)
     page.goto(f"{server}/samples/{key}/tokens")
     prompt = page.locator("#tokens [data-mask='0']").first

@@ -85,6 +85,10 @@ def check_exact(
     assert sample is not None and event.call_count == len(chain)
     assert_sample_is_what_the_engine_saw(sample, chain)
     assert_matches_hf(oracle, model_dir, sample)
+    # Greedy on every route, and recorded as such (DESIGN §4.7).
+    assert all(
+        span.sampling is not None and span.sampling.extras() == {"temperature": 0.0} for span in sample.spans
+    )
 
 
 # --------------------------------------------------------------------------- chat
@@ -375,6 +379,75 @@ def test_anthropic_messages_streaming_and_not_with_tool_blocks(
     error = caught.value.body
     assert isinstance(error, dict) and error["type"] == "error"
     assert "messages[0].content[0].type" in error["error"]["message"]
+
+
+# --------------------------------------------------------------------------- sampling provenance
+
+TRUNCATED: dict[str, Any] = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+
+def test_truncated_sampling_is_recorded_on_every_route(rig: Rig) -> None:
+    """Temperature 0.7, top-p 0.8, top-k 20 through Completions, Responses and Messages,
+    streaming and not, and as n=2 choices of one Chat call: every call records exactly those
+    options, whichever way the client sent them (a typed field, or top-k as an extra)."""
+    openai_, anthropic_ = openai_client(rig), anthropic_client(rig)
+    top_k = {"top_k": TRUNCATED["top_k"]}
+    openai_options = {"temperature": TRUNCATED["temperature"], "top_p": TRUNCATED["top_p"]}
+    rollouts = []
+
+    def admitted(route: str) -> dict[str, Any]:
+        rollouts.append(f"r-prov-{route}")
+        return capture(rig.admit(rollouts[-1]))
+
+    for stream in (False, True):
+        suffix = "stream" if stream else "once"
+        completion = openai_.completions.create(
+            model="tiny",
+            prompt="2 + 3 =",
+            max_tokens=6,
+            stream=stream,
+            seed=1,
+            extra_body={**top_k, **admitted(f"cmpl-{suffix}")},
+            **openai_options,
+        )  # type: ignore[call-overload]
+        if stream:  # a stream is captured once it is read to its end
+            list(completion)
+        response = openai_.responses.create(
+            model="tiny",
+            input="Say a number.",
+            max_output_tokens=6,
+            store=False,
+            stream=stream,
+            extra_body={**top_k, **admitted(f"resp-{suffix}")},
+            **openai_options,
+        )  # type: ignore[call-overload]
+        if stream:  # a stream is captured once it is read to its end
+            list(response)
+        message = anthropic_.messages.create(  # this SDK has no typed sampling fields: sent as extras
+            model="tiny",
+            max_tokens=6,
+            messages=[{"role": "user", "content": "Say a number."}],
+            stream=stream,
+            extra_body={**TRUNCATED, **admitted(f"msg-{suffix}")},
+        )  # type: ignore[call-overload]
+        if stream:  # a stream is captured once it is read to its end
+            list(message)
+    roots = [rig.client.admit(f"r-prov-n-{i}", group_id="g-prov") for i in range(2)]
+    rig.publish(roots)
+    openai_.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Name a number."}],
+        n=2,
+        max_tokens=5,
+        seed=3,
+        extra_body={**top_k, **capture(roots)},
+        **openai_options,
+    )  # type: ignore[call-overload]
+    finalized = [rig.finalize(rollout) for rollout in rollouts]
+    finalized += [rig.finalize(root.rollout_id, group_id="g-prov") for root in roots]
+    for event, sample in finalized:
+        assert event.status == "accepted" and sample is not None, event
+        assert [span.sampling.extras() if span.sampling else None for span in sample.spans] == [TRUNCATED]
 
 
 # --------------------------------------------------------------------------- Completions
