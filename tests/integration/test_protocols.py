@@ -448,6 +448,35 @@ def test_truncated_sampling_is_recorded_on_every_route(rig: Rig) -> None:
     for event, sample in finalized:
         assert event.status == "accepted" and sample is not None, event
         assert [span.sampling.extras() if span.sampling else None for span in sample.spans] == [TRUNCATED]
+        assert not sample.unreplayable
+
+
+def test_a_grammar_is_recorded_unreplayable_and_an_option_out_of_range_refused(rig: Rig) -> None:
+    """A grammar's mask (``response_format``) cannot be replayed from the sample: the call
+    is captured, its span names ``structured_outputs`` and the sample is flagged. An option
+    out of range is vLLM's 400 naming it, and nothing of the call is staged."""
+    client = openai_client(rig)
+    messages = [{"role": "user", "content": "Reply in JSON."}]
+    client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        response_format={"type": "json_object"},
+        max_tokens=12,
+        temperature=0.0,
+        extra_body=capture(rig.admit("r-grammar")),
+    )
+    event, sample = rig.finalize("r-grammar")
+    assert event.status == "accepted" and sample is not None, event
+    assert [span.sampling.unreplayable if span.sampling else None for span in sample.spans] == [
+        ["structured_outputs"]
+    ]
+    assert sample.unreplayable
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=messages, top_p=1.5, max_tokens=4, extra_body=capture(rig.admit("r-range"))
+        )
+    assert "top_p" in str(caught.value.body), caught.value.body
+    assert [event for event in rig.worker_sink.events if event.key == "r-range"] == []
 
 
 # --------------------------------------------------------------------------- Completions
