@@ -48,7 +48,9 @@ AGENT_KEY_FILE = "agent.key"
 AGENT_KEY_VARIABLE = "TOKENTRAIL_AGENT_KEY"
 MIN_SECRET_CHARS = 32
 """At least 128 bits of a URL-safe alphabet and then some; shorter secrets are refused."""
-MINTED_ROLES = (Role.OPERATOR, Role.ENVIRONMENT, Role.SERVICE)
+MINTED_ROLES = (Role.OPERATOR, Role.ENVIRONMENT, Role.SERVICE, Role.CLIENT)
+"""Every role: a run's worker then serves plain generation only to holders of ``api.key``,
+which no agent gets (an agent holds its rollout's capability, good only on the gateway)."""
 CREDENTIALS_DIR = "credentials"
 """Under a run's data directory: where ``tokentrail run`` mints its credentials."""
 
@@ -123,7 +125,7 @@ class Credentials:
 
     @classmethod
     def mint(cls, directory: Path) -> Credentials:
-        """The operator, environment and service secrets and the agent key in ``directory``
+        """The operator, environment and service secrets, the client key and the agent key in ``directory``
         (mode 0700, files 0600), keeping those already there: a run's children and a later
         run read the same ones."""
         directory.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ example:
 def add_parser(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "mint-credentials",
-        help="write the operator, environment and service secrets and the agent key into DIR",
+        help="write the operator, environment, service and client secrets and the agent key into DIR",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,

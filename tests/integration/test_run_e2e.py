@@ -358,7 +358,7 @@ def check_the_credentials_a_kept_run_hands_out(data_dir: Path, serving: dict[str
     directory = data_dir / "credentials"
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     secrets = {path.name: path.read_text().strip() for path in directory.iterdir()}
-    assert set(secrets) == {"operator.token", "environment.token", "service.token", "agent.key"}
+    assert set(secrets) == {"operator.token", "environment.token", "service.token", "api.key", "agent.key"}
     assert all(stat.S_IMODE((directory / name).stat().st_mode) == 0o600 for name in secrets)
     assert Path(serving["operator_token_file"]) == directory / "operator.token"
     assert not any(secret in json.dumps(serving) for secret in secrets.values())
@@ -368,6 +368,13 @@ def check_the_credentials_a_kept_run_hands_out(data_dir: Path, serving: dict[str
     assert httpx.get(version).status_code == 401
     operator = {"authorization": f"Bearer {secrets['operator.token']}"}
     assert httpx.get(version, headers=operator).json() == {"version": 0, "paused": False}
+    # Plain generation, uncaptured, is for holders of the client key, which no agent gets.
+    client = {"authorization": f"Bearer {secrets['api.key']}"}
+    model = httpx.get(f"{serving['worker']}/v1/models", headers=client).json()["data"][0]["id"]
+    chat = f"{serving['worker']}/v1/chat/completions"
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(chat, json=body, timeout=60).status_code == 401
+    assert httpx.post(chat, json=body, headers=client, timeout=60).status_code == 200
 
 
 @pytest.mark.timeout(400)

@@ -124,6 +124,13 @@ def perimeter(
         rig.close()
 
 
+def test_the_perimeter_holds_what_a_run_mints(tmp_path: Path) -> None:
+    """The suite attacks workers that hold every role's credential, as ``tokentrail run``'s
+    do: the client key among them, so plain generation without capture is refused to an
+    agent (its key is good only on the gateway) on the run's worker too."""
+    assert set(Credentials.mint(tmp_path / "credentials").tokens) == set(CREDENTIALS.tokens)
+
+
 def test_every_route_states_its_roles(perimeter: Perimeter) -> None:
     assert unguarded_routes(perimeter.built.app, gateway_policy()) == []
     assert unguarded_routes(perimeter.rig.server._config.app, worker_policy()) == []  # type: ignore[arg-type]
