@@ -22,6 +22,7 @@ from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
 from pipeline.run.config import RunConfig, TrainerKind
+from pipeline.worker.reasoning import reasoning_parser_for
 from stages.envs.arithmetic import read_tasks
 from stages.trainer.settings import TRAINER_DTYPES
 from stages.trainer.staleness import StaleMeasure
@@ -72,6 +73,13 @@ def add_parser(subparsers: Any) -> None:
         type=Path,
         metavar="DIR",
         help="model directory to serve (default: the tiny model in DATA_DIR/tiny-model, built if missing)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=defaults.reasoning_parser,
+        metavar="NAME",
+        help="the worker's vLLM reasoning parser; auto: the one that fits the model's template family "
+        "(qwen3, deepseek_r1), if it reasons; none: off (default: %(default)s)",
     )
     add_rollout_arguments(parser, defaults)
     ledger = parser.add_argument_group("ledger")
@@ -303,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
         config = RunConfig(
             data_dir=args.data_dir,
             model_dir=args.model,
+            reasoning_parser=args.reasoning_parser,
             kafka=config_from_args(args),
             broker_storage=args.broker_storage,
             dataplane_mode=args.dataplane_mode,
@@ -326,6 +335,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.model is not None and not (args.model / "config.json").is_file():
         print(f"tokentrail run: {args.model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    try:  # before anything starts: a usage error
+        reasoning_parser_for(args.reasoning_parser, "")
+    except ValueError as exc:
+        print(f"tokentrail run: {exc}", file=sys.stderr)
         return 2
     guard_descendants(config.data_dir, role="run")  # broker, engine, stages: none outlives this process
     return execute_and_report(config, as_json=args.json)

@@ -25,6 +25,7 @@ from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging, vllm_logging
 from pipeline.worker import add_body_limit_argument
+from pipeline.worker.reasoning import AUTO, reasoning_parser_for
 from stages.capture.retain import DEFAULT_BUDGET_BYTES
 from stages.ports import DataPlaneError
 
@@ -113,6 +114,14 @@ def add_parser(subparsers: Any) -> None:
         default="hermes",
         help="vLLM tool parser for tool calls in replies; 'none' turns tool parsing off (default: %(default)s)",
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=AUTO,
+        metavar="NAME",
+        help="vLLM reasoning parser for reasoning in replies (reasoning_content, reasoning items, thinking "
+        "blocks); auto: the one that fits the model's template family (qwen3, deepseek_r1), if it reasons; "
+        "none: off (default: %(default)s)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="float32", help="weights and activations (default: %(default)s)")
     engine.add_argument(
@@ -153,6 +162,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         chat_template=None if args.chat_template is None else args.chat_template.read_text(),
         template_family=args.template_family,
         tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         credentials=credentials_from_args(args),
         insecure_no_auth=args.insecure_no_auth,
         tls=tls_from_args(args),
@@ -207,6 +217,11 @@ def run(args: argparse.Namespace) -> int:
     vllm_logging(args.log_format, level="INFO")
     if not (args.model / "config.json").is_file():
         print(f"tokentrail worker: {args.model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    try:  # before the engine starts: a usage error, not a minute later
+        reasoning_parser_for(args.reasoning_parser, "")
+    except ValueError as exc:
+        print(f"tokentrail worker: {exc}", file=sys.stderr)
         return 2
     guard_descendants()  # the engine's processes die with the worker
     try:

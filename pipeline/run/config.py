@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 
 from pipeline.kafka.broker import StorageMode
 from pipeline.kafka.config import KafkaConfig
+from pipeline.worker.reasoning import AUTO
 from stages.driver import Job
 from stages.envs.arithmetic import Task, make_tasks
 from stages.trainer.settings import TRAINER_DTYPES, TrainerDtype
@@ -59,6 +60,8 @@ class RunConfig:
     data_dir: Path = DEFAULT_DATA_DIR
     model_dir: Path | None = None
     """None: the tiny model in ``data_dir/tiny-model``, created there if missing."""
+    reasoning_parser: str = AUTO
+    """The worker's reasoning parser (``pipeline.worker.reasoning``)."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     """``bootstrap_servers=None`` starts the embedded broker in ``data_dir``."""
     broker_storage: StorageMode = "durable"

@@ -295,7 +295,7 @@ class Run:
         progress.enter("starting the worker")
         credentials = self.credentials
         server = await stack.enter_async_context(
-            serving_worker(self.model_dir, engine, plane, sink, credentials)
+            serving_worker(self.model_dir, engine, plane, sink, credentials, self.config.reasoning_parser)
         )
         self.worker_url = server.url
         self._endpoint = await stack.enter_async_context(

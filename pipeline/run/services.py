@@ -222,12 +222,22 @@ async def serving_gateway(
 
 @contextlib.asynccontextmanager
 async def serving_worker(
-    model_dir: Path, engine: VllmEngine, data_plane: DataPlane, sink: KafkaEventSink, credentials: Credentials
+    model_dir: Path,
+    engine: VllmEngine,
+    data_plane: DataPlane,
+    sink: KafkaEventSink,
+    credentials: Credentials,
+    reasoning_parser: str,
 ) -> AsyncIterator[WorkerServer]:
     """The capture worker on a free loopback port; on exit it finishes in-flight requests
     and drains its staging writer (the engine itself belongs to the caller)."""
     config = WorkerConfig(
-        model_dir=model_dir, host=LOOPBACK, port=0, graceful_timeout_s=30.0, credentials=credentials
+        model_dir=model_dir,
+        host=LOOPBACK,
+        port=0,
+        graceful_timeout_s=30.0,
+        credentials=credentials,
+        reasoning_parser=reasoning_parser,
     )
     worker = build_worker(config, engine, data_plane, sink)
     server = WorkerServer(build_app(worker, config), host=LOOPBACK, port=0, graceful_timeout_s=30.0)

@@ -33,6 +33,7 @@ from pipeline.auth.credentials import Credentials
 from pipeline.auth.transport import TlsFiles, check_bind
 from pipeline.kafka.config import KafkaConfig
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
+from pipeline.worker.reasoning import AUTO, reasoning_parser_for
 from pipeline.worker.retention import retaining
 from pipeline.worker.server import create_app
 from pipeline.worker.serving import DEFAULT_TOOL_PARSER, ServingOptions, build_serving
@@ -81,11 +82,20 @@ class WorkerConfig:
     """The template's name in splice-failure logs and metrics (default: what the model
     records, or ``custom`` for a ``chat_template`` override)."""
     tool_parser: str | None = DEFAULT_TOOL_PARSER
+    reasoning_parser: str = AUTO
+    """``auto`` (the template family's parser, ``FAMILY_REASONING_PARSERS``), ``none``, or a vLLM parser."""
     engine: EngineSettings | None = None
     credentials: Credentials = field(default_factory=Credentials)
     """The role secrets it checks (DESIGN §15); none: open, loopback only."""
     insecure_no_auth: bool = False
     tls: TlsFiles | None = None
+
+    @property
+    def family(self) -> str:
+        """The template's family: as named, ``custom`` for an override, else the model's own."""
+        if self.template_family is not None:
+            return self.template_family
+        return "custom" if self.chat_template is not None else template_family(self.model_dir)
 
     @property
     def model_name(self) -> str:
@@ -124,11 +134,8 @@ def build_worker(
         span_policy=config.span_policy,
         logprob_path=config.logprob_path,
     )
-    family = config.template_family or (
-        "custom" if config.chat_template is not None else template_family(config.model_dir)
-    )
     renderer = ChatRenderer.from_pretrained(
-        config.model_dir, chat_template=config.chat_template, family=family
+        config.model_dir, chat_template=config.chat_template, family=config.family
     )
     return VllmWorker(client, engine, renderer, core)
 
@@ -140,6 +147,7 @@ def build_app(worker: VllmWorker, config: WorkerConfig, *, manage_worker: bool =
         model_path=str(config.model_dir),
         chat_template=config.chat_template,
         tool_parser=config.tool_parser,
+        reasoning_parser=reasoning_parser_for(config.reasoning_parser, config.family),
     )
     return create_app(
         worker,

@@ -6,7 +6,10 @@ logprobs, structured outputs); capture attaches through the two objects they sha
 the renderer (``CapturingRenderer``: the exact-prefix splice) and the engine client
 (``CapturingEngineClient``: each finished choice becomes a row). Tool calls are parsed
 with the ``hermes`` parser (``<tool_call>{json}</tool_call>``, what the tiny model's
-template writes and most open chat models use).
+template writes and most open chat models use). Reasoning is parsed out of replies
+(``reasoning_content``, Responses reasoning items, Messages thinking blocks) with the
+parser that fits the model's template family, or the one ``--reasoning-parser`` names;
+capture is not affected: the row holds every generated token, reasoning included.
 """
 
 from __future__ import annotations

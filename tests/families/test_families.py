@@ -361,3 +361,63 @@ def test_render_history_gives_one_exact_sample_per_segment(
         f"{RENDER_CALLS} calls, {len(segments)} segments ({', '.join(str(len(s)) for s in segments)} calls), "
         f"{len(segments)} exact samples",
     )
+
+
+@pytest.mark.parametrize("family_engine", ["deepseek_r1"], indirect=True)
+def test_reasoning_is_served_in_each_api_s_shape_and_captured_whole(
+    family_engine: FamilyEngine, oracle: HFOracle
+) -> None:
+    """The worker serves a reasoning family with the parser that fits it (``auto``): the
+    reasoning DeepSeek-R1's template opens comes back as ``reasoning`` in Chat (vLLM's name
+    for the older ``reasoning_content``), streamed and not, as a reasoning item in Responses
+    and a thinking block in Messages; the row still holds every generated token, reasoning
+    included, exactly."""
+    rig = start_rig(family_engine.host, family_engine.model_dir)
+    question = [{"role": "user", "content": "What is 2 + 3?"}]
+    common: dict[str, Any] = {"model": "tiny", "temperature": 0.0}
+    chat = openai.OpenAI(base_url=f"{rig.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = anthropic.Anthropic(base_url=rig.url, api_key="unused", max_retries=0, timeout=120)
+
+    def capture(rollout_id: str) -> dict[str, Any]:
+        return {CAPTURE_FIELD: rig.admit(rollout_id).model_dump(mode="json")}
+
+    try:
+        reply = chat.chat.completions.create(
+            messages=question, max_tokens=12, extra_body=capture("r-chat"), **common
+        )
+        shown = {"r-chat": (reply.choices[0].message.model_extra or {}).get("reasoning")}
+        streamed = ""
+        for chunk in chat.chat.completions.create(
+            messages=question, max_tokens=12, stream=True, extra_body=capture("r-chat-stream"), **common
+        ):
+            for choice in chunk.choices:
+                streamed += (choice.delta.model_extra or {}).get("reasoning") or ""
+        shown["r-chat-stream"] = streamed
+        response = chat.responses.create(
+            input=question, max_output_tokens=12, store=False, extra_body=capture("r-resp"), **common
+        )
+        shown["r-resp"] = "".join(
+            part.text for item in response.output if item.type == "reasoning" for part in item.content or ()
+        )
+        message = messages.messages.create(
+            model="tiny",
+            messages=question,
+            max_tokens=12,
+            extra_body={"temperature": 0.0, **capture("r-msg")},
+        )  # type: ignore[call-overload]
+        shown["r-msg"] = "".join(block.thinking for block in message.content if block.type == "thinking")
+        for rollout_id, reasoning in shown.items():
+            assert reasoning, f"{rollout_id}: no reasoning in the reply"
+            event, sample = rig.finalize(rollout_id)
+            assert event.status == "accepted" and sample is not None, event
+            call = next(
+                c for c in rig.recorder.calls if c.prompt_ids == sample.token_ids[: len(c.prompt_ids)]
+            )
+            assert_sample_is_what_the_engine_saw(sample, [(call, 0)])
+            assert_matches_hf(oracle, family_engine.model_dir, sample)
+            generated = rig.worker.renderer.tokenizer.decode(
+                [t for t, m in zip(sample.token_ids, sample.token_mask, strict=True) if m == 1.0]
+            )
+            assert reasoning.strip() in generated  # the row holds what the reply shows as reasoning
+    finally:
+        rig.close()
