@@ -12,8 +12,9 @@ attempt (same logical id: the ledger collapses the attempts).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,7 +23,7 @@ import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.api.errors import api_error
-from pipeline.gateway.lineage import GatewayCall, logical_call_id, resolve
+from pipeline.gateway.lineage import GatewayCall, logical_call_id, reasoning_rewrite, resolve
 from pipeline.gateway.normalize import (
     History,
     MalformedHistory,
@@ -54,6 +55,8 @@ class CallCounters:
     worker_failures: int = 0
     template_changes: int = 0
     """Roots whose template variables differ from their session's previous call's."""
+    reasoning_rewrites: Counter[str] = field(default_factory=Counter)
+    """Children whose parent's reply came back with its reasoning rewritten, by kind."""
 
 
 def _template_changed(session: Session, history: History) -> bool:
@@ -86,6 +89,8 @@ class Forwarder:
         resolution = resolve(session.calls, history, session.by_id)
         logical = resolution.retry_of.logical_call_id if resolution.retry_of else logical_call_id(history)
         self._count(resolution.parent, resolution.retry_of is not None)
+        if resolution.parent is not None and resolution.retry_of is None:
+            self._count_rewrite(resolution.parent, history)
         if resolution.parent is None and resolution.retry_of is None and _template_changed(session, history):
             self.counters.template_changes += 1
         hidden = hidden_fields(bool(body.get("logprobs") or body.get("top_logprobs")))
@@ -151,6 +156,14 @@ class Forwarder:
             self.counters.roots += 1
         else:
             self.counters.children += 1
+
+    def _count_rewrite(self, parent: GatewayCall, history: History) -> None:
+        """How the agent sent the parent's reply back (the turn before the new ones)."""
+        at = (parent.extended_length or 0) - 1
+        if 0 <= at < len(history.reasoning):
+            kind = reasoning_rewrite(parent.reply_reasoning, history.reasoning[at])
+            if kind is not None:
+                self.counters.reasoning_rewrites[kind] += 1
 
     async def _admit(
         self, session: Session, parent: GatewayCall | None, logical: str, history: History, n: int
@@ -259,7 +272,7 @@ class _Attempt:
             if turn is None:
                 continue
             length, digest = extended(self.history, turn)
-            call.answered(length, digest, coords.get(index), self.url)
+            call.answered(length, digest, coords.get(index), self.url, turn.reasoning)
         self.session.worker = self.url
         self.session.usage.tokens += sum(c.cum_len for c in coords.values())
         if self.on_reply is not None and reply is not None:

@@ -39,10 +39,14 @@ class GatewayCall:
     recovered: bool = False
     template_start: bytes | None = None
     """The empty history's digest under the call's template variables (turn histories)."""
+    reply_reasoning: str = ""
+    """How the reply carried reasoning (``Turn.reasoning``), to name what the agent made of it."""
 
-    def answered(self, length: int, digest: bytes, coords: CommitCoords | None, worker: str) -> None:
+    def answered(
+        self, length: int, digest: bytes, coords: CommitCoords | None, worker: str, reasoning: str = ""
+    ) -> None:
         self.extended_length, self.extended_digest = length, digest
-        self.coords, self.worker = coords, worker
+        self.coords, self.worker, self.reply_reasoning = coords, worker, reasoning
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,23 @@ def _continued_length(call: GatewayCall, history: History) -> int | None:
     return None
 
 
+def reasoning_rewrite(replied: str, sent_back: str) -> str | None:
+    """What the agent did to a reply's reasoning before sending it back (``Turn.reasoning``
+    of each), or None when it came back as it went: ``dropped``, ``moved_to_content`` (into
+    ``<think>`` tags), ``moved_to_field``, ``opening_tag_replaced`` (a ``</think>`` left
+    without its opener, as frameworks that parse thinking tags send it back), or
+    ``closing_tag_lost``. Lineage already matched the two without their reasoning."""
+    if replied == sent_back:
+        return None
+    return {
+        "": "dropped",
+        "tags": "moved_to_content",
+        "field": "moved_to_field",
+        "closing": "opening_tag_replaced",
+        "unclosed": "closing_tag_lost",
+    }[sent_back]
+
+
 _KIND_CODES = {"turns": "t", "text": "x"}
 _LOGICAL = re.compile(r"^h([tx])(\d+)-([0-9a-f]{32})(?:\.\d+)?$")
 
@@ -112,4 +133,11 @@ def parse_logical_call_id(text: str) -> tuple[str, int, bytes] | None:
     return kind, int(match.group(2)), bytes.fromhex(match.group(3))
 
 
-__all__ = ["GatewayCall", "Resolution", "logical_call_id", "parse_logical_call_id", "resolve"]
+__all__ = [
+    "GatewayCall",
+    "Resolution",
+    "logical_call_id",
+    "parse_logical_call_id",
+    "reasoning_rewrite",
+    "resolve",
+]

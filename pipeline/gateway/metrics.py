@@ -50,6 +50,14 @@ class GatewayCollector(Collector):
             "calls started as new roots because their chat_template_kwargs differ from the session's previous call's",
             counters.template_changes,
         )
+        rewrites = CounterMetricFamily(
+            "tokentrail_gateway_reasoning_rewrites",
+            "children whose parent's reply the agent sent back with its reasoning rewritten, by kind",
+            labels=["kind"],
+        )
+        for kind, value in sorted(counters.reasoning_rewrites.items()):
+            rewrites.add_metric([kind], value)
+        yield rewrites
         yield CounterMetricFamily(
             "tokentrail_gateway_worker_failures",
             "calls a worker failed before replying (retried)",

@@ -34,6 +34,15 @@ contract; both sides of every comparison go through them):
 - Anthropic: the top-level ``system`` (a string or text blocks) is a first ``"system"``
   turn; ``tool_use`` blocks are tool calls (name, canonical ``input``); ``thinking`` and
   ``redacted_thinking`` blocks are ignored.
+- Reasoning: an assistant turn's text is compared without its reasoning, since agent
+  frameworks rewrite it before sending a reply back (drop it, move it between a
+  reasoning field and ``<think>`` tags in the content, replace a tag by a blank line):
+  every ``<think>...</think>`` block is removed, then everything up to a ``</think>``
+  left without its opener (R1-style templates open the block in the prompt), then an
+  unclosed ``<think>`` and all after it (reasoning cut short); the rest is stripped of
+  surrounding whitespace. Reasoning fields (``reasoning``, ``reasoning_content``),
+  ``reasoning`` items and ``thinking`` blocks are ignored. How the reasoning travelled
+  is kept beside the turn (``Turn.reasoning``), outside its bytes, to count rewrites.
 - Completions: the history is the prompt text itself, compared by character prefix.
 
 A history that breaks these shapes raises `MalformedHistory` naming the field, so the
@@ -43,6 +52,7 @@ gateway answers 400 before anything is admitted.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -59,6 +69,9 @@ _ROLES: dict[str, dict[str, str]] = {
     "messages": {"user": "user", "assistant": "assistant"},
 }
 _IGNORED_BLOCKS = ("thinking", "redacted_thinking")
+_REASONING_FIELDS = ("reasoning", "reasoning_content")
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_OPEN, _CLOSE = "<think>", "</think>"
 _DIGEST_SIZE = 16
 _EMPTY_HISTORY = hashlib.blake2b(b"tokentrail-history", digest_size=_DIGEST_SIZE).digest()
 _TEXT_PERSON = b"tokentrail-text"
@@ -91,6 +104,10 @@ class Turn:
     role: str
     text: str
     tool_calls: tuple[tuple[str, str], ...] = ()
+    reasoning: str = field(default="", compare=False)
+    """How an assistant turn carried reasoning: ``field`` (a reasoning field, item or block),
+    ``tags`` (``<think>`` blocks in its text), ``closing`` (a ``</think>`` without its
+    opener), ``unclosed``, or "" (none). Not part of the turn's bytes."""
 
     def canonical(self) -> bytes:
         """A fixed list layout, so a turn's bytes (and every digest over them) never drift."""
@@ -185,15 +202,41 @@ def _merged(turns: Iterable[Turn]) -> list[Turn]:
                 "assistant",
                 last.text + turn.text,
                 last.tool_calls + turn.tool_calls,
+                last.reasoning or turn.reasoning,
             )
         else:
             out.append(turn)
     return out
 
 
+def without_reasoning(text: str) -> tuple[str, str]:
+    """The text with its reasoning removed (the module's rule), and how it was written there."""
+    kind = ""
+    if _OPEN in text or _CLOSE in text:
+        kept, blocks = _THINK_BLOCK.subn("", text)
+        kind = "tags" if blocks else ""
+        if _CLOSE in kept:
+            kept, kind = kept.rsplit(_CLOSE, 1)[1], "closing"
+        if _OPEN in kept:
+            kept, kind = kept.split(_OPEN, 1)[0], "unclosed"
+        text = kept
+    return text.strip(), kind
+
+
+def _canonical(turns: Iterable[Turn]) -> list[Turn]:
+    """Merged turns, assistant texts without their reasoning (the module's rule)."""
+    out = []
+    for turn in _merged(turns):
+        if turn.role == "assistant":
+            text, kind = without_reasoning(turn.text)
+            turn = Turn("assistant", text, turn.tool_calls, kind or turn.reasoning)
+        out.append(turn)
+    return out
+
+
 def _only_assistant(turns: Iterable[Turn], param: str) -> Turn:
     """A reply is one assistant turn, however many items it came in."""
-    merged = _merged(turns)
+    merged = _canonical(turns)
     if not merged:
         return Turn("assistant", "")
     if len(merged) > 1 or merged[0].role != "assistant":
@@ -211,7 +254,9 @@ def _chat_turn(message: Any, param: str, role: str | None = None) -> Turn:
     if role != "assistant":
         return Turn(role, text)
     text += _optional_str(message.get("refusal"), f"{param}.refusal")
-    return Turn(role, text, _chat_tool_calls(message.get("tool_calls"), f"{param}.tool_calls"))
+    reasoned = any(isinstance(message.get(name), str) and message.get(name) for name in _REASONING_FIELDS)
+    calls = _chat_tool_calls(message.get("tool_calls"), f"{param}.tool_calls")
+    return Turn(role, text, calls, "field" if reasoned else "")
 
 
 def _chat_tool_calls(value: Any, param: str) -> tuple[tuple[str, str], ...]:
@@ -257,7 +302,9 @@ def _responses_items(items: list[Any], param: str) -> Iterator[Turn]:
             yield Turn("assistant", "", (call,))
         elif kind == "function_call_output":
             yield Turn("tool", _content_text(item.get("output"), f"{path}.output"))
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            yield Turn("assistant", "", reasoning="field")
+        else:
             raise _malformed(f"{path}.type", f"unsupported item type {kind!r}")
 
 
@@ -280,6 +327,7 @@ def _responses_request(body: Mapping[str, Any]) -> list[Turn]:
 def _anthropic_assistant(blocks: list[Any], param: str) -> Turn:
     texts: list[str] = []
     calls: list[tuple[str, str]] = []
+    reasoned = False
     for j, block in enumerate(blocks):
         path = f"{param}[{j}]"
         block = _mapping(block, path)
@@ -288,9 +336,11 @@ def _anthropic_assistant(blocks: list[Any], param: str) -> Turn:
             texts.append(_optional_str(block.get("text"), f"{path}.text"))
         elif kind == "tool_use":
             calls.append(_call(block.get("name"), block.get("input"), f"{path}.input", f"{path}.name"))
-        elif kind not in _IGNORED_BLOCKS:
+        elif kind in _IGNORED_BLOCKS:
+            reasoned = True
+        else:
             raise _malformed(f"{path}.type", f"unsupported assistant block type {kind!r}")
-    return Turn("assistant", "".join(texts), tuple(calls))
+    return Turn("assistant", "".join(texts), tuple(calls), "field" if reasoned else "")
 
 
 def _anthropic_user(blocks: list[Any], param: str) -> list[Turn]:
@@ -340,11 +390,11 @@ def _messages_request(body: Mapping[str, Any]) -> list[Turn]:
 def request_turns(dialect: Dialect, body: Mapping[str, Any]) -> list[Turn]:
     """The request's history as canonical turns; completions histories are text (`history_of`)."""
     if dialect == "chat":
-        return _merged(_chat_request(body))
+        return _canonical(_chat_request(body))
     if dialect == "responses":
-        return _merged(_responses_request(body))
+        return _canonical(_responses_request(body))
     if dialect == "messages":
-        return _merged(_messages_request(body))
+        return _canonical(_messages_request(body))
     raise ValueError("completions histories are prompt text, not turns: use history_of")
 
 
@@ -352,7 +402,7 @@ def reply_turns(dialect: Dialect, reply: Mapping[str, Any]) -> dict[int, Turn]:
     """Each choice's reply (by choice index) as the assistant turn the agent will send back."""
     if dialect == "chat":
         return {
-            index: _chat_turn(choice.get("message"), f"{param}.message", role="assistant")
+            index: _canonical([_chat_turn(choice.get("message"), f"{param}.message", role="assistant")])[0]
             for index, choice, param in _choices(reply)
         }
     if dialect == "completions":
@@ -364,7 +414,7 @@ def reply_turns(dialect: Dialect, reply: Mapping[str, Any]) -> dict[int, Turn]:
         return {
             0: _only_assistant(_responses_items(_list(reply.get("output"), "output"), "output"), "output")
         }
-    return {0: _anthropic_assistant(_list(reply.get("content"), "content"), "content")}
+    return {0: _canonical([_anthropic_assistant(_list(reply.get("content"), "content"), "content")])[0]}
 
 
 # --- streamed replies -----------------------------------------------------------------
@@ -378,6 +428,7 @@ class _Piece:
     name: str | None = None
     parts: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)  # a chat choice's refusal
+    reasoning: list[str] = field(default_factory=list)  # a chat choice's reasoning deltas
     initial: Any = None  # an Anthropic tool_use block's input at its start
     calls: dict[int, _Piece] = field(default_factory=dict)  # a chat choice's tool calls
 
@@ -466,6 +517,8 @@ class StreamedReply:
                 continue
             _append(piece.parts, delta.get("content"))
             _append(piece.extra, delta.get("refusal"))
+            for name in _REASONING_FIELDS:
+                _append(piece.reasoning, delta.get(name))
             for k, fragment in _dicts(delta.get("tool_calls")):
                 _on_call_fragment(
                     piece.calls.setdefault(_index(fragment.get("index"), k), _Piece()), fragment
@@ -526,7 +579,12 @@ def _chat_choice(index: int, piece: _Piece) -> dict[str, Any]:
         {"function": {"name": call.name, "arguments": "".join(call.parts)}}
         for _, call in sorted(piece.calls.items())
     ]
-    message = {"content": "".join(piece.parts), "refusal": "".join(piece.extra), "tool_calls": calls}
+    message = {
+        "content": "".join(piece.parts),
+        "refusal": "".join(piece.extra),
+        "reasoning": "".join(piece.reasoning),
+        "tool_calls": calls,
+    }
     return {"index": index, "message": message}
 
 
@@ -591,6 +649,8 @@ class History:
     text: str | None = None
     roles: tuple[str, ...] = ()
     """Each turn's role (turn histories): a recovered parent is found by a role, not a digest."""
+    reasoning: tuple[str, ...] = ()
+    """Each turn's ``Turn.reasoning``: how the agent sent reasoning back, for the rewrite counts."""
 
     def __post_init__(self) -> None:
         if self.kind == "turns" and len(self.digests) != self.length + 1:
@@ -632,7 +692,13 @@ def history_of(dialect: Dialect, body: Mapping[str, Any]) -> History:
         return History("text", len(prompt), (), prompt)
     turns = request_turns(dialect, body)
     digests = turn_digests(turns, template_start(body))
-    return History("turns", len(turns), tuple(digests), roles=tuple(turn.role for turn in turns))
+    return History(
+        "turns",
+        len(turns),
+        tuple(digests),
+        roles=tuple(turn.role for turn in turns),
+        reasoning=tuple(turn.reasoning for turn in turns),
+    )
 
 
 def extended(history: History, reply: Turn) -> tuple[int, bytes]:
@@ -656,4 +722,5 @@ __all__ = [
     "request_turns",
     "text_digest",
     "turn_digests",
+    "without_reasoning",
 ]

@@ -421,3 +421,58 @@ def test_reasoning_is_served_in_each_api_s_shape_and_captured_whole(
             assert reasoning.strip() in generated  # the row holds what the reply shows as reasoning
     finally:
         rig.close()
+
+
+REWRITES = {
+    "dropped": lambda reasoning, content: {"role": "assistant", "content": content},
+    "moved_to_content": lambda reasoning, content: {
+        "role": "assistant",
+        "content": f"<think>\n{reasoning}\n</think>\n\n{content}",
+    },
+    "opening_tag_replaced": lambda reasoning, content: {  # a framework that parses thinking tags
+        "role": "assistant",
+        "content": f"\n\n{reasoning}\n</think>\n\n{content}",
+    },
+}
+
+
+@pytest.mark.parametrize("family_engine", ["deepseek_r1"], indirect=True)
+def test_an_agent_that_rewrites_reasoning_keeps_one_chain(
+    family_engine: FamilyEngine, oracle: HFOracle
+) -> None:
+    """An agent behind the gateway sends each reply back with its reasoning rewritten, a
+    different way each turn (dropped, moved into ``<think>`` tags in the content, the
+    opening tag replaced by a blank line): every call is the previous one's child, the
+    rollout is accepted as one exact sample (the continuation holds the tokens the model
+    generated, reasoning included: ``history: exact``), and each rewrite is counted."""
+    rig = start_rig(family_engine.host, family_engine.model_dir)
+    try:
+        with contextlib.contextmanager(serve_gateway)(rig) as served:
+            opened = served.session()
+            agent = agent_of(opened)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
+            for rewrite in [*REWRITES.values(), None]:
+                reply = agent.chat.completions.create(
+                    model=served.worker_models()[0], messages=messages, max_tokens=10, temperature=0.0
+                )
+                if rewrite is None:
+                    break
+                message = reply.choices[0].message
+                reasoning = (message.model_extra or {}).get("reasoning") or ""
+                assert reasoning, "the reasoning parser put nothing in the reply's reasoning"
+                messages += [
+                    rewrite(reasoning, message.content or ""),
+                    {"role": "user", "content": "And then?"},
+                ]
+            calls = served.calls(opened["rollout_id"])
+            assert [c["parent_call_id"] for c in calls] == [None, *(c["call_id"] for c in calls[:-1])], calls
+            metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
+            for kind in REWRITES:
+                assert f'tokentrail_gateway_reasoning_rewrites_total{{kind="{kind}"}} 1.0' in metrics, kind
+            assert served.seal(opened["rollout_id"], {"reward": 1.0}).status_code == 200
+            event, sample = rig.finalize(opened["rollout_id"], sealed=True)
+    finally:
+        rig.close()
+    assert event.status == "accepted" and sample is not None and event.call_count == len(REWRITES) + 1, event
+    assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in rig.recorder.calls])
+    assert_matches_hf(oracle, family_engine.model_dir, sample)

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from pipeline.gateway.lineage import reasoning_rewrite
 from pipeline.gateway.normalize import (
     Dialect,
     History,
@@ -23,6 +24,7 @@ from pipeline.gateway.normalize import (
     request_turns,
     text_digest,
     turn_digests,
+    without_reasoning,
 )
 
 
@@ -713,3 +715,91 @@ def test_malformed_replies_name_the_field() -> None:
     for event in anthropic_events([({"type": "server_tool_use", "id": "s", "name": "web"}, [])]):
         stream.feed(event)
     assert stream.turns() == {}
+
+
+# --- reasoning rewritten by the agent -----------------------------------------------------
+
+REASONED = "<think>\nAdd them.\n</think>\n\nThe answer is 5."
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (REASONED, ("The answer is 5.", "tags")),
+        ("The answer is 5.", ("The answer is 5.", "")),
+        ("\n\nAdd them.\n</think>\n\nThe answer is 5.", ("The answer is 5.", "closing")),  # opener replaced
+        ("Add them.</think>The answer is 5.", ("The answer is 5.", "closing")),  # R1: opened in the prompt
+        ("The answer is <think>\nstill think", ("The answer is", "unclosed")),  # cut short
+        ("<think>a</think>x<think>b</think>y", ("xy", "tags")),
+    ],
+)
+def test_reasoning_is_taken_out_of_assistant_text(text: str, expected: tuple[str, str]) -> None:
+    assert without_reasoning(text) == expected
+
+
+def test_a_reply_continues_however_its_reasoning_comes_back() -> None:
+    """The reply as served (reasoning in a field, or inline) and every way a framework sends
+    it back (dropped, moved into tags, the opening tag replaced by a blank line) are one
+    history; the way it travelled is kept beside the turn to count the rewrite."""
+    question = {"role": "user", "content": "What is 2 + 3?"}
+    history = history_of("chat", chat(question))
+    served = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "The answer is 5.", "reasoning": "Add them."},
+            }
+        ]
+    }
+    inline = {"choices": [{"index": 0, "message": {"role": "assistant", "content": REASONED}}]}
+    for reply in (served, inline):
+        turn = reply_turns("chat", reply)[0]
+        length, digest = extended(history, turn)
+        for sent_back, kind in [
+            ({"role": "assistant", "content": "The answer is 5."}, ""),
+            ({"role": "assistant", "content": REASONED}, "tags"),
+            ({"role": "assistant", "content": "\n\nAdd them.\n</think>\n\nThe answer is 5."}, "closing"),
+            ({"role": "assistant", "content": "The answer is 5.", "reasoning_content": "Add them."}, "field"),
+        ]:
+            follow_up = history_of("chat", chat(question, sent_back, {"role": "user", "content": "And 4?"}))
+            assert follow_up.prefix_digest(length) == digest, (reply, sent_back)
+            assert follow_up.reasoning[length - 1] == kind
+    assert reply_turns("chat", served)[0].reasoning == "field"
+    assert reply_turns("chat", inline)[0].reasoning == "tags"
+    edited = chat(
+        question, {"role": "assistant", "content": "The answer is 6."}, {"role": "user", "content": "?"}
+    )
+    assert history_of("chat", edited).prefix_digest(length) != digest  # a real rewrite is not reasoning
+
+
+def test_reasoning_in_each_api_s_own_place_is_a_field() -> None:
+    responses = reply_turns("responses", RESPONSES_REPLY)[0]
+    assert responses.reasoning == "field" and responses.text == "Let me compute."
+    thinking = {
+        "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}, {"type": "text", "text": "5"}]
+    }
+    assert (
+        reply_turns("messages", thinking)[0] == Turn("assistant", "5")
+        and reply_turns("messages", thinking)[0].reasoning == "field"
+    )
+    stream = StreamedReply("chat")
+    stream.feed(sse({"choices": [{"index": 0, "delta": {"reasoning": "hm"}}]}))
+    stream.feed(sse({"choices": [{"index": 0, "delta": {"content": "5"}}]}))
+    assert stream.turns()[0] == Turn("assistant", "5") and stream.turns()[0].reasoning == "field"
+
+
+@pytest.mark.parametrize(
+    ("replied", "sent_back", "kind"),
+    [
+        ("field", "", "dropped"),
+        ("tags", "", "dropped"),
+        ("field", "tags", "moved_to_content"),
+        ("tags", "field", "moved_to_field"),
+        ("tags", "closing", "opening_tag_replaced"),
+        ("tags", "unclosed", "closing_tag_lost"),
+        ("tags", "tags", None),
+        ("", "", None),
+    ],
+)
+def test_each_rewrite_has_a_name(replied: str, sent_back: str, kind: str | None) -> None:
+    assert reasoning_rewrite(replied, sent_back) == kind
