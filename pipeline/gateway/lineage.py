@@ -112,6 +112,26 @@ def reasoning_rewrite(replied: str, sent_back: str) -> str | None:
     }[sent_back]
 
 
+def episode_end(calls: Sequence[GatewayCall]) -> str | None:
+    """The call a ``terminal`` seal declares as the episode's end when the agent rewrote its
+    history for real (an edit, a summary: the session has several roots), else None.
+
+    The argument: the environment rewarded the episode the agent played, and the agent's
+    last call is where that episode ended; the chains it rewrote away are earlier drafts
+    of it. Left to the ledger, several roots are several leaves, and ``terminal`` would
+    reject a rewarded rollout as ``ambiguous_terminal``. So the seal names the last call
+    admitted, and the ledger takes the chain ending there as the sample (or rejects it
+    with that call's own code if it failed, as it would a unique leaf). None when there is
+    one root (the ledger's unique leaf is the episode) or when the last call is one of
+    several choices of one request (``n`` > 1: which of them ended the episode is truly
+    ambiguous, and stays so)."""
+    roots = {call.logical_call_id for call in calls if call.parent_call_id is None}
+    if len(roots) < 2 or _CHOICE.search(calls[-1].logical_call_id):
+        return None
+    return calls[-1].call_id
+
+
+_CHOICE = re.compile(r"\.\d+$")
 _KIND_CODES = {"turns": "t", "text": "x"}
 _LOGICAL = re.compile(r"^h([tx])(\d+)-([0-9a-f]{32})(?:\.\d+)?$")
 
@@ -136,6 +156,7 @@ def parse_logical_call_id(text: str) -> tuple[str, int, bytes] | None:
 __all__ = [
     "GatewayCall",
     "Resolution",
+    "episode_end",
     "logical_call_id",
     "parse_logical_call_id",
     "reasoning_rewrite",

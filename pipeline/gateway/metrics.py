@@ -35,6 +35,12 @@ class GatewayCollector(Collector):
             "sessions sealed failed after the session TTL",
             self.sessions.abandoned,
         )
+        yield CounterMetricFamily(
+            "tokentrail_gateway_rewritten_episodes",
+            "terminal seals of sessions with several roots (the agent rewrote its history), which "
+            "named the last served call as the episode; the rewritten-away chains are no samples",
+            self.sessions.rewritten_episodes,
+        )
         calls = CounterMetricFamily(
             "tokentrail_gateway_calls", "agent calls, by their place in the tree", labels=["lineage"]
         )

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pipeline.api.errors import InvalidRequest
-from pipeline.gateway.lineage import GatewayCall
+from pipeline.gateway.lineage import GatewayCall, episode_end
 from pipeline.gateway.previous import ResponseLog
 from pipeline.gateway.quotas import Usage
 from stages.client import RolloutClient
@@ -104,6 +104,8 @@ class Sessions:
         self._sealed: OrderedDict[str, Session] = OrderedDict()  # the latest, for show and 409s
         self.remember_sealed = remember_sealed
         self.abandoned = 0
+        self.rewritten_episodes = 0
+        """``terminal`` seals that named the last served call: the agent rewrote its history."""
 
     def open(
         self, rollout_id: str | None = None, group_id: str | None = None, history: HistoryPolicy = "exact"
@@ -171,12 +173,17 @@ class Sessions:
                     f"call_rewards.{call_id}",
                     f"call_rewards.{call_id}: rollout {rollout_id} has no such call",
                 )
+        policy = sample_policy or self._default_policy(session)
+        terminal = episode_end(session.calls) if policy == "terminal" and failed is None else None
+        if terminal is not None:
+            self.rewritten_episodes += 1
         seal = await self.client.seal(
             rollout_id,
             group_id=session.group_id,
             reward=reward,
+            terminal_call_id=terminal,
             failed=failed,
-            sample_policy=sample_policy or self._default_policy(session),
+            sample_policy=policy,
             all_or_nothing=all_or_nothing,
             sealed_by=sealed_by,
             call_rewards=call_rewards,

@@ -190,6 +190,37 @@ def test_an_agent_that_compacts_its_history_gives_one_sample_per_segment(
         assert_matches_hf(oracle, model_dir, sample)
 
 
+def test_a_rewritten_episode_under_the_default_policy_trains_on_its_last_chain(
+    served: Served, oracle: HFOracle, model_dir: Path
+) -> None:
+    """An agent that edits a reply for real starts a new root; sealed with the gateway's
+    default ``terminal`` policy the rollout is not lost as ``ambiguous_terminal``: the seal
+    names the last call, its chain is the one sample, and the rewrite is counted."""
+    opened = served.session(group_id="g4")
+    rollout_id = opened["rollout_id"]
+    agent = agent_of(opened)
+    question = {"role": "user", "content": "What is 2 + 3?"}
+    reply = agent.chat.completions.create(model="tiny", messages=[question], temperature=0, max_tokens=6)  # type: ignore[list-item]
+    edited = {"role": "assistant", "content": f"{reply.choices[0].message.content} (edited by the agent)"}
+    history = [question, edited, {"role": "user", "content": "And times 4?"}]
+    second = agent.chat.completions.create(model="tiny", messages=history, temperature=0, max_tokens=6)  # type: ignore[arg-type]
+    history += [second.choices[0].message, {"role": "user", "content": "Thanks."}]
+    agent.chat.completions.create(model="tiny", messages=history, temperature=0, max_tokens=6)  # type: ignore[arg-type]
+    calls = served.calls(rollout_id)
+    assert [c["parent_call_id"] for c in calls] == [None, None, calls[1]["call_id"]]
+    before = served.built.sessions.rewritten_episodes
+    sealed = served.seal(rollout_id, {"reward": 1.0})
+    assert sealed.status_code == 200 and sealed.json()["terminal_call_id"] == calls[2]["call_id"], sealed.text
+    assert served.built.sessions.rewritten_episodes == before + 1
+    event, sample = served.rig.finalize(rollout_id, sealed=True)
+    assert event.status == "accepted" and event.sample_policy == "terminal" and sample is not None, event
+    assert (
+        event.call_count == 2 and sample.reward == 1.0
+    )  # the last chain; the edited-away draft is no sample
+    assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in served.rig.recorder.calls[1:]])
+    assert_matches_hf(oracle, model_dir, sample)
+
+
 def test_template_kwargs_pass_through_and_a_change_starts_a_new_root(
     served: Served, oracle: HFOracle, model_dir: Path
 ) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.gateway.lineage import GatewayCall, logical_call_id, parse_logical_call_id, resolve
+from pipeline.gateway.lineage import GatewayCall, episode_end, logical_call_id, parse_logical_call_id, resolve
 from pipeline.gateway.normalize import Turn, extended, history_of
 from pipeline.gateway.recovery import _recovered
 from pipeline.gateway.sessions import ABANDONED, SessionError, Sessions
@@ -214,3 +214,20 @@ def _coords(rollout_id: str, call_id: str, parent: str | None, prev_len: int) ->
         "extras_digest": "d" * 64,
         "disposition": "staged",
     }
+
+
+def _call(call_id: str, logical: str, parent: str | None) -> GatewayCall:
+    return GatewayCall(call_id, logical, parent, "turns", 1, b"\0" * 16)
+
+
+def test_the_episode_end_is_declared_only_for_a_rewritten_history() -> None:
+    """One root: the ledger's unique leaf decides (None). Several roots: the last call.
+    Several roots ending in one of ``n`` choices: truly ambiguous (None)."""
+    chain = [_call("c1", "ht1-a", None), _call("c2", "ht3-b", "c1")]
+    assert episode_end(chain) is None
+    retried_root = [_call("c1", "ht1-a", None), _call("c1b", "ht1-a", None)]
+    assert episode_end(retried_root) is None  # a retry of the root is no second root
+    rewritten = [*chain, _call("c3", "ht3-c", None), _call("c4", "ht5-d", "c3")]
+    assert episode_end(rewritten) == "c4"
+    choices = [*rewritten, _call("c5.0", "ht7-e.0", "c4"), _call("c5.1", "ht7-e.1", "c4")]
+    assert episode_end(choices) is None
