@@ -6,15 +6,18 @@ that worker: one with the default per-rollout quotas (``--max-in-flight 8``) and
 with in-flight unlimited. Per round and per gateway, two trials: ``alone`` (``--agents``
 rollouts, each an agent making ``--calls`` sequential chat completions of ``--tokens``
 tokens) and ``flooded`` (the same, beside one more rollout whose agent keeps ``--flood``
-requests in flight, resending at once whatever is refused, until the others finish; it
-runs in a process of its own at nice 19, as a CPU-limited sandbox would).
-Each agent holds only its own ``api_key``, as the gateway hands it out.
+requests in flight until the others finish). The flooder is a ``sandbox`` (a process of its
+own at nice 19, as a CPU-limited sandbox would be, resending at once whatever is refused) or
+``same-process`` (an agent in the well-behaved agents' own process and priority, backing
+off 50 ms on each 429). One gateway per ``--max-in-flight`` and ``--worker-slots`` (0: no
+bound; otherwise fair shares of each worker's slots). Each agent holds only its own
+``api_key``, as the gateway hands it out.
 
-    tokentrail bench quotas [--quick] [--json] [--agents 3] [--calls 8] [--flood 64]
+    tokentrail bench quotas [--quick] [--json] [--agents 3] [--calls 8] [--flood 64] [--worker-slots 0,2]
 
-``summary.flooded_over_alone`` is, per gateway, the median over rounds of the
-well-behaved agents' p50 latency flooded over alone (the target: ≤ 1.5 with quotas). Per
-trial, CPU seconds of the gateway, the worker's API process, its engine core and the flooder.
+``summary.flooded_over_alone`` is, per gateway and flooder, the median over rounds of the
+well-behaved agents' p50 latency flooded over alone (the target: ≤ 1.5). Per trial, CPU
+seconds of the gateway, the worker's API process, its engine core and the flooder.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from bench.command import Benchmark, Option, Quick, ints
+from bench.command import Benchmark, Option, Quick, ints, names
 from bench.common import (
     machine,
     percentiles,
@@ -52,6 +55,9 @@ from pipeline.kafka.broker import EmbeddedBroker
 
 TARGET_RATIO = 1.5
 UNLIMITED = 1_000_000
+FLOODERS = ("sandbox", "same-process")
+BACKOFF_S = 0.05
+"""The same-process flooder's pause after a 429, as a client library's retry would."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +68,15 @@ class QuotaBenchConfig:
     flood: int = 64
     trials: int = 3
     in_flight: tuple[int, ...] = (8, UNLIMITED)
-    """One gateway per ``--max-in-flight``; the other quotas are the defaults."""
+    """One gateway per ``--max-in-flight`` and ``--worker-slots``; the other quotas are the defaults."""
+    worker_slots: tuple[int, ...] = (0,)
+    """0: no bound on a worker's calls; N: N slots per worker, shared fairly among sessions."""
+    flooders: tuple[str, ...] = ("sandbox",)
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.flooders if name not in FLOODERS]
+        if unknown or not self.flooders:
+            raise ValueError(f"flooders: {unknown or 'none'}; choose from {', '.join(FLOODERS)}")
 
 
 QUICK = Quick("4 calls per agent, one round", QuotaBenchConfig(calls=4, trials=1))
@@ -73,6 +87,12 @@ OPTIONS = (
     Option("--flood", "requests the flooding agent keeps in flight (default 64)", int),
     Option("--trials", "rounds (alone, flooded) per gateway (default 3)", int),
     Option("--in-flight", f"one gateway per --max-in-flight, comma separated (default 8,{UNLIMITED})", ints),
+    Option("--worker-slots", "and per --worker-slots, comma separated; 0: no bound (default 0)", ints),
+    Option(
+        "--flooders",
+        f"where the flooder runs: {', '.join(FLOODERS)}, comma separated (default sandbox)",
+        names,
+    ),
 )
 
 
@@ -100,10 +120,15 @@ async def well_behaved(opened: dict[str, Any], model: str, config: QuotaBenchCon
 
 
 async def flood(
-    opened: dict[str, Any], model: str, config: QuotaBenchConfig, stop: EventType, out: Queue[Any]
+    opened: dict[str, Any],
+    model: str,
+    config: QuotaBenchConfig,
+    stop: EventType | asyncio.Event,
+    out: Queue[Any] | asyncio.Queue[Any],
+    backoff_s: float = 0.0,
 ) -> Counter[int]:
-    """``config.flood`` requests in flight until ``stop`` is set, each resent at once; answers by
-    status. The first answer puts ``"flooding"`` on ``out``."""
+    """``config.flood`` requests in flight until ``stop`` is set, each resent at once (after
+    ``backoff_s`` when refused); answers by status. The first answer puts ``"flooding"`` on ``out``."""
     answers: Counter[int] = Counter()
     headers = {"authorization": f"Bearer {opened['api_key']}"}
     limits = httpx.Limits(max_connections=config.flood + 4)
@@ -115,9 +140,12 @@ async def flood(
             number = 0
             while not stop.is_set():
                 body = chat(model, f"Flood {lane}.{number}.", config.tokens)
-                answers[(await http.post("/chat/completions", json=body)).status_code] += 1
+                status = (await http.post("/chat/completions", json=body)).status_code
+                answers[status] += 1
                 if sum(answers.values()) == 1:
-                    out.put("flooding")
+                    out.put_nowait("flooding")
+                if status == 429 and backoff_s:
+                    await asyncio.sleep(backoff_s)
                 number += 1
 
         await asyncio.gather(*(loop(lane) for lane in range(config.flood)))
@@ -135,9 +163,19 @@ def flooder(
     out.put((dict(answers), time.process_time()))
 
 
+async def same_process_flood(
+    opened: dict[str, Any], model: str, config: QuotaBenchConfig, stop: asyncio.Event, out: asyncio.Queue[Any]
+) -> None:
+    """The flooding agent as a task beside the well-behaved ones: same process, same priority."""
+    began = time.process_time()
+    answers = await flood(opened, model, config, stop, out, backoff_s=BACKOFF_S)
+    out.put_nowait((dict(answers), time.process_time() - began))
+
+
 async def trial(
-    gateway: str, environment: dict[str, str], model: str, config: QuotaBenchConfig, flooded: bool
+    gateway: str, environment: dict[str, str], model: str, config: QuotaBenchConfig, flooder_kind: str | None
 ) -> dict[str, Any]:
+    """Well-behaved agents alone (``flooder_kind`` None) or beside a flooder of that kind."""
     async with httpx.AsyncClient(base_url=gateway, headers=environment, timeout=60) as http:
         opened = [
             (await http.post("/rollouts", json={})).raise_for_status().json()
@@ -146,17 +184,27 @@ async def trial(
         agents = opened[:-1]
         spawn = multiprocessing.get_context("spawn")
         stop, out = spawn.Event(), spawn.Queue()
+        local_stop, local_out = asyncio.Event(), asyncio.Queue[Any]()
         flooding = spawn.Process(target=flooder, args=(opened[-1], model, config, stop, out))
-        if flooded:
+        task = None
+        if flooder_kind == "sandbox":
             flooding.start()
             await asyncio.to_thread(out.get, True, 120)  # the flood is up before the first measured call
+        elif flooder_kind == "same-process":
+            task = asyncio.create_task(same_process_flood(opened[-1], model, config, local_stop, local_out))
+            await asyncio.wait_for(local_out.get(), 120)
         try:
             per_agent = await asyncio.gather(*(well_behaved(o, model, config) for o in agents))
         finally:
             stop.set()
-            answers, flooder_cpu_s = out.get(timeout=300) if flooded else ({}, 0.0)
-            if flooded:
+            local_stop.set()
+            answers, flooder_cpu_s = {}, 0.0
+            if flooder_kind == "sandbox":
+                answers, flooder_cpu_s = out.get(timeout=300)
                 flooding.join()
+            elif task is not None:
+                await task
+                answers, flooder_cpu_s = local_out.get_nowait()
         for o in opened:
             (await http.post(f"/rollouts/{o['rollout_id']}/seal", json={"reward": 0.0})).raise_for_status()
     latencies = [seconds for agent in per_agent for seconds in agent]
@@ -176,18 +224,20 @@ def cpu_s(*, gateway: int, worker: int) -> dict[str, float]:
     }
 
 
-def gateway_name(in_flight: int) -> str:
-    return "unlimited" if in_flight >= UNLIMITED else f"max_in_flight={in_flight}"
+def gateway_name(in_flight: int, slots: int) -> str:
+    name = "unlimited" if in_flight >= UNLIMITED else f"max_in_flight={in_flight}"
+    return name if slots == 0 else f"{name}, worker_slots={slots}"
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per gateway, round by round: the well-behaved p50 flooded over alone."""
+    """Per gateway and flooder, round by round: the well-behaved p50 flooded over alone."""
     ratios: dict[str, list[float]] = {}
-    for name in dict.fromkeys(t["gateway"] for t in trials):
+    for gateway, flooder_kind in dict.fromkeys((t["gateway"], t["flooder"]) for t in trials):
         rounds: dict[int, dict[str, float]] = {}
         for t in trials:
-            if t["gateway"] == name:
+            if t["gateway"] == gateway and t["flooder"] == flooder_kind:
                 rounds.setdefault(t["round"], {})[t["mode"]] = t["latency_ms"]["p50"]
+        name = f"{gateway}, {flooder_kind} flooder"
         ratios[name] = [round(r["flooded"] / r["alone"], 3) for r in rounds.values()]
     return {
         "flooded_over_alone": {name: round(statistics.median(values), 3) for name, values in ratios.items()},
@@ -225,24 +275,34 @@ def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
         model = ready["model"]
         gateways: dict[str, tuple[str, int]] = {}
         for in_flight in config.in_flight:
-            name = gateway_name(in_flight)
-            argv = [*cli, "gateway", "--workers", ready["url"], "--port", "0", "--max-in-flight", str(in_flight), *common]  # fmt: skip
-            process, serving = stack.enter_context(started(argv, root / f"gateway-{name}.log"))
-            gateways[name] = serving["url"], process.pid
+            for slots in config.worker_slots:
+                name = gateway_name(in_flight, slots)
+                bound = ["--worker-slots", str(slots)] if slots else []
+                argv = [*cli, "gateway", "--workers", ready["url"], "--port", "0", "--max-in-flight", str(in_flight), *bound, *common]  # fmt: skip
+                process, serving = stack.enter_context(started(argv, root / f"gateway-{len(gateways)}.log"))
+                gateways[name] = serving["url"], process.pid
         asyncio.run(
-            trial(
-                next(iter(gateways.values()))[0], environment, model, replace(config, trials=1), flooded=False
-            )
+            trial(next(iter(gateways.values()))[0], environment, model, replace(config, trials=1), None)
         )  # warm up
         for number in range(config.trials):
             for name, (url, pid) in gateways.items():
-                for mode in ("alone", "flooded"):
-                    cpu = cpu_s(gateway=pid, worker=worker.pid)
-                    result = asyncio.run(trial(url, environment, model, config, flooded=mode == "flooded"))
-                    after = cpu_s(gateway=pid, worker=worker.pid)
-                    result["cpu_s"] = {role: round(after[role] - cpu[role], 2) for role in after}
-                    result["cpu_s"]["flooder"] = result.pop("flooder_cpu_s")
-                    trials.append({"gateway": name, "round": number, "mode": mode, **result})
+                for flooder_kind in config.flooders:
+                    for mode in ("alone", "flooded"):
+                        cpu = cpu_s(gateway=pid, worker=worker.pid)
+                        kind = flooder_kind if mode == "flooded" else None
+                        result = asyncio.run(trial(url, environment, model, config, kind))
+                        after = cpu_s(gateway=pid, worker=worker.pid)
+                        result["cpu_s"] = {role: round(after[role] - cpu[role], 2) for role in after}
+                        result["cpu_s"]["flooder"] = result.pop("flooder_cpu_s")
+                        trials.append(
+                            {
+                                "gateway": name,
+                                "flooder": flooder_kind,
+                                "round": number,
+                                "mode": mode,
+                                **result,
+                            }
+                        )
     return {
         "benchmark": "quotas",
         "config": asdict(config),
@@ -256,22 +316,23 @@ def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     lines = [
-        "| gateway | round | mode | well-behaved latency p50 / p99 ms | flood answers by status "
+        "| gateway | flooder | round | mode | well-behaved latency p50 / p99 ms | flood answers by status "
         "| CPU s: gateway · worker · engine core · flooder |",
-        "|---|---:|---|---:|---|---|",
+        "|---|---|---:|---|---:|---|---|",
     ]
     for t in report["trials"]:
         latency = t["latency_ms"]
         answers = ", ".join(f"{s}: {n}" for s, n in t["flood_answers"].items()) or "-"
         cpu = " · ".join(str(t["cpu_s"][role]) for role in ("gateway", "worker", "engine_core", "flooder"))
         lines.append(
-            f"| {t['gateway']} | {t['round']} | {t['mode']} | {latency['p50']} / {latency['p99']} | {answers} | {cpu} |"
+            f"| {t['gateway']} | {t['flooder']} | {t['round']} | {t['mode']} | {latency['p50']} / {latency['p99']} "
+            f"| {answers} | {cpu} |"
         )
     summary = report["summary"]
     ratios = ", ".join(f"{name} {ratio}" for name, ratio in summary["flooded_over_alone"].items())
     lines += [
         "",
-        f"well-behaved p50, flooded over alone (median of rounds): {ratios} (target ≤ {summary['target']} with quotas)",
+        f"well-behaved p50, flooded over alone (median of rounds): {ratios} (target ≤ {summary['target']})",
     ]
     return "\n".join(lines)
 

@@ -71,6 +71,14 @@ def add_parser(subparsers: Any) -> None:
     for spec in fields(Quotas):
         flag = "--" + spec.name.replace("_", "-")
         quotas.add_argument(flag, type=int, default=spec.default, metavar="N", help="(default: %(default)s)")
+    quotas.add_argument(
+        "--worker-slots",
+        type=int,
+        metavar="N",
+        help="calls each worker runs at once, shared fairly among the sessions that want them (a "
+        "session over its share waits, never fails): set it to the batch the worker serves well "
+        "(default: no bound)",
+    )
     pacing = parser.add_argument_group(
         "pacing (POST /rollouts answers 429 with Retry-After while the trainer is too far behind)"
     )
@@ -108,6 +116,7 @@ async def _serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         credentials=credentials_from_args(args),
         quotas=Quotas(**{spec.name: getattr(args, spec.name) for spec in fields(Quotas)}),
+        worker_slots=args.worker_slots,
         pacing=pacing_from_args(args.max_staleness, args.rollouts_per_step),
         insecure_no_auth=args.insecure_no_auth,
         tls=tls_from_args(args),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from pipeline.api.errors import api_error
 from pipeline.gateway.lineage import GatewayCall, logical_call_id, reasoning_rewrite, resolve
@@ -198,7 +200,7 @@ class Forwarder:
         return calls
 
     async def _whole(self, attempt: _Attempt) -> Response:
-        with self.workers.serving(attempt.url):
+        async with self.workers.serving(attempt.url, attempt.session.rollout_id):
             response = await self.http.post(
                 attempt.target, content=orjson.dumps(attempt.request), headers=_JSON
             )
@@ -215,38 +217,50 @@ class Forwarder:
         return JSONResponse(strip_token_fields(reply, attempt.hidden))
 
     async def _stream(self, attempt: _Attempt) -> Response:
-        upstream = await self.http.send(
-            self.http.build_request(
-                "POST", attempt.target, content=orjson.dumps(attempt.request), headers=_JSON
-            ),
-            stream=True,
-        )
+        slot = AsyncExitStack()  # held from the request until the stream ends
+        await slot.enter_async_context(self.workers.serving(attempt.url, attempt.session.rollout_id))
+        try:
+            upstream = await self.http.send(
+                self.http.build_request(
+                    "POST", attempt.target, content=orjson.dumps(attempt.request), headers=_JSON
+                ),
+                stream=True,
+            )
+        except BaseException:
+            await slot.aclose()
+            raise
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
+            await slot.aclose()
             if upstream.status_code >= 500:
                 raise _WorkerFailed(f"HTTP {upstream.status_code}")
             return JSONResponse(
                 strip_token_fields(orjson.loads(content), attempt.hidden), status_code=upstream.status_code
             )
 
+        async def close() -> None:  # idempotent: after the stream, and as its background task
+            await upstream.aclose()
+            await slot.aclose()
+
         async def events() -> AsyncIterator[str]:
             reply = StreamedReply(attempt.dialect)
             coords: dict[int, CommitCoords] = {}
             attempt.session.in_flight += 1
             try:
-                with self.workers.serving(attempt.url):
-                    async for event in _sse_events(upstream):
-                        reply.feed(event)
-                        clean, found = strip_event(event, attempt.hidden)
-                        coords.update(found)
-                        yield clean
+                async for event in _sse_events(upstream):
+                    reply.feed(event)
+                    clean, found = strip_event(event, attempt.hidden)
+                    coords.update(found)
+                    yield clean
                 attempt.answered(coords, reply.turns(), reply.final)
             finally:
                 attempt.session.in_flight -= 1
-                await upstream.aclose()
+                await close()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        # The background task also runs when the client left before the first byte, so the
+        # generator never started: the slot and the connection are freed all the same.
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(close))
 
 
 @dataclass(slots=True)

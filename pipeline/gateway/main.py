@@ -50,6 +50,8 @@ class GatewayConfig:
     """Checks environment and operator callers, signs agent keys (``agent.key``), and
     presents the service credential to the workers (DESIGN §15)."""
     quotas: Quotas = field(default_factory=Quotas)
+    worker_slots: int | None = None
+    """Calls each worker runs at once, shared fairly among sessions (``slots``); None: no bound."""
     pacing: Pacing | None = None
     """Hold new rollouts back while the trainer is too far behind (None: never)."""
     insecure_no_auth: bool = False
@@ -85,7 +87,7 @@ async def gateway(
     ) as http:
         if config.kafka is not None:
             await recover(config.kafka, sessions)
-        workers = Workers(config.workers)
+        workers = Workers(config.workers, slots=config.worker_slots)
         forwarder = Forwarder(client, workers, http)
         pacer = None if config.pacing is None else AdmissionPacer(config.pacing, lambda: workers.urls, http)
         app = create_gateway_app(

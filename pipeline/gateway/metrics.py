@@ -80,6 +80,14 @@ class GatewayCollector(Collector):
             healthy.add_metric([url], int(up))
         yield in_flight
         yield healthy
+        waits = CounterMetricFamily(
+            "tokentrail_gateway_slot_waits",
+            "calls that waited for a worker slot (--worker-slots): over their session's fair share, or a full worker",
+            labels=["worker"],
+        )
+        for url, waited in self.forwarder.workers.slot_waits():
+            waits.add_metric([url], waited)
+        yield waits
         refused = CounterMetricFamily(
             "tokentrail_gateway_quota_refusals", "agent calls answered 429, by the limit", labels=["limit"]
         )

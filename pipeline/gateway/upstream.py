@@ -4,15 +4,19 @@ A session's next call goes to the worker that served its last call while that wo
 is healthy (its prefix cache and chain cache hold the conversation). Otherwise the
 healthy worker with the fewest calls in flight takes it. A worker that fails a call
 (connection refused, reset, 5xx before any byte of the reply) is taken out for
-``cooldown_s`` and the call is retried on another worker as a new attempt.
+``cooldown_s`` and the call is retried on another worker as a new attempt. With
+``slots``, each worker runs at most that many calls at once, shared fairly among
+sessions (``slots.FairSlots``); a call waits for its slot while it counts in flight.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+
+from pipeline.gateway.slots import FairSlots
 
 
 class NoWorker(RuntimeError):
@@ -22,6 +26,7 @@ class NoWorker(RuntimeError):
 @dataclass(slots=True)
 class _Worker:
     url: str
+    slots: FairSlots | None
     in_flight: int = 0
     out_until: float = 0.0
     served: int = 0
@@ -32,11 +37,19 @@ class Workers:
     """The worker pool; ``choose`` picks, ``serving`` counts a call in flight, ``failed`` benches."""
 
     def __init__(
-        self, urls: Sequence[str], *, cooldown_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+        self,
+        urls: Sequence[str],
+        *,
+        cooldown_s: float = 10.0,
+        slots: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not urls:
             raise ValueError("urls: at least one worker is required")
-        self._workers = {url.rstrip("/"): _Worker(url.rstrip("/")) for url in urls}
+        self._workers = {
+            url.rstrip("/"): _Worker(url.rstrip("/"), None if slots is None else FairSlots(slots))
+            for url in urls
+        }
         self.cooldown_s = cooldown_s
         self.clock = clock
 
@@ -56,15 +69,19 @@ class Workers:
             raise NoWorker(f"no healthy worker (of {len(self._workers)}) can take the call")
         return min(candidates, key=lambda w: (w.in_flight, w.served)).url
 
-    @contextmanager
-    def serving(self, url: str) -> Iterator[None]:
+    @asynccontextmanager
+    async def serving(self, url: str, session: str) -> AsyncIterator[None]:
+        """One call of ``session`` on the worker: in its slot (waited for), counted in flight."""
         worker = self._workers[url]
-        worker.in_flight += 1
-        try:
-            yield
-        finally:
-            worker.in_flight -= 1
-            worker.served += 1
+        async with AsyncExitStack() as stack:
+            if worker.slots is not None:
+                await stack.enter_async_context(worker.slots.hold(session))
+            worker.in_flight += 1
+            try:
+                yield
+            finally:
+                worker.in_flight -= 1
+                worker.served += 1
 
     def failed(self, url: str) -> None:
         worker = self._workers[url]
@@ -74,6 +91,10 @@ class Workers:
     def stats(self) -> list[tuple[str, int, int, bool]]:
         """(url, in flight, failures, healthy) per worker, for metrics."""
         return [(w.url, w.in_flight, w.failures, self.healthy(w.url)) for w in self._workers.values()]
+
+    def slot_waits(self) -> list[tuple[str, int]]:
+        """(url, calls that waited for a slot) per worker with slots, for metrics."""
+        return [(w.url, w.slots.waited) for w in self._workers.values() if w.slots is not None]
 
 
 __all__ = ["NoWorker", "Workers"]

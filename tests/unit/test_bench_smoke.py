@@ -370,21 +370,31 @@ def test_vllm_cpu_chart_is_drawn_per_path_and_mode(tmp_path: Path) -> None:
     assert cpu_per_call({"trials": trials}, tmp_path / "cpu.png").read_bytes().startswith(PNG)
 
 
-def test_quotas_summary_pairs_each_round_per_gateway() -> None:
-    """Flooded over alone divides the two trials of one round on one gateway."""
+def test_quotas_summary_pairs_each_round_per_gateway_and_flooder() -> None:
+    """Flooded over alone divides the two trials of one round on one gateway, per flooder."""
     p50 = {
-        ("max_in_flight=8", 0): (100.0, 150.0),
-        ("max_in_flight=8", 1): (200.0, 200.0),
-        ("unlimited", 0): (100.0, 400.0),
+        ("max_in_flight=8", "sandbox", 0): (100.0, 150.0),
+        ("max_in_flight=8", "sandbox", 1): (200.0, 200.0),
+        ("max_in_flight=8", "same-process", 0): (100.0, 300.0),
+        ("unlimited", "sandbox", 0): (100.0, 400.0),
     }
     trials = [
-        {"gateway": gateway, "round": number, "mode": mode, "latency_ms": {"p50": value}}
-        for (gateway, number), values in p50.items()
+        {"gateway": gateway, "flooder": flooder, "round": number, "mode": mode, "latency_ms": {"p50": value}}
+        for (gateway, flooder, number), values in p50.items()
         for mode, value in zip(("alone", "flooded"), values, strict=True)
     ]
     summary = quotas.summarize(trials)
-    assert summary["ratios"] == {"max_in_flight=8": [1.5, 1.0], "unlimited": [4.0]}
-    assert summary["flooded_over_alone"] == {"max_in_flight=8": 1.25, "unlimited": 4.0}
+    assert summary["ratios"] == {
+        "max_in_flight=8, sandbox flooder": [1.5, 1.0],
+        "max_in_flight=8, same-process flooder": [3.0],
+        "unlimited, sandbox flooder": [4.0],
+    }
+    assert summary["flooded_over_alone"]["max_in_flight=8, sandbox flooder"] == 1.25
+
+
+def test_quotas_refuses_an_unknown_flooder() -> None:
+    with pytest.raises(ValueError, match="flooders: \\['nearby'\\]; choose from sandbox, same-process"):
+        quotas.QuotaBenchConfig(flooders=("nearby",))
 
 
 def test_splice_bench_smallest_configuration() -> None:

@@ -146,8 +146,12 @@ def test_workers_prefer_the_sessions_worker_then_the_least_loaded() -> None:
     now = [0.0]
     workers = Workers(["http://a", "http://b/"], cooldown_s=5, clock=lambda: now[0])
     assert workers.choose("http://b") == "http://b"
-    with workers.serving("http://a"):
-        assert workers.choose() == "http://b"
+
+    async def serving_a() -> None:
+        async with workers.serving("http://a", "r1"):
+            assert workers.choose() == "http://b"
+
+    asyncio.run(serving_a())
     workers.failed("http://b")
     assert workers.choose("http://b") == "http://a"
     with pytest.raises(NoWorker):
