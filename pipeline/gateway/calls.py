@@ -11,9 +11,11 @@ attempt (same logical id: the ledger collapses the attempts).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -22,7 +24,6 @@ from typing import Any
 import httpx
 import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from pipeline.api.errors import api_error
 from pipeline.gateway.lineage import GatewayCall, logical_call_id, reasoning_rewrite, resolve
@@ -239,7 +240,7 @@ class Forwarder:
                 strip_token_fields(orjson.loads(content), attempt.hidden), status_code=upstream.status_code
             )
 
-        async def close() -> None:  # idempotent: after the stream, and as its background task
+        async def close() -> None:  # idempotent: after the stream, and when it is collected
             await upstream.aclose()
             await slot.aclose()
 
@@ -258,9 +259,11 @@ class Forwarder:
                 attempt.session.in_flight -= 1
                 await close()
 
-        # The background task also runs when the client left before the first byte, so the
-        # generator never started: the slot and the connection are freed all the same.
-        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(close))
+        stream = events()
+        # A client that leaves before the first byte leaves the generator unstarted, and its
+        # ``finally`` never runs: the slot and the connection are freed when it is collected.
+        weakref.finalize(stream, _later, close)
+        return StreamingResponse(stream, media_type="text/event-stream")
 
 
 @dataclass(slots=True)
@@ -291,6 +294,20 @@ class _Attempt:
         self.session.usage.tokens += sum(c.cum_len for c in coords.values())
         if self.on_reply is not None and reply is not None:
             self.on_reply(reply)
+
+
+_CLOSING: set[asyncio.Task[None]] = set()
+"""Clean-ups scheduled from a finalizer, held until done (the loop keeps only weak references)."""
+
+
+def _later(close: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``close`` on the running loop (a finalizer cannot await); nothing when it is gone."""
+    try:
+        task = asyncio.get_running_loop().create_task(close())
+    except RuntimeError:  # the loop has stopped: the process is ending and frees it all
+        return
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
 
 
 class _WorkerFailed(RuntimeError):
