@@ -454,7 +454,7 @@ def test_truncated_sampling_is_recorded_on_every_route(rig: Rig) -> None:
 def test_a_grammar_is_recorded_unreplayable_and_an_option_out_of_range_refused(rig: Rig) -> None:
     """A grammar's mask (``response_format``) cannot be replayed from the sample: the call
     is captured, its span names ``structured_outputs`` and the sample is flagged. An option
-    out of range is vLLM's 400 naming it, and nothing of the call is staged."""
+    out of range is vLLM's 400 naming it, and no row of the call is staged."""
     client = openai_client(rig)
     messages = [{"role": "user", "content": "Reply in JSON."}]
     client.chat.completions.create(
@@ -476,7 +476,11 @@ def test_a_grammar_is_recorded_unreplayable_and_an_option_out_of_range_refused(r
             model="tiny", messages=messages, top_p=1.5, max_tokens=4, extra_body=capture(rig.admit("r-range"))
         )
     assert "top_p" in str(caught.value.body), caught.value.body
-    assert [event for event in rig.worker_sink.events if event.key == "r-range"] == []
+    # The admission was published, so the worker reports the call not served (the ledger
+    # must not wait for it); no row of it is staged.
+    events = [event.payload for event in rig.worker_sink.events if event.key == "r-range"]
+    assert all(isinstance(e, StagedEvent) and e.coords.disposition != "staged" for e in events), events
+    assert not [key for key in rig.data_plane.calls if key.startswith("r-range/")]
 
 
 # --------------------------------------------------------------------------- Completions
