@@ -5,14 +5,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tokentrail-installed
-EXTRAS := broker,dataplane,vllm,export,trl,bench,dev
+EXTRAS := broker,dataplane,vllm,export,trl,bench,frameworks,dev
 PYTEST_ARGS ?=
 
 export TQ_NUM_THREADS ?= 2
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install browser run test lint bench faults-table escape-table family-table clean
+.PHONY: install browser run test lint bench faults-table escape-table family-table framework-table clean
 
 $(VENV):
 	$(PYTHON) -m venv $(VENV)
@@ -22,12 +22,15 @@ $(VENV):
 # torchvision/torchaudio/torchcodec, which break `import vllm` beside that torch.
 # megatron-core declares Python >= 3.12 but its request classes import on 3.11; it
 # imports triton without declaring it, and its own deps are already pinned above.
+# openai-agents caps websockets below 17 for its realtime and voice parts only (unused
+# here); its other deps come with the frameworks extra, so uvicorn's websockets stays.
 $(STAMP): pyproject.toml Makefile | $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/pip install --quiet triton==3.9.0
 	$(BIN)/pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
+	$(BIN)/pip install --quiet --no-deps openai-agents==0.24.0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -62,6 +65,10 @@ escape-table: install
 # Re-run the template-family matrix and rewrite its table in README.md.
 family-table: install
 	$(BIN)/pytest tests/families --family-table README.md $(PYTEST_ARGS)
+
+# Re-run the agent-framework matrix and rewrite its table in README.md.
+framework-table: install
+	$(BIN)/pytest tests/frameworks --framework-table README.md $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

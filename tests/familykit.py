@@ -10,8 +10,9 @@ README table.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ import anthropic
 import openai
 from enginekit import EngineHost
 
+from pipeline.models.tiny import make_tiny_model
+from stages.capture.vllm.engine import EngineSettings
 from topics.records import CommitCoords
 from topics.wire import COORDS_FIELD
 
@@ -75,6 +78,17 @@ class FamilyEngine:
     family: str
     model_dir: Path
     host: EngineHost
+
+
+@contextlib.contextmanager
+def family_engine_in(root: Path, family: str) -> Iterator[FamilyEngine]:
+    """The family's tiny model (seed 0) in ``root`` served by its own engine, closed after."""
+    model_dir = make_tiny_model(root / family, template=family)  # type: ignore[arg-type]
+    host = EngineHost(EngineSettings(model=str(model_dir)))
+    try:
+        yield FamilyEngine(family, model_dir, host)
+    finally:
+        host.close()
 
 
 # ------------------------------------------------------------------ route shapes

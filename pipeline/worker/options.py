@@ -74,7 +74,10 @@ RESPONSES: dict[str, Refusal] = {
 
 TEXT_PARTS = {
     "chat": frozenset({"text", "refusal"}),
-    "responses": frozenset({"input_text", "output_text", "refusal", "text"}),
+    # reasoning_text and summary_text: a reply's own reasoning item, sent back as it came.
+    "responses": frozenset(
+        {"input_text", "output_text", "refusal", "text", "reasoning_text", "summary_text"}
+    ),
     "messages": frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}),
 }
 

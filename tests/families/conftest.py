@@ -13,12 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from enginekit import EngineHost
-from familykit import FamilyEngine, FamilyReport
+from familykit import FamilyEngine, FamilyReport, family_engine_in
 from readme_tables import rewrite_between_markers
-
-from pipeline.models.tiny import make_tiny_model
-from stages.capture.vllm.engine import EngineSettings
 
 FAMILIES = ("chatml", "qwen3", "llama3", "gemma", "deepseek_r1", "mistral")
 
@@ -33,13 +29,8 @@ def family_engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FamilyEngine]:
     """The family's tiny model (seed 0) served by its own engine."""
-    family: str = request.param
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("families") / family, template=family)
-    host = EngineHost(EngineSettings(model=str(model_dir)))
-    try:
-        yield FamilyEngine(family, model_dir, host)
-    finally:
-        host.close()
+    with family_engine_in(tmp_path_factory.mktemp("families"), request.param) as engine:
+        yield engine
 
 
 _REPORT = FamilyReport()

@@ -1,0 +1,79 @@
+"""The agent-framework matrix: one vLLM CPU engine per reasoning family, and the README table.
+
+``family_engine`` is module-scoped and parametrized by family (as in ``tests/families``),
+so pytest plays every framework's episode on one engine before starting the next (two
+engine starts in all). ``--framework-table PATH`` rewrites the framework table in PATH
+(between its ``framework-table`` markers) from what this run did; the table is printed at
+the end of the run whatever the options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from familykit import FamilyEngine, family_engine_in
+from readme_tables import rewrite_between_markers
+
+from pipeline.models.tiny import TemplateName
+
+FAMILIES: tuple[TemplateName, ...] = ("qwen3", "deepseek_r1")
+
+Results = dict[tuple[str, str], str]
+"""(framework case, family) -> outcome, in the order the cases ran."""
+Notes = dict[str, str]
+"""A known gap's label (as the table's cells name it) -> what the gap is."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tokentrail agent frameworks")
+    group.addoption("--framework-table", type=Path, help="rewrite the framework table in this Markdown file")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FamilyEngine]:
+    """The family's tiny model (seed 0) served by its own engine, shared by every case."""
+    with family_engine_in(tmp_path_factory.mktemp("frameworks"), request.param) as engine:
+        yield engine
+
+
+_RESULTS: Results = {}
+_NOTES: Notes = {}
+
+
+@pytest.fixture(scope="session")
+def framework_results() -> Results:
+    return _RESULTS
+
+
+@pytest.fixture(scope="session")
+def framework_notes() -> Notes:
+    return _NOTES
+
+
+def markdown(results: Results, notes: Notes) -> str:
+    """One row per framework case, one column per family (a case not run is "-"), then
+    each known gap a cell names."""
+    cases = list(dict.fromkeys(case for case, _ in results))
+    families = [family for family in FAMILIES if any(f == family for _, f in results)]
+    lines = ["| agent | " + " | ".join(families) + " |", "|---|" + "---|" * len(families)]
+    for case in cases:
+        lines.append(f"| {case} | " + " | ".join(results.get((case, f), "-") for f in families) + " |")
+    if notes:
+        lines.append("")
+        lines += [f"- {label}: {reason}" for label, reason in notes.items()]
+    return "\n".join(lines) + "\n"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if not _RESULTS:
+        return
+    table = markdown(_RESULTS, _NOTES)
+    terminalreporter.section("agent frameworks: episode results")
+    terminalreporter.write(table)
+    target: Path | None = config.getoption("--framework-table")
+    if target is not None:
+        rewrite_between_markers(target, "framework-table", table)
