@@ -38,7 +38,7 @@ class GatewayCollector(Collector):
         yield CounterMetricFamily(
             "tokentrail_gateway_rewritten_episodes",
             "terminal seals of sessions with several roots (the agent rewrote its history), which "
-            "named the last served call as the episode; the rewritten-away chains are no samples",
+            "named the session's last call as the episode; the rewritten-away chains are no samples",
             self.sessions.rewritten_episodes,
         )
         calls = CounterMetricFamily(

@@ -105,7 +105,7 @@ class Sessions:
         self.remember_sealed = remember_sealed
         self.abandoned = 0
         self.rewritten_episodes = 0
-        """``terminal`` seals that named the last served call: the agent rewrote its history."""
+        """``terminal`` seals that named the session's last call: the agent rewrote its history."""
 
     def open(
         self, rollout_id: str | None = None, group_id: str | None = None, history: HistoryPolicy = "exact"
