@@ -26,7 +26,14 @@ import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.api.errors import api_error
-from pipeline.gateway.lineage import GatewayCall, logical_call_id, reasoning_rewrite, resolve
+from pipeline.gateway.leftout import restore_left_out
+from pipeline.gateway.lineage import (
+    GatewayCall,
+    left_out_replies,
+    logical_call_id,
+    reasoning_rewrite,
+    resolve,
+)
 from pipeline.gateway.normalize import (
     History,
     MalformedHistory,
@@ -91,9 +98,10 @@ class Forwarder:
         n = int(body.get("n") or 1) if dialect in ("chat", "completions") else 1
         resolution = resolve(session.calls, history, session.by_id)
         logical = resolution.retry_of.logical_call_id if resolution.retry_of else logical_call_id(history)
+        left_out = left_out_replies(resolution.parent, history, session.by_id)
         self._count(resolution.parent, resolution.retry_of is not None)
         if resolution.parent is not None and resolution.retry_of is None:
-            self._count_rewrite(resolution.parent, history)
+            self._count_rewrite(resolution.parent, history, left_out)
         if resolution.parent is None and resolution.retry_of is None and _template_changed(session, history):
             self.counters.template_changes += 1
         hidden = hidden_fields(bool(body.get("logprobs") or body.get("top_logprobs")))
@@ -106,7 +114,10 @@ class Forwarder:
                 except NoWorker as exc:
                     return api_error(dialect, 503, str(exc))
                 calls = await self._admit(session, resolution.parent, logical, history, n)
-                request = {**body, CAPTURE_FIELD: calls[0][1].model_dump(mode="json")}
+                request = {
+                    **restore_left_out(dialect, body, history, left_out),
+                    CAPTURE_FIELD: calls[0][1].model_dump(mode="json"),
+                }
                 attempt = _Attempt(
                     session, dialect, url, f"{url}{path}", request, calls, hidden, history, on_reply
                 )
@@ -160,8 +171,11 @@ class Forwarder:
         else:
             self.counters.children += 1
 
-    def _count_rewrite(self, parent: GatewayCall, history: History) -> None:
+    def _count_rewrite(self, parent: GatewayCall, history: History, left_out: tuple[int, ...]) -> None:
         """How the agent sent the parent's reply back (the turn before the new ones)."""
+        if parent.request_length in left_out:
+            self.counters.reasoning_rewrites["reply_left_out"] += 1
+            return
         at = (parent.extended_length or 0) - 1
         if 0 <= at < len(history.reasoning):
             kind = reasoning_rewrite(parent.reply_reasoning, history.reasoning[at])
@@ -289,7 +303,7 @@ class _Attempt:
             if turn is None:
                 continue
             length, digest = extended(self.history, turn)
-            call.answered(length, digest, coords.get(index), self.url, turn.reasoning)
+            call.answered(length, digest, coords.get(index), self.url, turn.reasoning, turn.empty)
         self.session.worker = self.url
         self.session.usage.tokens += sum(c.cum_len for c in coords.values())
         if self.on_reply is not None and reply is not None:

@@ -9,13 +9,14 @@ history is the longest prefix of the new history (the most recent on a tie): a
 ``token_in`` child. A request whose whole history equals an earlier call's request is a
 retry of it: a sibling under the same parent with the same logical call id, so the
 ledger collapses the attempts. Anything else starts a new root (the history was
-rewritten: compaction, truncation, a sub-agent).
+rewritten: compaction, truncation, a sub-agent). A reply of reasoning alone may come
+back as no turn at all (``left_out_replies``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipeline.gateway.normalize import History
@@ -41,12 +42,21 @@ class GatewayCall:
     """The empty history's digest under the call's template variables (turn histories)."""
     reply_reasoning: str = ""
     """How the reply carried reasoning (``Turn.reasoning``), to name what the agent made of it."""
+    reply_empty: bool = False
+    """The reply held reasoning alone (``Turn.empty``): an agent may send it back as no turn."""
 
     def answered(
-        self, length: int, digest: bytes, coords: CommitCoords | None, worker: str, reasoning: str = ""
+        self,
+        length: int,
+        digest: bytes,
+        coords: CommitCoords | None,
+        worker: str,
+        reasoning: str = "",
+        empty: bool = False,
     ) -> None:
         self.extended_length, self.extended_digest = length, digest
-        self.coords, self.worker, self.reply_reasoning = coords, worker, reasoning
+        self.coords, self.worker = coords, worker
+        self.reply_reasoning, self.reply_empty = reasoning, empty
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +90,8 @@ def _continued_length(call: GatewayCall, history: History) -> int | None:
     """How much of ``history`` is ``call``'s conversation with its reply, if it continues it."""
     if call.kind != history.kind:
         return None
+    if call.reply_empty and _left_out(call, history):
+        return call.request_length
     if call.extended_length is not None and call.extended_digest is not None:
         length = call.extended_length
         if length <= history.length and history.prefix_digest(length) == call.extended_digest:
@@ -93,6 +105,39 @@ def _continued_length(call: GatewayCall, history: History) -> int | None:
     ):
         return call.request_length + 1
     return None
+
+
+def _left_out(call: GatewayCall, history: History) -> bool:
+    """``history`` continues ``call``'s request with no turn for its reply: a reply of
+    reasoning alone, which frameworks send back as nothing (pydantic-ai maps a response of
+    thinking parts to no message; openai-agents drops a reasoning item no message follows).
+    An empty reply holds nothing the agent could have kept, so this is no rewrite."""
+    return (
+        call.kind == history.kind == "turns"
+        and history.role(call.request_length) not in ("assistant", None)
+        and history.prefix_digest(call.request_length) == call.request_digest
+    )
+
+
+def left_out_replies(
+    parent: GatewayCall | None, history: History, parents: Mapping[str, GatewayCall]
+) -> tuple[int, ...]:
+    """Where ``history`` left out a reply of its chain (``parent`` and its ancestors): the
+    positions of the turns that follow each one, ascending.
+
+    The worker splices the chain's exact tokens under a render of the request, and that
+    render must close one turn per reply (``stages.capture.splice``), so the gateway puts an
+    empty assistant turn back at each position (``restore``). Read from the history
+    itself, not remembered: a call rebuilt from the log finds its chain's positions too.
+    In a chain the agent continued, an ancestor's request is a prefix of the history,
+    followed by an assistant turn unless that ancestor's reply was left out."""
+    positions = []
+    call = parent
+    while call is not None:
+        if _left_out(call, history):
+            positions.append(call.request_length)
+        call = parents.get(call.parent_call_id) if call.parent_call_id else None
+    return tuple(sorted(positions))
 
 
 def reasoning_rewrite(replied: str, sent_back: str) -> str | None:
@@ -157,6 +202,7 @@ __all__ = [
     "GatewayCall",
     "Resolution",
     "episode_end",
+    "left_out_replies",
     "logical_call_id",
     "parse_logical_call_id",
     "reasoning_rewrite",

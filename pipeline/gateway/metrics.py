@@ -58,7 +58,8 @@ class GatewayCollector(Collector):
         )
         rewrites = CounterMetricFamily(
             "tokentrail_gateway_reasoning_rewrites",
-            "children whose parent's reply the agent sent back with its reasoning rewritten, by kind",
+            "children whose parent's reply the agent sent back with its reasoning rewritten (or left out, "
+            "a reply of reasoning alone: reply_left_out), by kind",
             labels=["kind"],
         )
         for kind, value in sorted(counters.reasoning_rewrites.items()):

@@ -54,7 +54,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import orjson
@@ -108,6 +108,14 @@ class Turn:
     """How an assistant turn carried reasoning: ``field`` (a reasoning field, item or block),
     ``tags`` (``<think>`` blocks in its text), ``closing`` (a ``</think>`` without its
     opener), ``unclosed``, or "" (none). Not part of the turn's bytes."""
+    source: int = field(default=-1, compare=False)
+    """The index of the request's list element (chat or Anthropic message, Responses input
+    item) the turn starts in; -1 outside the list. Not part of the turn's bytes."""
+
+    @property
+    def empty(self) -> bool:
+        """No text and no tool calls: a reply of reasoning alone, which agents may leave out."""
+        return not self.text and not self.tool_calls
 
     def canonical(self) -> bytes:
         """A fixed list layout, so a turn's bytes (and every digest over them) never drift."""
@@ -203,6 +211,7 @@ def _merged(turns: Iterable[Turn]) -> list[Turn]:
                 last.text + turn.text,
                 last.tool_calls + turn.tool_calls,
                 last.reasoning or turn.reasoning,
+                last.source,
             )
         else:
             out.append(turn)
@@ -229,7 +238,7 @@ def _canonical(turns: Iterable[Turn]) -> list[Turn]:
     for turn in _merged(turns):
         if turn.role == "assistant":
             text, kind = without_reasoning(turn.text)
-            turn = Turn("assistant", text, turn.tool_calls, kind or turn.reasoning)
+            turn = Turn("assistant", text, turn.tool_calls, kind or turn.reasoning, turn.source)
         out.append(turn)
     return out
 
@@ -272,7 +281,7 @@ def _chat_tool_calls(value: Any, param: str) -> tuple[tuple[str, str], ...]:
 
 def _chat_request(body: Mapping[str, Any]) -> list[Turn]:
     messages = _list(body.get("messages"), "messages")
-    return [_chat_turn(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    return [replace(_chat_turn(message, f"messages[{i}]"), source=i) for i, message in enumerate(messages)]
 
 
 def _choices(reply: Mapping[str, Any]) -> Iterator[tuple[int, Mapping[str, Any], str]]:
@@ -296,14 +305,14 @@ def _responses_items(items: list[Any], param: str) -> Iterator[Turn]:
         kind = item.get("type")
         if kind == "message" or (kind is None and "role" in item):
             role = _role("responses", item.get("role"), f"{path}.role")
-            yield Turn(role, _content_text(item.get("content"), f"{path}.content"))
+            yield Turn(role, _content_text(item.get("content"), f"{path}.content"), source=i)
         elif kind == "function_call":
             call = _call(item.get("name"), item.get("arguments"), f"{path}.arguments", f"{path}.name")
-            yield Turn("assistant", "", (call,))
+            yield Turn("assistant", "", (call,), source=i)
         elif kind == "function_call_output":
-            yield Turn("tool", _content_text(item.get("output"), f"{path}.output"))
+            yield Turn("tool", _content_text(item.get("output"), f"{path}.output"), source=i)
         elif kind == "reasoning":
-            yield Turn("assistant", "", reasoning="field")
+            yield Turn("assistant", "", reasoning="field", source=i)
         else:
             raise _malformed(f"{path}.type", f"unsupported item type {kind!r}")
 
@@ -380,7 +389,7 @@ def _messages_request(body: Mapping[str, Any]) -> list[Turn]:
     if system is not None:
         turns.append(Turn("system", _content_text(system, "system")))
     for i, message in enumerate(_list(body.get("messages"), "messages")):
-        turns.extend(_anthropic_message(message, f"messages[{i}]"))
+        turns.extend(replace(turn, source=i) for turn in _anthropic_message(message, f"messages[{i}]"))
     return turns
 
 
@@ -651,6 +660,8 @@ class History:
     """Each turn's role (turn histories): a recovered parent is found by a role, not a digest."""
     reasoning: tuple[str, ...] = ()
     """Each turn's ``Turn.reasoning``: how the agent sent reasoning back, for the rewrite counts."""
+    sources: tuple[int, ...] = ()
+    """Each turn's ``Turn.source``: where a left-out reply goes back into the request."""
 
     def __post_init__(self) -> None:
         if self.kind == "turns" and len(self.digests) != self.length + 1:
@@ -698,6 +709,7 @@ def history_of(dialect: Dialect, body: Mapping[str, Any]) -> History:
         tuple(digests),
         roles=tuple(turn.role for turn in turns),
         reasoning=tuple(turn.reasoning for turn in turns),
+        sources=tuple(turn.source for turn in turns),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -474,5 +475,68 @@ def test_an_agent_that_rewrites_reasoning_keeps_one_chain(
     finally:
         rig.close()
     assert event.status == "accepted" and sample is not None and event.call_count == len(REWRITES) + 1, event
+    assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in rig.recorder.calls])
+    assert_matches_hf(oracle, family_engine.model_dir, sample)
+
+
+def left_out_chat(served: Any, opened: dict[str, Any]) -> None:
+    agent, messages = agent_of(opened), [{"role": "user", "content": "What is 2 + 3?"}]
+    for _ in range(3):
+        reply = agent.chat.completions.create(
+            model=served.worker_models()[0], messages=messages, max_tokens=10, temperature=0.0
+        )
+        assert not reply.choices[0].message.content, "the reply holds more than reasoning"
+        messages.append({"role": "user", "content": "And then?"})
+
+
+def left_out_responses(served: Any, opened: dict[str, Any]) -> None:
+    agent, items = agent_of(opened), [{"role": "user", "content": "What is 2 + 3?"}]
+    for _ in range(3):
+        reply = agent.responses.create(
+            model=served.worker_models()[0], input=items, max_output_tokens=10, temperature=0.0, store=False
+        )
+        assert not reply.output_text, "the reply holds more than reasoning"
+        items.append({"role": "user", "content": "And then?"})
+
+
+def left_out_messages(served: Any, opened: dict[str, Any]) -> None:
+    agent = anthropic.Anthropic(
+        base_url=opened["anthropic_base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
+    )
+    messages: list[Any] = [{"role": "user", "content": "What is 2 + 3?"}]
+    for _ in range(3):
+        reply = agent.messages.create(
+            model=served.worker_models()[0], messages=messages, max_tokens=10, extra_body={"temperature": 0.0}
+        )
+        assert all(block.type == "thinking" for block in reply.content), reply.content
+        messages.append({"role": "user", "content": "And then?"})
+
+
+@pytest.mark.parametrize("family_engine", ["deepseek_r1"], indirect=True)
+@pytest.mark.parametrize(
+    "agent", [left_out_chat, left_out_responses, left_out_messages], ids=lambda a: a.__name__
+)
+def test_a_reasoning_only_reply_left_out_keeps_one_chain(
+    family_engine: FamilyEngine, oracle: HFOracle, agent: Callable[[Any, dict[str, Any]], None]
+) -> None:
+    """Each reply is reasoning alone (the tiny model never closes it in 10 tokens), and the
+    agent sends it back as no turn at all, as pydantic-ai and openai-agents do: each call
+    is still the previous one's child (counted as ``reply_left_out``), and the sample holds
+    every reply's exact tokens: the gateway put an empty assistant turn back where each
+    one was, and the worker spliced the reply's tokens in its place."""
+    rig = start_rig(family_engine.host, family_engine.model_dir)
+    try:
+        with contextlib.contextmanager(serve_gateway)(rig) as served:
+            opened = served.session()
+            agent(served, opened)
+            calls = served.calls(opened["rollout_id"])
+            assert [c["parent_call_id"] for c in calls] == [None, *(c["call_id"] for c in calls[:-1])], calls
+            metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
+            assert 'tokentrail_gateway_reasoning_rewrites_total{kind="reply_left_out"} 2.0' in metrics
+            assert served.seal(opened["rollout_id"], {"reward": 1.0}).status_code == 200
+            event, sample = rig.finalize(opened["rollout_id"], sealed=True)
+    finally:
+        rig.close()
+    assert event.status == "accepted" and sample is not None and event.call_count == 3, event
     assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in rig.recorder.calls])
     assert_matches_hf(oracle, family_engine.model_dir, sample)

@@ -22,8 +22,6 @@ FAMILIES: tuple[TemplateName, ...] = ("qwen3", "deepseek_r1")
 
 Results = dict[tuple[str, str], str]
 """(framework case, family) -> outcome, in the order the cases ran."""
-Notes = dict[str, str]
-"""A known gap's label (as the table's cells name it) -> what the gap is."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -41,7 +39,6 @@ def family_engine(
 
 
 _RESULTS: Results = {}
-_NOTES: Notes = {}
 
 
 @pytest.fixture(scope="session")
@@ -49,29 +46,20 @@ def framework_results() -> Results:
     return _RESULTS
 
 
-@pytest.fixture(scope="session")
-def framework_notes() -> Notes:
-    return _NOTES
-
-
-def markdown(results: Results, notes: Notes) -> str:
-    """One row per framework case, one column per family (a case not run is "-"), then
-    each known gap a cell names."""
+def markdown(results: Results) -> str:
+    """One row per framework case, one column per family (a case not run is "-")."""
     cases = list(dict.fromkeys(case for case, _ in results))
     families = [family for family in FAMILIES if any(f == family for _, f in results)]
     lines = ["| agent | " + " | ".join(families) + " |", "|---|" + "---|" * len(families)]
     for case in cases:
         lines.append(f"| {case} | " + " | ".join(results.get((case, f), "-") for f in families) + " |")
-    if notes:
-        lines.append("")
-        lines += [f"- {label}: {reason}" for label, reason in notes.items()]
     return "\n".join(lines) + "\n"
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     if not _RESULTS:
         return
-    table = markdown(_RESULTS, _NOTES)
+    table = markdown(_RESULTS)
     terminalreporter.section("agent frameworks: episode results")
     terminalreporter.write(table)
     target: Path | None = config.getoption("--framework-table")

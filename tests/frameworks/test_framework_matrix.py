@@ -17,8 +17,8 @@ reasoning cut at ``max_tokens`` with no visible text. pydantic-ai and openai-age
 such a reply (a token budget spent before any output), so their clients see a cut reply
 as finished: only its finish reason changes, as a real model's reply that stopped after
 its reasoning would read. Their history handling then runs as it would for that model.
-A case that a gap in the gateway or the worker breaks is a strict xfail naming the gap,
-with the history the framework sent and the reply it got in the failure.
+A case that breaks says how in its table cell, and its failure shows the history the
+framework sent and the reply it got.
 """
 
 from __future__ import annotations
@@ -421,39 +421,18 @@ def sdk_messages_agent(opened: Opened, tap: Tap) -> None:
 
 
 @dataclass(frozen=True)
-class Gap:
-    """A known gap that breaks a case: its label in the table and what it is."""
-
-    label: str
-    reason: str
-    raises: type[AssertionError]
-
-
-REPLY_LEFT_OUT = Gap(
-    "reasoning-only reply left out",
-    "gateway: a reply of reasoning alone that the framework sends back as no assistant turn at "
-    "all (pydantic-ai maps a response of thinking parts to no message; openai-agents drops a "
-    "reasoning item that no message follows) is not seen as that reply, so each call is a new root",
-    BrokenChain,
-)
-
-
-@dataclass(frozen=True)
 class Case:
     play: Callable[[Opened, Tap], None]
     finished: bool = False
     """Whether the framework sees cut replies as finished (it refuses them otherwise)."""
-    gap: Gap | None = None
 
 
 CASES: dict[str, Case] = {
-    "pydantic-ai chat": Case(pydantic_ai_agent("chat"), finished=True, gap=REPLY_LEFT_OUT),
+    "pydantic-ai chat": Case(pydantic_ai_agent("chat"), finished=True),
     "pydantic-ai responses": Case(pydantic_ai_agent("responses"), finished=True),
     "pydantic-ai anthropic": Case(pydantic_ai_agent("anthropic"), finished=True),
-    "openai-agents chat": Case(openai_agents_agent("chat", False), finished=True, gap=REPLY_LEFT_OUT),
-    "openai-agents chat, streamed": Case(
-        openai_agents_agent("chat", True), finished=True, gap=REPLY_LEFT_OUT
-    ),
+    "openai-agents chat": Case(openai_agents_agent("chat", False), finished=True),
+    "openai-agents chat, streamed": Case(openai_agents_agent("chat", True), finished=True),
     "openai-agents responses": Case(openai_agents_agent("responses", False), finished=True),
     "openai-agents responses, streamed": Case(openai_agents_agent("responses", True), finished=True),
     "langchain ChatOpenAI": Case(langchain_agent),
@@ -461,16 +440,6 @@ CASES: dict[str, Case] = {
     "openai SDK responses": Case(sdk_responses_agent),
     "anthropic SDK messages": Case(sdk_messages_agent),
 }
-
-
-def case_params() -> list[Any]:
-    params = []
-    for name, case in CASES.items():
-        marks = []
-        if case.gap is not None:
-            marks.append(pytest.mark.xfail(strict=True, raises=case.gap.raises, reason=case.gap.reason))
-        params.append(pytest.param(name, id=name, marks=marks))
-    return params
 
 
 def chain_ending(calls: list[dict[str, Any]], last: int) -> list[int]:
@@ -482,23 +451,19 @@ def chain_ending(calls: list[dict[str, Any]], last: int) -> list[int]:
     return chain[::-1]
 
 
-@pytest.mark.parametrize("name", case_params())
+@pytest.mark.parametrize("name", list(CASES))
 def test_framework_episode(
     family_engine: FamilyEngine,
     name: str,
     oracle: HFOracle,
     framework_results: dict[tuple[str, str], str],
-    framework_notes: dict[str, str],
 ) -> None:
     """One episode of ``name`` through the gateway: one chain, accepted, exact."""
     case, key = CASES[name], (name, family_engine.family)
     framework_results[key] = "**failed**"
 
     def broken(outcome: str, failure: AssertionError) -> AssertionError:
-        """The outcome in the table, naming the known gap that explains it (if one does)."""
-        if case.gap is not None and isinstance(failure, case.gap.raises):
-            framework_notes[case.gap.label] = case.gap.reason
-            outcome += f"; xfail: {case.gap.label}"
+        """The outcome in the table, and the failure that explains it."""
         framework_results[key] = outcome
         return failure
 
