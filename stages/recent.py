@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 DEFAULT_REMEMBER = 100_000
 """Rollouts a stage remembers as answered; about 100 bytes each."""
@@ -36,3 +36,7 @@ class RecentIds:
 
     def __len__(self) -> int:
         return len(self._ids)
+
+    def __iter__(self) -> Iterator[str]:
+        """Oldest first: ``update`` with them rebuilds the same set, forgetting in the same order."""
+        return iter(self._ids)

@@ -141,6 +141,14 @@ class LagReader:
             found.extend(TopicPartition(topic, p) for p in sorted(numbers))
         return found
 
+    async def cluster_id(self) -> str:
+        """The cluster's id, as its metadata names it: which log a checkpoint was cut from."""
+        described = await self._require_admin().describe_cluster()
+        cluster = described.get("cluster_id")
+        if not isinstance(cluster, str) or not cluster:
+            raise LagError("the broker names no cluster id")
+        return cluster
+
     async def groups(self) -> list[str]:
         """Every consumer group the cluster knows."""
         listed = await self._require_admin().list_consumer_groups()

@@ -20,10 +20,11 @@ from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.logtime import LogTimeMerge
 from pipeline.kafka.reader import assigned_reader
+from pipeline.replay.checkpoint import Cut
 from pipeline.replay.store import LedgerStore
-from stages.ledger.stage import LedgerConfig
+from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.ports import Consumed
-from stages.specs import LEDGER, StageSettings
+from stages.specs import LEDGER
 from topics.codec import DecodeError, decode
 
 Progress = Callable[[int, int], None]
@@ -50,6 +51,10 @@ class Shard:
 WHOLE_LOG = Shard()
 
 
+class LogGone(RuntimeError):
+    """Retention deleted events a rebuild needs: going on would skip them silently."""
+
+
 @dataclass(frozen=True, slots=True)
 class ReplayResult:
     events: int
@@ -67,6 +72,7 @@ async def read_log(
     progress: Progress | None = None,
     ties: Sequence[str] = (),
     shard: Shard = WHOLE_LOG,
+    complete: bool = False,
 ) -> AsyncIterator[tuple[list[Consumed], float, int]]:
     """Batches of decoded events up to today's high watermarks, in log-time merge order.
 
@@ -75,12 +81,16 @@ async def read_log(
     beginning. The order is the live ledger's (``LogTimeMerge``, equal timestamps going
     to ``ties`` in that order, DESIGN §7.2): a partition
     is fetched only when nothing of it is held, so each holds at most one fetch. Only
-    the ``shard``'s partitions are read.
+    the ``shard``'s partitions are read. ``complete``: raise ``LogGone`` rather than read
+    a partition whose log now starts past where the reading is to begin.
     """
     async with LagReader(config) as reader:
         partitions = [tp for tp in await reader.partitions(topics) if shard.holds(tp)]
-        ends = {tp: marks.highwater for tp, marks in (await reader.watermarks(partitions)).items()}
+        marks = await reader.watermarks(partitions)
+    ends = {tp: mark.highwater for tp, mark in marks.items()}
     positions = {tp: (start or {}).get(tp) for tp in partitions}
+    if complete:
+        require_retained(positions, {tp: mark.log_start for tp, mark in marks.items()})
     async with assigned_reader(config, positions) as consumer:
         read_to = {tp: await consumer.position(tp) for tp in partitions}
         total = sum(max(0, ends[tp] - read_to[tp]) for tp in partitions)
@@ -119,6 +129,24 @@ async def read_log(
             yield released.items, released.frontier, bad
 
 
+def require_retained(
+    positions: Mapping[TopicPartition, int | None], log_starts: Mapping[TopicPartition, int]
+) -> None:
+    """Raise ``LogGone`` naming every partition whose log now starts past where reading is
+    to begin (``None``: the beginning, offset 0): retention deleted what lies between."""
+    gone = [
+        f"{tp.topic}:{tp.partition} offsets {position or 0}..{log_starts[tp] - 1}"
+        for tp, position in positions.items()
+        if (position or 0) < log_starts[tp]
+    ]
+    if gone:
+        raise LogGone(
+            "retention deleted events this rebuild needs ("
+            + "; ".join(gone)
+            + "): continue from a checkpoint that covers them (--checkpoints)"
+        )
+
+
 async def rebuild(
     config: KafkaConfig,
     store: LedgerStore,
@@ -127,13 +155,41 @@ async def rebuild(
     start: Mapping[TopicPartition, int] | None = None,
     progress: Progress | None = None,
     shard: Shard = WHOLE_LOG,
+    resume: Cut | None = None,
+    cut_at: float | None = None,
+    on_cut: Callable[[Cut], None] | None = None,
 ) -> ReplayResult:
     """Re-run the ledger over its input topics (the ``shard``'s partitions) into
     ``store``, in the live loop's order, with log time as its clock, so seal grace
-    periods expire as they did live."""
-    stage = LEDGER.build(store, settings=StageSettings(ledger=ledger or LedgerConfig()))
+    periods expire as they did live.
+
+    ``resume``: continue from a checkpoint's cut (``store`` holds its ledger) and read
+    only the tail after its offsets. ``cut_at``: hand ``on_cut`` the state just before
+    the first event at or after that log time (or at the log's end, if none is), before
+    the end of the log closes what is still waiting (§7.6)."""
+    stage = LedgerStage(store, ledger or LedgerConfig())
     names = config.names
+    opened = _OpenEvents(resume.events if resume else ())
+    if resume is not None:
+        await stage.resume(resume.clocks, resume.answered, resume.events)
+        start = resume.offsets
+    covered = dict(start or {})
     count = bad_total = 0
+    before = resume.events_covered if resume else 0
+    pending = cut_at is not None and on_cut is not None
+
+    async def apply(items: Sequence[Consumed]) -> None:
+        await stage.handle(items)
+        for item in items:
+            covered[(item.topic, item.partition)] = item.offset + 1
+        if pending:
+            opened.keep(items, stage.open)
+
+    def cut() -> None:
+        assert on_cut is not None
+        events = opened.still_open(stage.open)
+        on_cut(Cut(dict(covered), stage.clocks(), list(stage.answered), events, before + count))
+
     assert LEDGER.log_time_order is not None
     async for events, frontier, bad in read_log(
         config,
@@ -142,14 +198,68 @@ async def rebuild(
         progress=progress,
         ties=LEDGER.log_time_order(names),
         shard=shard,
+        complete=True,
     ):
         bad_total += bad
-        count += len(events)
-        await stage.handle(events)
+        if pending:
+            assert cut_at is not None
+            at = next((i for i, item in enumerate(events) if item.timestamp >= cut_at), len(events))
+            await apply(events[:at])
+            count += at
+            if at < len(events):
+                cut()
+                pending = False
+                await apply(events[at:])
+                count += len(events) - at
+        else:
+            await apply(events)
+            count += len(events)
         if frontier > -math.inf:
-            await stage.tick(frontier)
+            # Before the cut, time stops at it: at the log's end the frontier is infinite,
+            # and the events still to be appended are stamped after the cut.
+            await stage.tick(min(frontier, cut_at) if pending and cut_at is not None else frontier)
+    if pending:
+        cut()
     await stage.tick(math.inf)  # the log is over: every sealed rollout's grace has passed
     return ReplayResult(count, bad_total, store.counts(), stage.gauges().open_rollouts or 0)
+
+
+class _OpenEvents:
+    """The events of the rollouts still open, in the order they were applied: with the
+    clocks, all a checkpoint needs to rebuild them (``LedgerStage.resume``)."""
+
+    SWEEP_EVERY = 256
+    """Batches between sweeps of the rollouts that closed (on a tick, not on an event)."""
+
+    def __init__(self, events: Sequence[Consumed]) -> None:
+        self._seq = 0
+        self._by_rollout: dict[str, list[tuple[int, Consumed]]] = {}
+        self._batches = 0
+        for item in events:
+            self._add(item)
+
+    def _add(self, item: Consumed) -> None:
+        self._by_rollout.setdefault(item.event.key, []).append((self._seq, item))
+        self._seq += 1
+
+    def keep(self, items: Sequence[Consumed], still_open: Mapping[str, object]) -> None:
+        for item in items:
+            if item.event.key in still_open:
+                self._add(item)
+            else:
+                self._by_rollout.pop(item.event.key, None)
+        self._batches += 1
+        if self._batches % self.SWEEP_EVERY == 0:
+            self._sweep(still_open)
+
+    def _sweep(self, still_open: Mapping[str, object]) -> None:
+        for rollout_id in [r for r in self._by_rollout if r not in still_open]:
+            del self._by_rollout[rollout_id]
+
+    def still_open(self, still_open: Mapping[str, object]) -> list[Consumed]:
+        self._sweep(still_open)
+        kept = sorted(entry for entries in self._by_rollout.values() for entry in entries)
+        return [item for _, item in kept]
 
 
 async def materialize(

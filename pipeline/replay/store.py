@@ -92,6 +92,11 @@ class LedgerStore:
     def flush(self) -> None:
         self._db.commit()
 
+    def copy_into(self, target: sqlite3.Connection) -> None:
+        """Everything stored so far, into another database (SQLite's online backup)."""
+        self._db.commit()
+        self._db.backup(target)
+
     def counts(self) -> dict[str, int]:
         self.flush()
         return dict(self._db.execute("SELECT kind, COUNT(*) FROM ledger GROUP BY kind").fetchall())

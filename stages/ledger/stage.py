@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stages.ledger.closed import ClosedRollouts
@@ -243,6 +243,25 @@ class LedgerStage:
     async def _publish(self, outputs: list[Record]) -> None:
         if outputs:
             await self.sink.publish(outputs)
+
+    def clocks(self) -> dict[int, float]:
+        """Each task's log-time clock (``resume`` takes it back)."""
+        return self._timers.clocks()
+
+    async def resume(
+        self, clocks: Mapping[int, float], answered: Iterable[str], events: Sequence[Consumed]
+    ) -> None:
+        """Continue where a checkpoint was cut: the task clocks and answered rollouts as
+        they were, then the open rollouts' own events applied again, in their order.
+
+        An open rollout's state is a function of its events alone, and none of its
+        deadlines had passed at the cut (it would be closed), so applying them again
+        under the restored clocks rebuilds it; what they emit again (calls already
+        joined) carries the same ids, which every sink applies once."""
+        for task, now in clocks.items():
+            self._timers.advance(task, now)  # nothing is scheduled yet: nothing falls due
+        self.answered.update(answered)
+        await self.handle(events)
 
     def committable(self, positions: Mapping[TopicPartition, int]) -> Mapping[TopicPartition, int]:
         commit = dict(positions)

@@ -55,6 +55,10 @@ class TaskTimers:
     def tasks(self) -> list[int]:
         return list(self._tasks)
 
+    def clocks(self) -> dict[int, float]:
+        """Every task's clock: with the open rollouts' events, what a checkpoint needs."""
+        return {task: state.now for task, state in self._tasks.items()}
+
     def forget(self, tasks: Iterable[int]) -> None:
         """Drop the clocks and deadlines of tasks this instance no longer owns."""
         for task in tasks:
