@@ -56,13 +56,14 @@ OPTIONS = (
 )
 
 
-def events(total: int, calls: int, *, chunk: int = 5_000) -> Iterator[list[Record]]:
-    """About ``total`` events in chunks of whole rollouts (``2 * calls + 1`` events each)."""
+def events(total: int, calls: int, *, chunk: int = 5_000, prefix: str = "r") -> Iterator[list[Record]]:
+    """About ``total`` events in chunks of whole rollouts (``2 * calls + 1`` events each),
+    the rollouts numbered after ``prefix``."""
     per_rollout = 2 * calls + 1
     rollouts = max(1, total // per_rollout)
     batch: list[Record] = []
     for number in range(rollouts):
-        batch += rollout_events(f"r{number}", calls)
+        batch += rollout_events(f"{prefix}{number}", calls)
         if len(batch) >= chunk:
             yield batch
             batch = []
@@ -97,8 +98,11 @@ async def ledger_rate(sample: Sequence[Record], batch: int = 500) -> float:
     return len(items) / (time.perf_counter() - start)
 
 
-async def fill(broker: Any, size: int, config: ReplayConfig, tag: str) -> tuple[Any, int]:
-    """Topics for one size, filled; returns their Kafka config and the events published."""
+async def fill(
+    broker: Any, size: int, config: ReplayConfig, tag: str, *, rollouts: str = "r"
+) -> tuple[Any, int]:
+    """Topics for one size (created if new), filled with ``size`` events of rollouts named
+    after ``rollouts``; returns their Kafka config and the events published."""
     from pipeline.kafka.admin import ensure_topics
     from pipeline.kafka.producer import KafkaEventSink
     from topics.names import TopicNames
@@ -108,7 +112,7 @@ async def fill(broker: Any, size: int, config: ReplayConfig, tag: str) -> tuple[
     published = 0
     async with KafkaEventSink(kafka, linger_ms=20) as sink:
         pending: set[asyncio.Task[None]] = set()
-        for chunk in events(size, config.calls):
+        for chunk in events(size, config.calls, prefix=rollouts):
             if len(pending) >= 4:
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             pending.add(asyncio.create_task(sink.publish(chunk)))

@@ -149,7 +149,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _print(report: dict[str, Any], *, as_json: bool) -> None:
     for line in report.get("skipped_checkpoints", []):
-        print(f"tokentrail replay: passed over checkpoint {line}", file=sys.stderr)
+        print(f"tokentrail replay: passed over {line}", file=sys.stderr)
     if as_json:
         print(json.dumps(report, sort_keys=True), flush=True)
         return

@@ -1,18 +1,21 @@
 """Ledger checkpoints: a rebuild continues from the newest one and reads only the log's tail.
 
 A checkpoint is what a rebuild needs to go on exactly as if it had never stopped
-(DESIGN §7.6): the rebuilt ledger so far, the next offset of every input partition, each
-task's log-time clock, the rollouts already answered (oldest first), and the open
-rollouts' own events, as the log holds them. Not the ledger's objects: its state is a
-function of those events (``LedgerStage.resume``), so the format is the log's own and
-outlives changes to the ledger's internals.
+(DESIGN §7.7): the next offset of every input partition, each task's log-time clock, the
+rollouts already answered (oldest first), the open rollouts' own events as the log holds
+them, and how many rows the rebuilt ledger held at the cut. Not the ledger's objects:
+its state is a function of those events (``LedgerStage.resume``), so the format is the
+log's own and outlives changes to the ledger's internals. Not the rebuilt ledger either:
+that store is extended in place, round after round (``continued``), so a restart costs
+the tail, not a copy of the history; the checkpoint names the store (its id) and the
+rows it must hold.
 
-One SQLite file per checkpoint: the ledger table copied with SQLite's backup, the rest in
-tables of their own. Its name carries its sequence number and the SHA-256 of its bytes
-(``ledger-00000007-<hex>.ckpt``), and it appears by an atomic rename once complete, so a
-partial or corrupt file is told by its name, read by nobody, and the previous checkpoint
-used. Its identity (topic prefix, cluster, event schema, partitions, the ledger's
-settings) must match the rebuild's, or it is refused naming what differs.
+One small SQLite file per checkpoint. Its name carries its sequence number and the
+SHA-256 of its bytes (``ledger-00000007-<hex>.ckpt``), and it appears by an atomic
+rename once complete, so a partial or corrupt file is told by its name, read by nobody,
+and the previous checkpoint used. Its identity (topic prefix, cluster, event schema,
+partitions, the ledger's settings, the store) must match the rebuild's, or it is refused
+naming what differs.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from typing import Any
 
 import orjson
 
-from pipeline.replay.store import LedgerStore
 from stages.ports import Consumed, TopicPartition
 from topics.codec import DecodeError, decode
 
@@ -47,12 +49,8 @@ CREATE TABLE checkpoint_answered (seq INTEGER PRIMARY KEY, rollout_id TEXT NOT N
 CREATE TABLE checkpoint_events (seq INTEGER PRIMARY KEY, topic TEXT, partition INTEGER,
                                 offset INTEGER, timestamp REAL, key BLOB, value BLOB,
                                 headers BLOB);
-CREATE TABLE checkpoint_summary (events_covered INTEGER NOT NULL);
+CREATE TABLE checkpoint_summary (events_covered INTEGER NOT NULL, store_rows INTEGER NOT NULL);
 """
-_DROP = ";".join(
-    f"DROP TABLE checkpoint_{name}"
-    for name in ("identity", "offsets", "clocks", "answered", "events", "summary")
-)
 
 
 class CheckpointRefused(ValueError):
@@ -69,6 +67,8 @@ class Identity:
     partitions: int
     ledger: str
     """The ledger's settings (seal grace, open limit, memory): other settings decide otherwise."""
+    store: str
+    """The id of the rebuilt ledger the checkpoints extend (``LedgerStore.store_id``)."""
 
     def items(self) -> dict[str, str]:
         return {
@@ -78,6 +78,7 @@ class Identity:
             "schema": str(self.schema),
             "partitions": str(self.partitions),
             "ledger": self.ledger,
+            "store": self.store,
         }
 
 
@@ -90,6 +91,8 @@ class Cut:
     answered: list[str]
     events: list[Consumed]
     events_covered: int
+    store_rows: int
+    """Rows the rebuilt ledger held at the cut: a store holding fewer is not the one cut."""
 
 
 @dataclass(slots=True)
@@ -109,15 +112,14 @@ class Found:
     skipped: list[str] = field(default_factory=list)
 
 
-def write(directory: Path, store: LedgerStore, identity: Identity, cut: Cut) -> Path:
-    """Write a checkpoint of ``store`` at ``cut``; keep the newest ``KEEP``."""
+def write(directory: Path, identity: Identity, cut: Cut) -> Path:
+    """Write a checkpoint at ``cut``; keep the newest ``KEEP``."""
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f"*{_PARTIAL}"):  # left by a writer killed mid-way
         stale.unlink()
     seq = max((seq for seq, _ in _listed(directory)), default=0) + 1
     partial = directory / f"ledger-{seq:08d}{_PARTIAL}"
     with closing(sqlite3.connect(partial)) as target:
-        store.copy_into(target)
         target.executescript(_TABLES)
         target.executemany("INSERT INTO checkpoint_identity VALUES (?, ?)", identity.items().items())
         target.executemany(
@@ -127,7 +129,7 @@ def write(directory: Path, store: LedgerStore, identity: Identity, cut: Cut) -> 
         target.executemany("INSERT INTO checkpoint_clocks VALUES (?, ?)", cut.clocks.items())
         target.executemany("INSERT INTO checkpoint_answered VALUES (?, ?)", enumerate(cut.answered))
         target.executemany("INSERT INTO checkpoint_events VALUES (?, ?, ?, ?, ?, ?, ?, ?)", _rows(cut.events))
-        target.execute("INSERT INTO checkpoint_summary VALUES (?)", (cut.events_covered,))
+        target.execute("INSERT INTO checkpoint_summary VALUES (?, ?)", (cut.events_covered, cut.store_rows))
         target.commit()
     final = directory / f"ledger-{seq:08d}-{_sha256(partial)}.ckpt"
     partial.rename(final)
@@ -136,25 +138,22 @@ def write(directory: Path, store: LedgerStore, identity: Identity, cut: Cut) -> 
     return final
 
 
-def newest(directory: Path, identity: Identity) -> Found:
-    """The newest checkpoint in ``directory`` that is whole and belongs to this rebuild."""
+def newest(directory: Path, identity: Identity, store_rows: int) -> Found:
+    """The newest checkpoint in ``directory`` that is whole, belongs to this rebuild, and
+    whose rows the store (holding ``store_rows``) still holds."""
     found = Found(None)
     for seq, path in _listed(directory):
         try:
-            found.loaded = Loaded(path, seq, _read(path, identity))
+            cut = _read(path, identity)
+            if cut.store_rows > store_rows:
+                raise CheckpointRefused(
+                    f"the ledger holds {store_rows} rows, fewer than the {cut.store_rows} at its cut"
+                )
+            found.loaded = Loaded(path, seq, cut)
             return found
         except CheckpointRefused as exc:
-            found.skipped.append(f"{path.name}: {exc}")
+            found.skipped.append(f"checkpoint {path.name}: {exc}")
     return found
-
-
-def restore_store(loaded: Loaded, out: Path) -> None:
-    """The checkpoint's ledger alone, copied into a fresh file at ``out``."""
-    out.unlink(missing_ok=True)
-    with closing(sqlite3.connect(loaded.path)) as source, closing(sqlite3.connect(out)) as target:
-        source.backup(target)
-        target.executescript(_DROP)
-        target.commit()
 
 
 def _listed(directory: Path) -> list[tuple[int, Path]]:
@@ -189,12 +188,12 @@ def _read(path: Path, identity: Identity) -> Cut:
                 row[0] for row in db.execute("SELECT rollout_id FROM checkpoint_answered ORDER BY seq")
             ]
             events = [_consumed(row) for row in db.execute("SELECT * FROM checkpoint_events ORDER BY seq")]
-            (covered,) = db.execute("SELECT events_covered FROM checkpoint_summary").fetchone()
+            covered, rows = db.execute("SELECT events_covered, store_rows FROM checkpoint_summary").fetchone()
     except CheckpointRefused:
         raise
     except (sqlite3.Error, orjson.JSONDecodeError, DecodeError, TypeError, ValueError) as exc:
         raise CheckpointRefused(f"unreadable: {exc}") from None
-    return Cut(offsets, clocks, answered, events, covered)
+    return Cut(offsets, clocks, answered, events, covered, rows)
 
 
 def _rows(events: Iterable[Consumed]) -> Iterable[tuple[object, ...]]:
@@ -218,4 +217,4 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-__all__ = ["CheckpointRefused", "Cut", "Found", "Identity", "Loaded", "newest", "restore_store", "write"]
+__all__ = ["CheckpointRefused", "Cut", "Found", "Identity", "Loaded", "newest", "write"]

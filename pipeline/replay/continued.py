@@ -1,23 +1,31 @@
 """One rebuild from checkpoints: the newest usable one, the log's tail, and a new cut.
 
-The output is built in a file of its own and renamed over ``out`` once whole, so a
-rebuild killed mid-way leaves the previous output (and the checkpoints) as they were:
-running it again is the recovery. The new checkpoint is cut ``margin_s`` of log time
-before the rebuild began: an event appended after the rebuild read the log's ends is
-stamped after that (the log-time merge's own assumption, DESIGN §7.2), so none can
-belong before the cut, and checkpoint plus tail is the same sequence as the whole log.
+The rebuilt ledger is extended in place, round after round: every row in it is final
+(the rebuild's time stops at the cut, so it closes nothing a later event could change,
+and what an event settles is settled), so a rebuild that continues from a checkpoint
+writes again only rows that are there already, byte for byte, and adds the tail's. A
+restart costs the tail, not the history. The store and its checkpoints are one pair: a
+store the checkpoints were not cut from (another id, or fewer rows than a cut held: a
+store lost or replaced) is rebuilt from the log's start, and said so.
+
+The new checkpoint is cut ``margin_s`` of log time before the rebuild began: an event
+appended after the rebuild read the log's ends is stamped after that (the log-time
+merge's own assumption, DESIGN §7.2), so none can belong before the cut, and checkpoint
+plus tail is the same sequence as the whole log. Rollouts sealed within the margin or
+their grace stay open until a later rebuild passes them.
 """
 
 from __future__ import annotations
 
-import os
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.lag import LagReader
-from pipeline.replay.checkpoint import Cut, Identity, newest, restore_store, write
+from pipeline.replay.checkpoint import Cut, Found, Identity, newest, write
 from pipeline.replay.rebuild import Progress, ReplayResult, rebuild
 from pipeline.replay.store import LedgerStore
 from stages.ledger.stage import LedgerConfig
@@ -39,14 +47,19 @@ class Continued:
     skipped: list[str] = field(default_factory=list)
 
 
-async def identity_of(config: KafkaConfig, ledger: LedgerConfig) -> Identity:
-    async with LagReader(config) as reader:
-        cluster = await reader.cluster_id()
+def identity_of(config: KafkaConfig, ledger: LedgerConfig, cluster: str, store: LedgerStore) -> Identity:
     settings = (
         f"seal_grace_s={float(ledger.seal_grace_s)} max_open_s={float(ledger.max_open_s)} "
         f"remember={DEFAULT_REMEMBER}"
     )
-    return Identity(config.names.prefix, cluster, EVENT_SCHEMA_VERSION, config.names.partitions, settings)
+    return Identity(
+        config.names.prefix, cluster, EVENT_SCHEMA_VERSION, config.names.partitions, settings, store.store_id
+    )
+
+
+async def cluster_of(config: KafkaConfig) -> str:
+    async with LagReader(config) as reader:
+        return await reader.cluster_id()
 
 
 async def rebuild_continued(
@@ -58,21 +71,20 @@ async def rebuild_continued(
     margin_s: float = DEFAULT_MARGIN_S,
     progress: Progress | None = None,
 ) -> Continued:
-    """Rebuild into ``out`` from the newest usable checkpoint in ``directory`` (or the
-    log's start) and cut a new checkpoint there."""
+    """Extend the ledger at ``out`` from the newest usable checkpoint in ``directory`` (or
+    rebuild it from the log's start) and cut a new checkpoint there."""
     began = time.time()
-    identity = await identity_of(config, ledger)
-    found = newest(directory, identity)
-    partial = out.with_name(out.name + ".partial")
-    partial.unlink(missing_ok=True)
-    if found.loaded is not None:
-        restore_store(found.loaded, partial)
-    resume = found.loaded.cut if found.loaded else None
-    written: list[Path] = []
-    with LedgerStore(partial) as store:
+    cluster = await cluster_of(config)
+    with _resumable(out, directory, lambda store: identity_of(config, ledger, cluster, store)) as (
+        store,
+        identity,
+        found,
+    ):
+        resume = found.loaded.cut if found.loaded else None
+        written: list[Path] = []
 
         def cut(state: Cut) -> None:
-            written.append(write(directory, store, identity, state))
+            written.append(write(directory, identity, state))
 
         result = await rebuild(
             config,
@@ -83,7 +95,6 @@ async def rebuild_continued(
             cut_at=began - margin_s,
             on_cut=cut,
         )
-    os.replace(partial, out)
     return Continued(
         result,
         found.loaded.path.name if found.loaded else None,
@@ -93,4 +104,24 @@ async def rebuild_continued(
     )
 
 
-__all__ = ["DEFAULT_MARGIN_S", "Continued", "identity_of", "rebuild_continued"]
+@contextmanager
+def _resumable(
+    out: Path, directory: Path, identify: Callable[[LedgerStore], Identity]
+) -> Iterator[tuple[LedgerStore, Identity, Found]]:
+    """The store at ``out`` with the newest checkpoint cut from it; a store holding rows of
+    no usable checkpoint is started afresh (its rows' cut is unknown)."""
+    with LedgerStore(out) as store:
+        identity = identify(store)
+        found = newest(directory, identity, store.rows())
+        if found.loaded is not None or not store.rows():
+            yield store, identity, found
+            return
+    out.unlink()
+    found.skipped.append(
+        f"ledger {out.name}: holds rows no usable checkpoint was cut from: rebuilt from the log's start"
+    )
+    with LedgerStore(out) as store:
+        yield store, identify(store), found
+
+
+__all__ = ["DEFAULT_MARGIN_S", "Continued", "cluster_of", "identity_of", "rebuild_continued"]

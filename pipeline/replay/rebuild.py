@@ -163,10 +163,12 @@ async def rebuild(
     ``store``, in the live loop's order, with log time as its clock, so seal grace
     periods expire as they did live.
 
-    ``resume``: continue from a checkpoint's cut (``store`` holds its ledger) and read
-    only the tail after its offsets. ``cut_at``: hand ``on_cut`` the state just before
-    the first event at or after that log time (or at the log's end, if none is), before
-    the end of the log closes what is still waiting (§7.6)."""
+    ``resume``: continue from a checkpoint's cut (``store`` is the ledger it was cut
+    from) and read only the tail after its offsets. ``cut_at``: the log is still being
+    written, and events appended from now on are stamped at or after that log time; so
+    time stops there (what the rebuild closes is final, and the store can be extended by
+    the next one), and ``on_cut`` gets the state just before the first event at or after
+    it, or at the log's end (§7.7). Without it the log is taken as finished."""
     stage = LedgerStage(store, ledger or LedgerConfig())
     names = config.names
     opened = _OpenEvents(resume.events if resume else ())
@@ -188,7 +190,7 @@ async def rebuild(
     def cut() -> None:
         assert on_cut is not None
         events = opened.still_open(stage.open)
-        on_cut(Cut(dict(covered), stage.clocks(), list(stage.answered), events, before + count))
+        on_cut(Cut(dict(covered), stage.clocks(), list(stage.answered), events, before + count, store.rows()))
 
     assert LEDGER.log_time_order is not None
     async for events, frontier, bad in read_log(
@@ -214,13 +216,12 @@ async def rebuild(
         else:
             await apply(events)
             count += len(events)
-        if frontier > -math.inf:
-            # Before the cut, time stops at it: at the log's end the frontier is infinite,
-            # and the events still to be appended are stamped after the cut.
-            await stage.tick(min(frontier, cut_at) if pending and cut_at is not None else frontier)
+        if frontier > -math.inf:  # at the log's end the frontier is infinite
+            await stage.tick(frontier if cut_at is None else min(frontier, cut_at))
     if pending:
         cut()
-    await stage.tick(math.inf)  # the log is over: every sealed rollout's grace has passed
+    if cut_at is None:
+        await stage.tick(math.inf)  # a finished log: every sealed rollout's grace has passed
     return ReplayResult(count, bad_total, store.counts(), stage.gauges().open_rollouts or 0)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +29,7 @@ CREATE TABLE IF NOT EXISTS ledger (
     payload    BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS ledger_rollout ON ledger (rollout_id);
+CREATE TABLE IF NOT EXISTS store_identity (id TEXT NOT NULL);
 """
 
 LEDGER_KINDS = {"call_committed", "call_failed", "receipt"}
@@ -44,7 +46,17 @@ class LedgerStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=OFF")
         self._db.executescript(SCHEMA)
+        self._id = self._identity()
         self.ignored = 0
+
+    def _identity(self) -> str:
+        found = self._db.execute("SELECT id FROM store_identity").fetchone()
+        if found is not None:
+            return str(found[0])
+        minted = uuid.uuid4().hex
+        self._db.execute("INSERT INTO store_identity VALUES (?)", (minted,))
+        self._db.commit()
+        return minted
 
     def close(self) -> None:
         self._db.commit()
@@ -92,10 +104,16 @@ class LedgerStore:
     def flush(self) -> None:
         self._db.commit()
 
-    def copy_into(self, target: sqlite3.Connection) -> None:
-        """Everything stored so far, into another database (SQLite's online backup)."""
+    @property
+    def store_id(self) -> str:
+        """This store's own id, minted when it was created: which ledger checkpoints extend."""
+        return self._id
+
+    def rows(self) -> int:
+        """Rows ever stored (rows are never deleted, so this only grows)."""
         self._db.commit()
-        self._db.backup(target)
+        (rows,) = self._db.execute("SELECT COALESCE(MAX(rowid), 0) FROM ledger").fetchone()
+        return int(rows)
 
     def counts(self) -> dict[str, int]:
         self.flush()

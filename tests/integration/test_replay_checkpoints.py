@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
+import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ledgerkit import captured_events, publish_all, run_ledger_until
@@ -15,7 +17,7 @@ from ledgerkit import captured_events, publish_all, run_ledger_until
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
 from pipeline.replay.checkpoint import newest
-from pipeline.replay.continued import identity_of, rebuild_continued
+from pipeline.replay.continued import cluster_of, identity_of, rebuild_continued
 from pipeline.replay.rebuild import compare, rebuild
 from pipeline.replay.store import LedgerStore
 from stages.ledger.stage import LedgerConfig
@@ -36,36 +38,43 @@ def halves(rollouts: list[list[Record]]) -> tuple[list[Record], list[Record]]:
 
 
 def test_checkpoint_plus_tail_is_the_whole_log(kafka_config: KafkaConfig, tmp_path: Path) -> None:
-    checkpoints = tmp_path / "checkpoints"
+    checkpoints, out = tmp_path / "checkpoints", tmp_path / "ledger.sqlite"
+
+    async def continued(
+        directory: Path = checkpoints, store: Path = out, ledger: LedgerConfig = LEDGER
+    ) -> Any:
+        return await rebuild_continued(kafka_config, store, directory, ledger=ledger, margin_s=0)
 
     async def go() -> None:
         await ensure_topics(kafka_config)
         first, second = halves(await captured_events(40, seed=3))
+        everything = len(first) + len(second)
         await publish_all(kafka_config, first)
-        one = await rebuild_continued(
-            kafka_config, tmp_path / "one.sqlite", checkpoints, ledger=LEDGER, margin_s=0
-        )
+        one = await continued()
         assert (one.resumed_from, one.events_before, one.result.events) == (None, 0, len(first))
         assert one.checkpoint is not None
-        cut = newest(checkpoints, await identity_of(kafka_config, LEDGER)).loaded
+        cluster = await cluster_of(kafka_config)
+        with LedgerStore(out) as store:
+            cut = newest(checkpoints, identity_of(kafka_config, LEDGER, cluster, store), store.rows()).loaded
         assert cut is not None and cut.cut.events_covered == len(first)
         assert {item.event.key for item in cut.cut.events} == {f"r3-{r}" for r in range(20, 30)}
         (checkpoints / "ledger-00000099.partial").write_bytes(b"left by a writer killed mid-way")
 
         await publish_all(kafka_config, second)
-        two = await rebuild_continued(
-            kafka_config, tmp_path / "two.sqlite", checkpoints, ledger=LEDGER, margin_s=0
-        )
+        two = await continued()
         assert two.resumed_from == one.checkpoint and two.events_before == len(first)
         assert two.result.events == len(second)  # the tail alone was read
         assert not (checkpoints / "ledger-00000099.partial").exists()
 
         with LedgerStore(tmp_path / "whole.sqlite") as whole:
             result = await rebuild(kafka_config, whole, ledger=LEDGER)
-            assert result.events == len(first) + len(second)
-            assert whole.counts()["receipt"] == 40
-            with LedgerStore(tmp_path / "two.sqlite") as continued:
-                assert compare(continued, whole) == []
+            assert result.events == everything and whole.counts()["receipt"] == 40
+
+            def same_as_whole() -> list[str]:
+                with LedgerStore(out) as rebuilt:
+                    return compare(rebuilt, whole)
+
+            assert same_as_whole() == []
 
             # The newest checkpoint corrupt: reported, and the one before it used.
             assert two.checkpoint is not None
@@ -73,31 +82,36 @@ def test_checkpoint_plus_tail_is_the_whole_log(kafka_config: KafkaConfig, tmp_pa
             data = bytearray(newest_file.read_bytes())
             data[len(data) // 2] ^= 0xFF
             newest_file.write_bytes(bytes(data))
-            three = await rebuild_continued(
-                kafka_config, tmp_path / "three.sqlite", checkpoints, ledger=LEDGER, margin_s=0
-            )
+            three = await continued()
             assert three.resumed_from == one.checkpoint and three.result.events == len(second)
             assert three.skipped == [
-                f"{two.checkpoint}: corrupt: its bytes do not match the SHA-256 in its name"
+                f"checkpoint {two.checkpoint}: corrupt: its bytes do not match the SHA-256 in its name"
             ]
-            with LedgerStore(tmp_path / "three.sqlite") as again:
-                assert compare(again, whole) == []
+            assert same_as_whole() == []
 
-        # Another ledger's checkpoints are refused naming what differs, and the log read whole.
-        other = dataclasses.replace(await identity_of(kafka_config, LEDGER), prefix="elsewhere")
-        found = newest(checkpoints, other)
-        assert found.loaded is None and found.skipped
-        refused = f"another log or ledger: prefix {kafka_config.names.prefix!r} (this rebuild: 'elsewhere')"
-        assert all(refused in line or "corrupt" in line for line in found.skipped), found.skipped
-        elsewhere = await rebuild_continued(
-            kafka_config,
-            tmp_path / "four.sqlite",
-            checkpoints,
-            ledger=LedgerConfig(seal_grace_s=5),
-            margin_s=0,
-        )
-        assert elsewhere.resumed_from is None and elsewhere.result.events == len(first) + len(second)
-        assert any("ledger 'seal_grace_s=30.0" in line for line in elsewhere.skipped), elsewhere.skipped
+            # Checkpoints cut from another store are refused naming it; that store starts at offset 0.
+            elsewhere = tmp_path / "elsewhere"
+            shutil.copytree(checkpoints, elsewhere)
+            other = await continued(elsewhere, tmp_path / "other.sqlite")
+            assert other.resumed_from is None and other.result.events == everything
+            refused = [line for line in other.skipped if "another log or ledger: store '" in line]
+            assert refused and all(line in refused or "corrupt" in line for line in other.skipped)
+
+            # A store that lost rows it held at the cut is not the one cut: rebuilt whole.
+            with sqlite3.connect(out) as db:
+                db.execute("DELETE FROM ledger WHERE rowid > 10")
+            lost = await continued()
+            assert lost.resumed_from is None and lost.result.events == everything
+            assert "the ledger holds 10 rows, fewer than the" in lost.skipped[0]
+            assert lost.skipped[-1].startswith(
+                "ledger ledger.sqlite: holds rows no usable checkpoint was cut from"
+            )
+            assert same_as_whole() == []
+
+        # Other ledger settings decide otherwise: refused naming them.
+        regraced = await continued(ledger=LedgerConfig(seal_grace_s=5))
+        assert regraced.resumed_from is None and regraced.result.events == everything
+        assert any("ledger 'seal_grace_s=30.0" in line for line in regraced.skipped), regraced.skipped
 
     asyncio.run(go())
 
@@ -130,7 +144,7 @@ def test_replay_check_from_a_checkpoint_equals_the_live_ledger(
 
     asyncio.run(publish(second))
     asyncio.run(run_ledger_until(kafka_config, expected=40))
-    two = replay(kafka_config, "--out", str(tmp_path / "b.sqlite"), "--check", *checkpoints)
+    two = replay(kafka_config, "--out", str(tmp_path / "a.sqlite"), "--check", *checkpoints)
     assert two.returncode == 0, two.stderr
     report = json.loads(two.stdout)
     assert report["resumed_from"] == json.loads(one.stdout)["checkpoint"]
