@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import logging
 import signal
 import sys
 import threading
@@ -21,8 +23,12 @@ from aiokafka.errors import KafkaError
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import STORAGE_MODES, BrokerError, EmbeddedBroker, StorageMode, StoreLockedError
 from pipeline.kafka.config import ConfigError, add_topic_layout_arguments, topic_names_from_args
+from pipeline.kafka.retention import add_retention_argument, retention_from_args
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
+from stages.ledger.stage import LedgerConfig
+
+log = logging.getLogger(__name__)
 
 EXIT_STORE_LOCKED = 3
 """Exit code when the durable store is held by another live broker."""
@@ -31,7 +37,12 @@ EXAMPLES = """\
 examples:
   tokentrail broker                                  # memory storage, a free port
   tokentrail broker --port 9092 --create-topics
+  tokentrail broker --port 9092 --create-topics --retention admission=5d --retention staged=5d
   tokentrail broker --storage durable --data-dir ./tt-broker --port 9092
+
+--create-topics sets each topic's retention (--retention, DESIGN §7.6) and refuses one
+shorter than the ledger's --max-open plus an hour. tansu records retention but never
+deletes a record: a durable store keeps the whole log.
 """
 
 
@@ -61,6 +72,16 @@ def add_parser(subparsers: Any) -> None:
         "--create-topics", action="store_true", help="create the tokentrail topics once the broker is up"
     )
     add_topic_layout_arguments(parser)
+    add_retention_argument(parser)
+    parser.add_argument(
+        "--max-open",
+        type=float,
+        default=LedgerConfig().max_open_s,
+        help=(
+            "with --create-topics: the --max-open of the ledger these topics serve; no topic may keep "
+            "its records for less than that plus 1h (default %(default)s, tokentrail stage's)"
+        ),
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document when ready")
     add_log_format_argument(parser)
     parser.set_defaults(run=run)
@@ -68,6 +89,18 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
+    if args.retention and not args.create_topics:
+        print(
+            "tokentrail broker: --retention sets the topics --create-topics creates; add it", file=sys.stderr
+        )
+        return 2
+    retention = retention_from_args(args.retention)
+    try:
+        if args.create_topics:
+            retention.check(args.max_open)
+    except ValueError as exc:
+        print(f"tokentrail broker: {exc}", file=sys.stderr)
+        return 2
     storage: StorageMode = (
         "durable" if args.storage == "durable" or (args.storage is None and args.data_dir) else "memory"
     )
@@ -92,7 +125,12 @@ def run(args: argparse.Namespace) -> int:
         created: list[str] = []
         if args.create_topics:
             names = topic_names_from_args(args)
-            created = asyncio.run(ensure_topics(broker.kafka_config(names)))
+            config = dataclasses.replace(broker.kafka_config(names), retention=retention)
+            created = asyncio.run(ensure_topics(config))
+        if storage == "durable":
+            log.warning(
+                "tansu records each topic's retention but never deletes a record: this store keeps the whole log"
+            )
         if args.json:
             print(
                 json.dumps(

@@ -19,6 +19,7 @@ from pipeline.auth.arguments import add_auth_arguments
 from pipeline.commands.run import add_rollout_arguments, execute_and_report, rollout_settings
 from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.kafka.retention import add_retention_argument
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.run.config import Attach, RunConfig
 
@@ -57,6 +58,7 @@ def add_parser(subparsers: Any) -> None:
     )
     add_rollout_arguments(parser, defaults)
     add_kafka_arguments(parser, bootstrap_required=True)
+    add_retention_argument(parser)
     add_auth_arguments(parser, server=False, client=False)
     parser.add_argument("--json", action="store_true", help="print one JSON summary on stdout (run's keys)")
     add_log_format_argument(parser)

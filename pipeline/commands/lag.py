@@ -2,7 +2,9 @@
 
 Lag is highwater − committed, with the highwater read from Fetch responses (exact on
 tansu as on Kafka, where ListOffsets is not; see ``pipeline.kafka.lag``). A broker that
-cannot be reached is not lag: it is reported as down, with its own exit code.
+cannot be reached is not lag: it is reported as down, with its own exit code. Nor is a
+commit below the log start: those records were deleted (by retention) before the group
+read them, and each such range is named on stderr, with an exit code of its own.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+from dataclasses import asdict
 from typing import Any
 
 from aiokafka.errors import KafkaError
@@ -19,10 +22,12 @@ from rich.table import Table
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.kafka.errors import BROKER_UNREACHABLE
-from pipeline.kafka.lag import LagError, LagReader, PartitionLag, lag_by_group, total_lag
+from pipeline.kafka.lag import LagError, LagReader, LostRange, PartitionLag, lag_by_group, total_lag
 
 EXIT_BROKER_DOWN = 3
 """Exit code when the broker cannot be reached (lag unknown, not zero)."""
+EXIT_RECORDS_LOST = 4
+"""Exit code when a group's commit lies below a partition's log start: records it never read are gone."""
 
 EXAMPLES = """\
 examples:
@@ -41,7 +46,9 @@ def add_parser(subparsers: Any) -> None:
             "Without --group every group is shown; without --topic, every topic where a\n"
             "group has committed offsets. A partition the group never committed on counts\n"
             "from the log start. Exits 3 (and says the broker is down) when the broker\n"
-            "cannot be reached."
+            "cannot be reached, and 4 when a group committed below a partition's log start:\n"
+            "the log deleted records (retention) before the group read them; each lost range\n"
+            "is named on stderr and in the table's lost column (the JSON's lost list)."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -70,7 +77,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report(args.bootstrap, rows), sort_keys=True))
     else:
         print_table(table(rows))
-    return 0
+    lost = lost_ranges(rows)
+    for gone in lost:
+        print(f"tokentrail lag: LOST: {gone}", file=sys.stderr)
+    return EXIT_RECORDS_LOST if lost else 0
+
+
+def lost_ranges(rows: list[PartitionLag]) -> list[LostRange]:
+    return [lost for row in rows if (lost := row.lost) is not None]
 
 
 def print_table(rendered: Table) -> None:
@@ -95,13 +109,14 @@ def report(bootstrap: str, rows: list[PartitionLag]) -> dict[str, Any]:
         "total_lag": total_lag(rows),
         "groups": lag_by_group(rows),
         "partitions": [row.as_dict() for row in rows],
+        "lost": [{**asdict(lost), "records": lost.records} for lost in lost_ranges(rows)],
     }
 
 
 def table(rows: list[PartitionLag]) -> Table:
     """Names are never cut: their columns are as wide as the longest (see ``print_table``)."""
     out = Table(title="consumer lag", caption=f"total lag: {total_lag(rows)}")
-    for name in ("group", "topic", "partition", "committed", "highwater", "lag"):
+    for name in ("group", "topic", "partition", "committed", "highwater", "lag", "lost"):
         named = name in ("group", "topic")
         out.add_column(
             name,
@@ -111,5 +126,8 @@ def table(rows: list[PartitionLag]) -> Table:
         )
     for row in rows:
         committed = "-" if row.committed is None else str(row.committed)
-        out.add_row(row.group, row.topic, str(row.partition), committed, str(row.highwater), str(row.lag))
+        lost = "" if (gone := row.lost) is None else f"{gone.first}-{gone.end - 1}"
+        out.add_row(
+            row.group, row.topic, str(row.partition), committed, str(row.highwater), str(row.lag), lost
+        )
     return out

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.kafka.retention import add_retention_argument
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
 from pipeline.run.config import RunConfig, TrainerKind
@@ -119,6 +120,7 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     add_kafka_arguments(parser)
+    add_retention_argument(parser)
     parser.add_argument(
         "--agent",
         choices=("driver", "sdk"),

@@ -19,6 +19,7 @@ from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments,
 from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.kafka.errors import BROKER_UNREACHABLE
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.kafka.retention import add_retention_argument
 from pipeline.process.heap import collect_per_batch
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S
@@ -44,6 +45,7 @@ examples:
   tokentrail stage finalizer --bootstrap 127.0.0.1:9092 --data-dir .tokentrail
   tokentrail stage finalizer --bootstrap kafka:9092 --dataplane-mode ray --ray-address auto --mixed-versions reject
   tokentrail stage ledger --bootstrap kafka:9092 --metrics-port 9464 --metrics-host 0.0.0.0
+  tokentrail stage ledger --bootstrap kafka:9092 --retention admission=5d --retention staged=5d
 
 With --metrics-port the stage serves /metrics (Prometheus), /healthz (503 once the
 consumer loop stalls for --stall-after seconds) and /readyz (200 once the group
@@ -51,6 +53,8 @@ assigned this member its partitions). With --ready-fd the stage writes one line 
 that inherited file descriptor once its group first assigned it, and closes it: how
 `tokentrail run` knows that its stage processes are serving.
 
+The stage creates missing topics with --retention (DESIGN §7.6; an existing topic's
+other retention is logged, not altered) and refuses one shorter than --max-open plus 1h.
 Run several instances with the same --group to split partitions between them.
 SIGTERM/SIGINT finish the in-flight batch, commit, and leave the group. A broker that
 goes away is waited for: the stage reconnects (backing off up to 10 s), no restart needed.
@@ -81,6 +85,7 @@ def add_parser(subparsers: Any) -> None:
         default=ledger.max_open_s,
         help="ledger: seconds before an unsealed rollout closes (default %(default)s)",
     )
+    add_retention_argument(parser)
     parser.add_argument(
         "--staging-ttl",
         type=float,
@@ -282,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> None:
     config = config_from_args(args)
+    try:  # before the topics are created with it
+        config.retention.check(args.max_open)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     metrics = StageMetrics(args.name, health=Health(stall_after_s=args.stall_after))
     server = _metrics_server(args, metrics)
     stop = asyncio.Event()

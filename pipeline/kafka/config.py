@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 
 from aiokafka.helpers import create_ssl_context
 
+from pipeline.kafka.retention import TopicRetention, retention_arguments, retention_from_args
 from topics.names import DEFAULT_PARTITIONS, DEFAULT_PREFIX, TopicNames
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
@@ -41,6 +42,8 @@ class KafkaConfig:
     bootstrap_servers: str | None = None
     client_id: str = "tokentrail"
     names: TopicNames = field(default_factory=TopicNames)
+    retention: TopicRetention = field(default_factory=TopicRetention)
+    """What topics are created with (``ensure_topics``); set by the verbs that create them."""
     replication_factor: int = 1
     request_timeout_ms: int = 30_000
     security_protocol: SecurityProtocol = "PLAINTEXT"
@@ -158,6 +161,7 @@ def config_from_args(args: argparse.Namespace) -> KafkaConfig:
         bootstrap_servers=args.bootstrap,
         client_id=args.client_id,
         names=names,
+        retention=retention_from_args(getattr(args, "retention", None)),
         security_protocol=args.security_protocol,
         sasl_mechanism=args.sasl_mechanism,
         sasl_plain_username=args.sasl_username,
@@ -170,7 +174,8 @@ def config_from_args(args: argparse.Namespace) -> KafkaConfig:
 
 def kafka_arguments(config: KafkaConfig) -> list[str]:
     """The flags of ``add_kafka_arguments`` that give ``config`` back to a child process
-    (``config_from_args`` of them); the SASL password travels in ``kafka_environment``."""
+    (``config_from_args`` of them), with ``--retention`` where it is not the default (the
+    child must take it: a stage does); the SASL password travels in ``kafka_environment``."""
     argv = [
         "--bootstrap", config.bootstrap,
         "--client-id", config.client_id,
@@ -188,7 +193,7 @@ def kafka_arguments(config: KafkaConfig) -> list[str]:
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, value]
-    return argv
+    return argv + retention_arguments(config.retention)
 
 
 def kafka_environment(config: KafkaConfig) -> dict[str, str]:

@@ -13,6 +13,11 @@ sought to its committed offset (or the beginning), so a stateful stage replays
 exactly what it needs to rebuild its state. A batch returned under an older
 assignment than the current one is dropped unhandled (its records are fetched again
 from the sought positions), so no record is handled twice by one member.
+
+No position is ever reset silently (aiokafka's ``auto_offset_reset`` is ``none``): a
+position below the log start, a commit the log deleted by retention, is a lost range,
+logged as an error naming group, partition and offsets and counted (``LoopStats.lost``)
+before the loop goes on from the log start (DESIGN §7.6).
 """
 
 from __future__ import annotations
@@ -23,15 +28,21 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from aiokafka.errors import CommitFailedError, IllegalStateError
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    NoOffsetForPartitionError,
+    OffsetOutOfRangeError,
+)
 from aiokafka.structs import ConsumerRecord
 
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.lag import lost_range
 from pipeline.kafka.logtime import LogTimeMerge
 from stages.ports import Consumed, EventSink, StageHandler
 from stages.ports import TopicPartition as PortPartition
@@ -64,6 +75,8 @@ class LoopStats:
     """Releases that went on without a partition that kept the others waiting too long."""
     passed: int = 0
     """Records of a type the stage does not read, passed by without decoding (``reads``)."""
+    lost: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Records per (topic, partition) the log deleted before this member read them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +165,8 @@ class ConsumerLoop:
         self._consumer_settings = {
             "group_id": group_id,
             "enable_auto_commit": False,
-            "auto_offset_reset": "earliest",
+            # Never reset a position behind our back: ``_reposition`` decides, and says so.
+            "auto_offset_reset": "none",
             "session_timeout_ms": tuning.session_timeout_ms,
             "heartbeat_interval_ms": tuning.heartbeat_interval_ms,
             "max_poll_interval_ms": max_poll_interval_ms,
@@ -288,8 +302,54 @@ class ConsumerLoop:
 
     async def _fetch(self, consumer: AIOKafkaConsumer) -> tuple[dict[TopicPartition, list[Record]], int]:
         """A batch, tagged with the assignment epoch current when it was returned."""
-        batch = await consumer.getmany(timeout_ms=self._poll_ms(), max_records=self.max_records)
+        try:
+            batch = await consumer.getmany(timeout_ms=self._poll_ms(), max_records=self.max_records)
+        except (OffsetOutOfRangeError, NoOffsetForPartitionError) as exc:
+            async with self._lock:
+                await self._reposition(consumer, exc)
+            return {}, self._epoch
         return batch, self._epoch
+
+    async def _reposition(
+        self, consumer: AIOKafkaConsumer, error: OffsetOutOfRangeError | NoOffsetForPartitionError
+    ) -> None:
+        """Where aiokafka would have reset positions silently, start from the log start and
+        say what that skips: a partition without a position (aiokafka's fetcher reached it
+        before the assignment callback sought it) skips nothing; a position below the log
+        start skips records the log deleted before this member read them, a lost range,
+        logged as an error and counted; a position past the end (a log truncated under
+        it) reads the partition again from its start, as Kafka's ``earliest`` reset does."""
+        if isinstance(error, OffsetOutOfRangeError):
+            offsets: dict[TopicPartition, int | None] = dict(error.args[0])
+        else:
+            offsets = dict.fromkeys(error.args)
+        assigned = consumer.assignment()
+        offsets = {tp: offset for tp, offset in offsets.items() if tp in assigned}
+        if not offsets:
+            return
+        starts = await consumer.beginning_offsets(list(offsets))
+        for tp, offset in offsets.items():
+            start = starts[tp]
+            consumer.seek(tp, start)
+            if offset is None:
+                continue
+            lost = lost_range(self.group_id, tp.topic, tp.partition, offset, start)
+            if lost is None:
+                log.warning(
+                    "%s: offset %d of %s[%d] is past its end; group %s reads it again from the log start %d",
+                    self.stage,
+                    offset,
+                    tp.topic,
+                    tp.partition,
+                    self.group_id,
+                    start,
+                )
+                continue
+            log.error("%s: %s; going on from offset %d", self.stage, lost, start)
+            key = (tp.topic, tp.partition)
+            self.stats.lost[key] = self.stats.lost.get(key, 0) + lost.records
+            if self._held.empty(key):
+                self._positions[tp] = start  # nothing before the gap waits: commits may pass it
 
     def _poll_ms(self) -> float:
         """How long the next poll may wait for records: ``idle_poll_ms``, but in log-time

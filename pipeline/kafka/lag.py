@@ -51,11 +51,44 @@ class Watermarks:
 
 
 @dataclass(frozen=True, slots=True)
+class LostRange:
+    """Offsets ``[first, end)`` of a partition that the log deleted (by retention) before
+    a consumer group read them: the group will never see those records."""
+
+    group: str
+    topic: str
+    partition: int
+    first: int
+    end: int
+
+    @property
+    def records(self) -> int:
+        return self.end - self.first
+
+    def __str__(self) -> str:
+        return (
+            f"group {self.group} lost {self.topic}[{self.partition}] offsets {self.first} to {self.end - 1} "
+            f"({self.records} records): the log deleted them before the group read them"
+        )
+
+
+def lost_range(
+    group: str, topic: str, partition: int, offset: int | None, log_start: int
+) -> LostRange | None:
+    """What a group that has read up to ``offset`` (its commit, or its position) can no
+    longer read: the offsets below the partition's log start. A group that never
+    committed (``None``) starts at the log start and loses nothing."""
+    if offset is None or offset >= log_start:
+        return None
+    return LostRange(group, topic, partition, offset, log_start)
+
+
+@dataclass(frozen=True, slots=True)
 class PartitionLag:
     """Lag of one consumer group on one partition.
 
     ``committed`` is None when the group never committed there; it then starts at
-    the log start (``auto_offset_reset="earliest"``), and that is what lag counts from.
+    the log start, and that is what lag counts from. A commit below the log start is a lost range (``lost``), not lag.
     """
 
     group: str
@@ -70,8 +103,13 @@ class PartitionLag:
         start = self.committed if self.committed is not None else self.log_start
         return max(self.highwater - max(start, self.log_start), 0)
 
+    @property
+    def lost(self) -> LostRange | None:
+        return lost_range(self.group, self.topic, self.partition, self.committed, self.log_start)
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "lag": self.lag}
+        lost = self.lost
+        return {**asdict(self), "lag": self.lag, "lost_records": lost.records if lost is not None else 0}
 
 
 def total_lag(rows: Iterable[PartitionLag]) -> int:

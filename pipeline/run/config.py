@@ -20,6 +20,7 @@ from pipeline.kafka.config import KafkaConfig
 from pipeline.worker.reasoning import AUTO
 from stages.driver import Job
 from stages.envs.arithmetic import Task, make_tasks
+from stages.ledger.stage import LedgerConfig
 from stages.trainer.settings import TRAINER_DTYPES, TrainerDtype
 from stages.trainer.staleness import StaleMeasure
 
@@ -174,6 +175,9 @@ class RunConfig:
         for name in ("seal_grace_s", "max_open_s", "finalize_timeout_s", "lag_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        # The topics must outlive a rollout left open: in this run's ledger, or (driving a
+        # cluster) in one started with tokentrail stage's default.
+        self.kafka.retention.check(self.max_open_s if self.attach is None else LedgerConfig().max_open_s)
 
     @property
     def total_rollouts(self) -> int:

@@ -122,9 +122,16 @@ class StateCollector(Collector):
             "Records of a type this stage does not read, passed by without decoding",
             labels=labels,
         )
+        lost = CounterMetricFamily(
+            "tokentrail_consumer_lost_records",
+            "Records the log deleted (retention) before this member read them, per partition",
+            labels=[*labels, "topic", "partition"],
+        )
         if self.loop is not None:
             group, stats = self.loop
             rebalances.add_metric([self.stage, group], stats.rebalances)
             commits.add_metric([self.stage, group], stats.commits)
             passed.add_metric([self.stage, group], stats.passed)
-        yield from (rebalances, commits, passed)
+            for (topic, partition), count in sorted(dict(stats.lost).items()):
+                lost.add_metric([self.stage, group, topic, str(partition)], count)
+        yield from (rebalances, commits, passed, lost)

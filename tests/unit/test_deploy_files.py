@@ -25,7 +25,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from pipeline.kafka.retention import ROLES, retention_from_args, retention_setting
 from pipeline.stagehost.metrics import StageMetrics
+from stages.ledger.stage import LedgerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSIONS = ["1.30.0", "1.37.0"]  # oldest and newest Kubernetes the manifests are held to
@@ -278,6 +280,37 @@ def test_manifest_wiring() -> None:
         assert {ref["configMapRef"]["name"] for ref in container["envFrom"]} == {config["metadata"]["name"]}
         for variable in re.findall(r"\$\((\w+)\)", line):
             assert variable in config["data"], f"{name} uses $({variable}), which the ConfigMap lacks"
+
+
+def retention_settings(words: list[str], variables: dict[str, str]) -> list[tuple[str, int]]:
+    """Every ``--retention`` of a command line, ``$(VAR)`` read from ``variables``, parsed as the CLI does."""
+    values = [
+        word.split("=", 1)[1] if word.startswith("--retention=") else words[i + 1]
+        for i, word in enumerate(words)
+        if word.startswith("--retention=") or word == "--retention"
+    ]
+    return [retention_setting(re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], v)) for v in values]
+
+
+def test_both_stages_keep_every_topic_as_long_as_the_pipeline_needs() -> None:
+    """Compose and Kubernetes set every topic's retention, the same in both stages (a stage
+    reports another retention on existing topics at every start), never below --max-open
+    plus 1h (the stage would refuse to start)."""
+    lines = [command_words(compose()["services"][stage]) for stage in ("ledger", "finalizer")]
+    docs = [doc for _, doc in manifests()]
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        lines.append(shlex.split(" ".join([*container.get("command", []), *container["args"]])))
+    seen = set()
+    for words in lines:
+        settings = retention_settings(words, config)
+        assert sorted(role for role, _ in settings) == sorted(ROLES), words
+        retention = retention_from_args(settings)
+        max_open = float(flag(words, "--max-open") or LedgerConfig().max_open_s)
+        assert retention.shortfalls(max_open) == []
+        seen.add(retention)
+    assert len(seen) == 1, "the stages ask for different retentions"
 
 
 # -- image -----------------------------------------------------------------------

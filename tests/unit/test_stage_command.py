@@ -11,7 +11,8 @@ import pytest
 
 from pipeline import cli
 from pipeline.kafka.broker import EmbeddedBroker
-from pipeline.kafka.config import KafkaConfig, config_from_args, kafka_environment
+from pipeline.kafka.config import KafkaConfig, config_from_args, kafka_arguments, kafka_environment
+from pipeline.kafka.retention import FOREVER, TopicRetention
 from pipeline.run.config import RunConfig
 from pipeline.run.services import RUN_GROUPS, data_plane_flags, run_groups
 from pipeline.stagehost.processes import CLI_MODULE, StageOptions, stage_command
@@ -28,6 +29,7 @@ SECURE = KafkaConfig(
     sasl_plain_username="trainer",
     sasl_plain_password="s3cret",
     ssl_cafile="/etc/ca.pem",
+    retention=TopicRetention(admission=5 * 86_400_000, deadletter=FOREVER),
 )
 
 
@@ -58,6 +60,7 @@ def test_the_stage_command_carries_the_runs_settings(monkeypatch: pytest.MonkeyP
         "/data/dataplane.json",
     )
     assert "--dataplane-addresses" not in stage_command("ledger", SECURE, options)
+    assert "--retention" not in kafka_arguments(KafkaConfig("k:9092"))  # the defaults go unsaid
 
 
 def test_the_memory_brokers_short_merge_margin_reaches_the_stage_processes() -> None:
