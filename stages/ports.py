@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from stages.recent import RecentIds
 from topics.codec import RawRecord, raw_record
@@ -168,3 +168,20 @@ class StagePort(StageHandler, Protocol):
         ...
 
     def gauges(self) -> StageGauges: ...
+
+
+@runtime_checkable
+class Resumable(StagePort, Protocol):
+    """A stage a rebuild can cut and continue from a checkpoint (DESIGN §7.7): its state
+    is its task clocks, the rollouts it answered, and the events of those still open."""
+
+    @property
+    def open(self) -> Mapping[str, object]:
+        """The rollouts still open, by id."""
+        ...
+
+    def clocks(self) -> dict[int, float]: ...
+
+    async def resume(
+        self, clocks: Mapping[int, float], answered: Iterable[str], events: Sequence[Consumed]
+    ) -> None: ...

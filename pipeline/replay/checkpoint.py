@@ -4,7 +4,7 @@ A checkpoint is what a rebuild needs to go on exactly as if it had never stopped
 (DESIGN §7.7): the next offset of every input partition, each task's log-time clock, the
 rollouts already answered (oldest first), the open rollouts' own events as the log holds
 them, and how many rows the rebuilt ledger held at the cut. Not the ledger's objects:
-its state is a function of those events (``LedgerStage.resume``), so the format is the
+its state is a function of those events (the ledger's ``resume``), so the format is the
 log's own and outlives changes to the ledger's internals. Not the rebuilt ledger either:
 that store is extended in place, round after round (``continued``), so a restart costs
 the tail, not a copy of the history; the checkpoint names the store (its id) and the

@@ -22,9 +22,9 @@ from pipeline.kafka.logtime import LogTimeMerge
 from pipeline.kafka.reader import assigned_reader
 from pipeline.replay.checkpoint import Cut
 from pipeline.replay.store import LedgerStore
-from stages.ledger.stage import LedgerConfig, LedgerStage
-from stages.ports import Consumed
-from stages.specs import LEDGER
+from stages.ledger.stage import LedgerConfig
+from stages.ports import Consumed, Resumable
+from stages.specs import LEDGER, StageSettings
 from topics.codec import DecodeError, decode
 
 Progress = Callable[[int, int], None]
@@ -169,7 +169,9 @@ async def rebuild(
     time stops there (what the rebuild closes is final, and the store can be extended by
     the next one), and ``on_cut`` gets the state just before the first event at or after
     it, or at the log's end (§7.7). Without it the log is taken as finished."""
-    stage = LedgerStage(store, ledger or LedgerConfig())
+    stage = LEDGER.build(store, settings=StageSettings(ledger=ledger or LedgerConfig()))
+    if not isinstance(stage, Resumable):
+        raise TypeError(f"stage {stage.name}: a rebuild continues only a resumable stage")
     names = config.names
     opened = _OpenEvents(resume.events if resume else ())
     if resume is not None:
@@ -227,7 +229,7 @@ async def rebuild(
 
 class _OpenEvents:
     """The events of the rollouts still open, in the order they were applied: with the
-    clocks, all a checkpoint needs to rebuild them (``LedgerStage.resume``)."""
+    clocks, all a checkpoint needs to rebuild them (the ledger's ``resume``)."""
 
     SWEEP_EVERY = 256
     """Batches between sweeps of the rollouts that closed (on a tick, not on an event)."""
