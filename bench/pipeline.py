@@ -68,7 +68,7 @@ TARGET_P99_MS = 250.0  # DESIGN §9, finalize latency after seal
 MODES = ("inline", "processes")
 
 
-def _bench_groups() -> Any:
+def bench_groups() -> Any:
     """Group timings for members that share one busy event loop: heartbeats run on that
     loop, so a 1 s session (the tests' setting) expires whenever the loop is busy for a
     second, and each expiry is a rebalance in the middle of the measurement. The broker
@@ -243,7 +243,7 @@ async def members(
                             sink,
                             stop=running.stop,
                             group=f"{spec.group}-{tag}",
-                            tuning=_bench_groups(),
+                            tuning=bench_groups(),
                             started=started,
                         ),
                         name=f"bench-{spec.name}-{index}",
@@ -342,7 +342,7 @@ async def measure(
         f.event.status if f.event.status == "accepted" else str(f.event.rejection_reason)
         for f in finalized.values()
     )
-    await _clean(seed_plane, [*backlog, *later])
+    await clean_rows(seed_plane, [*backlog, *later])
     return {
         "mode": mode,
         "instances": count,
@@ -402,12 +402,12 @@ async def hosted(
     if addresses is None:
         raise ValueError(f"placement {config.placement}: stage processes need TransferQueue's addresses")
     async with process_members(
-        kafka, count, addresses, finalized, tag, tuning=_bench_groups(), quiet_s=config.quiet_s
+        kafka, count, addresses, finalized, tag, tuning=bench_groups(), quiet_s=config.quiet_s
     ) as running:
         yield running
 
 
-async def _clean(plane: DataPlane, rollouts: Sequence[Rollout]) -> None:
+async def clean_rows(plane: DataPlane, rollouts: Sequence[Rollout]) -> None:
     """Remove the samples and any rows left (untimed), so configurations start alike."""
     await plane.delete_samples([r.rollout_id for r in rollouts])
     left = await plane.list_keys(STAGING_PARTITION)
