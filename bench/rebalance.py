@@ -121,36 +121,6 @@ async def members(kafka: Any, addresses: Any, config: RebalanceConfig, tag: str)
                 await running.stop_all()
 
 
-@contextlib.asynccontextmanager
-async def following(kafka: Any, seen: dict[str, list[tuple[str, float]]]) -> AsyncIterator[None]:
-    """Every finalized event on the (fresh) topic: per rollout, (event id, time it was sent)."""
-    from pipeline.kafka.lag import LagReader
-    from pipeline.kafka.reader import assigned_reader
-    from topics.codec import DecodeError, decode
-    from topics.records import FinalizedEvent
-
-    async with LagReader(kafka) as reader:
-        partitions = await reader.partitions([kafka.names.finalized])
-    async with assigned_reader(kafka, dict.fromkeys(partitions), fetch_max_wait_ms=50) as consumer:
-
-        async def follow() -> None:
-            while True:
-                for batch in (await consumer.getmany(timeout_ms=200)).values():
-                    for record in batch:
-                        with contextlib.suppress(DecodeError):
-                            event = decode(record.key, record.value, record.headers)
-                            if isinstance(event.payload, FinalizedEvent):
-                                seen[event.key].append((event.event_id, record.timestamp / 1e3))
-
-        task = asyncio.create_task(follow(), name="finalized-follower")
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
 async def disrupt(scenario: str, running: Members, after_s: float, spacing_s: float) -> list[float]:
     """Play ``scenario`` on the members; returns when each fault began (wall time)."""
     await asyncio.sleep(after_s)
@@ -178,6 +148,7 @@ async def run_scenario(
     rollouts: Sequence[Rollout],
 ) -> dict[str, Any]:
     from bench.pipeline import clean_rows, paced, put_rows
+    from bench.stage_processes import following_finalized
     from pipeline.kafka.admin import ensure_topics
     from pipeline.kafka.producer import KafkaEventSink
     from topics.names import TopicNames
@@ -190,7 +161,7 @@ async def run_scenario(
     async with (
         KafkaEventSink(kafka) as publisher,
         members(kafka, plane.addresses, config, tag) as running,
-        following(kafka, seen),
+        following_finalized(kafka, lambda event, event_id, at: seen[event.rollout_id].append((event_id, at))),
     ):
         await asyncio.sleep(2.0)  # the last join's rebalance passes
         faults = asyncio.create_task(disrupt(scenario, running, config.seconds / 3, spacing_s=2.0))

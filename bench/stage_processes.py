@@ -22,7 +22,7 @@ import contextlib
 import os
 import signal
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,21 @@ async def process_members(
 
 @contextlib.asynccontextmanager
 async def _following(kafka: KafkaConfig, finalized: dict[str, Finalized]) -> AsyncIterator[None]:
-    """Follow the (fresh) finalized topic from its start while the context is open."""
+    """The first finalized event of each rollout, while the context is open."""
+
+    def first(event: FinalizedEvent, event_id: str, sent_at: float) -> None:
+        finalized.setdefault(event.rollout_id, Finalized(event, sent_at))
+
+    async with following_finalized(kafka, first):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def following_finalized(
+    kafka: KafkaConfig, on_event: Callable[[FinalizedEvent, str, float], None]
+) -> AsyncIterator[None]:
+    """Every finalized event on the (fresh) topic, from its start, while the context is
+    open: ``on_event(event, event id, when its producer sent it)``."""
     async with LagReader(kafka) as reader:
         partitions = await reader.partitions([kafka.names.finalized])
     async with assigned_reader(kafka, dict.fromkeys(partitions), fetch_max_wait_ms=50) as consumer:
@@ -138,11 +152,11 @@ async def _following(kafka: KafkaConfig, finalized: dict[str, Finalized]) -> Asy
                 for batch in (await consumer.getmany(timeout_ms=200)).values():
                     for record in batch:
                         try:
-                            event = decode(record.key, record.value, record.headers).payload
+                            event = decode(record.key, record.value, record.headers)
                         except DecodeError:
                             continue
-                        if isinstance(event, FinalizedEvent):
-                            finalized.setdefault(event.rollout_id, Finalized(event, record.timestamp / 1e3))
+                        if isinstance(event.payload, FinalizedEvent):
+                            on_event(event.payload, event.event_id, record.timestamp / 1e3)
 
         task = asyncio.create_task(follow(), name="finalized-follower")
         try:
