@@ -114,7 +114,7 @@ def add_parser(subparsers: Any) -> None:
         type=_non_negative_float,
         default=settings.closed_budget_bytes / 2**20,
         help=(
-            "ledger: memory for the call ids of recently closed rollouts (~550 bytes a 16-call rollout), by which "
+            "ledger: memory for the call ids of recently closed rollouts (~330 bytes a 16-call rollout), by which "
             "a late event is told from a duplicate; over it the oldest are forgotten (default %(default)g)"
         ),
     )
