@@ -1,4 +1,4 @@
-"""``tokentrail bench engine|pipeline|replay|checkpoint|rebalance|long-horizon|main-job|vllm|quotas|inspect|splice``: the benchmarks from the CLI.
+"""``tokentrail bench engine|pipeline|replay|checkpoint|rebalance|long-horizon|main-job|vllm|quotas|inspect|splice|soak``: the benchmarks from the CLI.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "quotas": "well-behaved agents' latency through the gateway alone vs beside a flooding agent",
     "inspect": "the inspector in chromium: first render of a 100,000-rollout table and a 32K-token view",
     "splice": "the worker's splice CPU per call beside vLLM's own render, at 10, 100 and 1,000 turns",
+    "soak": "stage memory slope per 10,000 rollouts, consumer lag and disk per call over a long steady run",
 }
 
 EXAMPLES = """\
@@ -48,6 +49,7 @@ examples:
   tokentrail bench quotas --quick --json
   tokentrail bench inspect --quick --json
   tokentrail bench splice --quick --json
+  tokentrail bench soak --minutes 30
 """
 
 

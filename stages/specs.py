@@ -15,6 +15,7 @@ from stages.finalize.janitor import JanitorConfig
 from stages.finalize.retain import RetainedSamples
 from stages.finalize.stage import FinalizerStage
 from stages.finalize.verify import MixedVersionPolicy
+from stages.ledger.closed import DEFAULT_BUDGET_BYTES as DEFAULT_CLOSED_BUDGET_BYTES
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.ports import DataPlane, EventSink, StagePort
 from stages.recent import DEFAULT_REMEMBER
@@ -32,6 +33,8 @@ class StageSettings:
     """The finalizer's default for multi-sample rollouts whose seal does not say."""
     remember: int = DEFAULT_REMEMBER
     """Rollouts a stage remembers as answered (recalled from its output topic's tail)."""
+    closed_budget_bytes: int = DEFAULT_CLOSED_BUDGET_BYTES
+    """The ledger's memory for the call ids its recently closed rollouts covered."""
     janitor: JanitorConfig = field(default_factory=JanitorConfig)
     """The finalizer's sweep of staging rows nobody else will delete."""
     retained: RetainedSamples | None = None
@@ -82,7 +85,9 @@ class StageSpec:
 
 
 def _ledger(sink: EventSink, _: DataPlane | None, settings: StageSettings) -> StagePort:
-    return LedgerStage(sink, settings.ledger, remember=settings.remember)
+    return LedgerStage(
+        sink, settings.ledger, remember=settings.remember, closed_budget_bytes=settings.closed_budget_bytes
+    )
 
 
 def _finalizer(sink: EventSink, data_plane: DataPlane | None, settings: StageSettings) -> StagePort:

@@ -110,6 +110,15 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     parser.add_argument(
+        "--closed-budget-mib",
+        type=_non_negative_float,
+        default=settings.closed_budget_bytes / 2**20,
+        help=(
+            "ledger: memory for the call ids of recently closed rollouts (~330 bytes a 16-call rollout), by which "
+            "a late event is told from a duplicate; over it the oldest are forgotten (default %(default)g)"
+        ),
+    )
+    parser.add_argument(
         "--mixed-versions",
         choices=[p.value for p in MixedVersionPolicy],
         default=settings.mixed_versions.value,
@@ -243,6 +252,13 @@ def _port(text: str) -> int:
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
@@ -401,6 +417,7 @@ async def _serve_stage(
         mixed_versions=MixedVersionPolicy(args.mixed_versions),
         all_or_nothing=args.all_or_nothing,
         remember=args.remember,
+        closed_budget_bytes=round(args.closed_budget_mib * 2**20),
         janitor=JanitorConfig(
             ttl_s=args.staging_ttl or staging_ttl(ledger), sweep_every_s=args.staging_sweep
         ),

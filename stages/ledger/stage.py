@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from stages.ledger.closed import ClosedRollouts
+from stages.ledger.closed import DEFAULT_BUDGET_BYTES, ClosedRollouts
 from stages.ledger.rollout import Admitted, OpenRollout
 from stages.ledger.timers import TaskTimers
 from stages.ports import Consumed, EventSink, StageGauges, TopicPartition
@@ -82,6 +82,7 @@ class LedgerStage:
         config: LedgerConfig | None = None,
         *,
         remember: int = DEFAULT_REMEMBER,
+        closed_budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         self.sink = sink
         self.config = config or LedgerConfig()
@@ -89,7 +90,7 @@ class LedgerStage:
         self.open: dict[str, OpenRollout] = {}
         self._open_spans: dict[str, _Tracked] = {}
         self._timers = TaskTimers()
-        self.closed = ClosedRollouts()
+        self.closed = ClosedRollouts(closed_budget_bytes)
         """The calls each recently receipted rollout covered: late events are judged by it."""
         self.answered = RecentIds(remember)
         """Rollouts whose receipt is published. Their events arriving again (a duplicate
@@ -205,7 +206,8 @@ class LedgerStage:
         if receipt.failure_reason is not None:
             self.stats.poisoned[str(receipt.failure_reason)] += 1
         del self.open[state.rollout_id]
-        del self._open_spans[state.rollout_id]
+        for partition in {partition for _, partition in self._open_spans.pop(state.rollout_id).first}:
+            self._timers.cancel(partition, state.rollout_id)
         self.answered.add(state.rollout_id)
         self.closed.add(state.rollout_id, [*state.admissions, *state.staged])
         return [*late, receipt]

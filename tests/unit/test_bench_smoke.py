@@ -409,3 +409,42 @@ def test_splice_bench_smallest_configuration() -> None:
     assert rows.keys() == {"chatml", "strip_reasoning"}
     assert all(row["turns"] == 10 and row["prompt_tokens"] > 100 for row in rows.values())
     assert all(row["vllm_render_ms"] > 0 and row["splice_ms"] >= 0 for row in rows.values())
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.dataplane
+def test_soak_smallest_configuration() -> None:
+    from bench import soak
+
+    report = soak.run(soak.SoakConfig(minutes=0.25, sample_every_s=3.0))
+    assert report["benchmark"] == "soak" and report["rollouts"] > 0 and report["calls"] > report["rollouts"]
+    assert {"ledger", "finalizer", "dataplane", "worker", "broker"} <= set(report["processes"])
+    assert set(report["lag"]) == {"ledger", "finalizer"}
+    assert all(lag["after_drain"] == 0 for lag in report["lag"].values())
+    assert report["disk_bytes_per_call"]["log"] is None  # a memory broker writes no log to disk
+    assert report["restarts"] == {} and "ledger" in soak.render(report)
+
+
+def test_soak_slope_is_least_squares_per_finished_rollout() -> None:
+    from bench import soak
+
+    assert soak.slope([0, 1, 2, 3], [5.0, 7.0, 9.0, 11.0]) == 2.0
+    assert soak.slope([4], [1.0]) is None and soak.slope([4, 4], [1.0, 2.0]) is None
+    samples = [
+        {
+            "at_s": 10.0 * i,
+            "finished": 1000 * i,
+            "calls": 17000 * i,
+            "lag": {"ledger": i, "finalizer": 0},
+            "rss_mib": {"ledger": 60.0 + 0.01 * i},
+            "cpu_s": {"ledger": 1.0 * i},
+            "log_bytes": 0,
+            "spool_bytes": 100 * i,
+        }
+        for i in range(1, 10)
+    ]
+    report = soak._report(soak.SoakConfig(minutes=1.5), samples, {}, {"ledger": 0, "finalizer": 0})
+    ledger = report["processes"]["ledger"]
+    assert ledger["slope_mib_per_10k_rollouts"] == 0.1 and ledger["cpu_ms_per_rollout"] == 1.0
+    assert report["lag"]["ledger"]["mean_by_third"] == [2.0, 5.0, 8.0] and report["lag"]["ledger"]["max"] == 9

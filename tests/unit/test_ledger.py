@@ -10,6 +10,8 @@ import pytest
 
 from stages.ledger.closed import ROLLOUT_OVERHEAD_BYTES, ClosedRollouts
 from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.ledger.timers import COMPACT_AT_LEAST as TIMERS_COMPACT_AT_LEAST
+from stages.ledger.timers import TaskTimers
 from stages.memory import RecordingSink
 from stages.ports import Consumed
 from topics.codec import RawRecord, encode
@@ -701,3 +703,37 @@ def test_a_failed_seal_gives_no_chain_under_any_policy() -> None:
     )
     receipt = receipt_of(run_ledger(rollout.events)[1])
     assert (receipt.failure_reason, receipt.chains, receipt.capture_poisoned) == ("rollout_failed", [], True)
+
+
+def test_closed_rollouts_leave_no_deadlines_behind() -> None:
+    """A closed rollout's deadlines (its ``max_open_s`` one lives an hour by default) are
+    dropped from the timers, so they hold a multiple of the open rollouts, not an hour of
+    finished ones."""
+    sink = RecordingSink()
+    stage = LedgerStage(sink, LedgerConfig(seal_grace_s=0.5, max_open_s=3600), remember=100)
+
+    async def go() -> None:
+        offset = 0
+        for i in range(3000):
+            r = Rollout(f"r{i}")
+            r.call("a")
+            r.seal()
+            await stage.handle([c._replace(timestamp=float(i)) for c in consumed(r.events, offset)])
+            offset += len(r.events)
+            sink.events.clear()
+
+    asyncio.run(go())
+    assert stage.stats.receipts == 3000 and stage.open == {}
+    assert stage._timers.entries() <= 4 * TIMERS_COMPACT_AT_LEAST
+
+
+def test_timers_drop_cancelled_entries_and_keep_live_ones() -> None:
+    timers = TaskTimers()
+    for i in range(400):
+        timers.schedule(0, 1000.0 + i, f"r{i}")
+    for i in range(0, 400, 2):
+        timers.cancel(0, f"r{i}")
+    assert timers.entries() <= 200 + 200 // 4  # the cancelled beyond the last rebuild
+    timers.schedule(0, 5.0, "r0")  # opened again: live once more
+    due = timers.advance(0, 2000.0)
+    assert due[0] == "r0" and {f"r{i}" for i in range(1, 400, 2)} <= set(due)

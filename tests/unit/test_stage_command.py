@@ -16,8 +16,10 @@ from pipeline.kafka.retention import FOREVER, TopicRetention
 from pipeline.run.config import RunConfig
 from pipeline.run.services import RUN_GROUPS, data_plane_flags, run_groups
 from pipeline.stagehost.processes import CLI_MODULE, StageOptions, stage_command
-from stages.ledger.stage import LedgerConfig
-from stages.specs import staging_ttl
+from stages.ledger.closed import DEFAULT_BUDGET_BYTES as DEFAULT_CLOSED_BUDGET_BYTES
+from stages.ledger.stage import LedgerConfig, LedgerStage
+from stages.memory import RecordingSink
+from stages.specs import STAGES, StageSettings, staging_ttl
 from topics.names import TopicNames
 
 SECURE = KafkaConfig(
@@ -108,3 +110,20 @@ def test_the_finalizers_sample_copies_are_configured_by_flags(capsys: pytest.Cap
     with pytest.raises(SystemExit) as exited:
         cli.build_parser().parse_args([*base, "--retain-samples-bytes", "-1"])
     assert exited.value.code == 2 and "--retain-samples-bytes" in capsys.readouterr().err
+
+
+def test_the_ledgers_closed_rollouts_budget_is_a_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--closed-budget-mib`` defaults to the ledger's own budget; a negative one is a
+    usage error naming the flag."""
+    base = ["stage", "ledger", "--bootstrap", "b:9092"]
+    assert cli.build_parser().parse_args(base).closed_budget_mib == DEFAULT_CLOSED_BUDGET_BYTES / 2**20
+    assert cli.build_parser().parse_args([*base, "--closed-budget-mib", "0.25"]).closed_budget_mib == 0.25
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args([*base, "--closed-budget-mib", "-1"])
+    assert exited.value.code == 2 and "--closed-budget-mib" in capsys.readouterr().err
+
+
+def test_the_closed_rollouts_budget_reaches_the_ledger() -> None:
+    settings = StageSettings(closed_budget_bytes=4096)
+    stage = STAGES["ledger"].build(RecordingSink(), settings=settings)
+    assert isinstance(stage, LedgerStage) and stage.closed.budget_bytes == 4096

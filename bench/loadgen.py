@@ -1,4 +1,4 @@
-"""A capture worker and its rollout driver in one process: the load of the fault suite.
+"""A capture worker and its rollout driver in one process: the load of the fault suite and the soak.
 
 The worker side is the real capture path (``CaptureCore``, ``PrefixResolver``,
 ``StagingWriter``) on the real event log and an attached TransferQueue; the engine is a

@@ -1,0 +1,225 @@
+"""Soak: the pipeline as separate processes under steady load for minutes or hours.
+
+A stage that keeps anything per finished rollout grows without end in a long-lived
+deployment, however slowly, so this watches what a sustained run costs over time
+(``bench.cluster``: embedded broker, data plane, ledger, finalizer, a capture worker
+with its driver). Every stage bound is set small (``--remember``,
+``--closed-budget-mib``, the finalizer's retained samples), so each is full within the
+first minute and any growth after that is a leak, not a structure still filling.
+
+Per process it samples resident memory and CPU time, and reports the memory's slope per
+10,000 finished rollouts (least squares over the samples past the first third, all of
+them after the bounds filled); the stages' consumer lag over time (mean per third, max);
+and what lies on disk per call: the log (the broker's data dir, with ``--storage
+durable``; none in memory) and the finalizer's spool of sample copies. The ledger keeps
+no store and this cluster runs no archive: both are reported as absent.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.cluster import Cluster, events_on, group_lags, running
+from bench.command import Benchmark, Option, Quick
+
+SPOOL_DIR = "retained-samples"
+"""Where ``tokentrail stage finalizer --data-dir D`` spools its sample copies (D/retained-samples)."""
+MAX_BOUND_FILL_ROLLOUTS = 1_000
+"""The small bounds below are full by this many finished rollouts (the largest is the
+closed rollouts': 0.125 MiB at ~330 accounted bytes each is ~400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SoakConfig:
+    minutes: float = 30.0
+    sample_every_s: float = 10.0
+    storage: str = "memory"
+    """The broker's storage: ``durable`` puts the log on disk (measured), at a lighter load."""
+    concurrency: int = 6
+    """Rollouts the worker plays at once."""
+    remember: int = 300
+    closed_budget_mib: float = 0.125
+    retain_bytes: int = 512 * 1024
+
+    def __post_init__(self) -> None:
+        if self.minutes <= 0 or self.sample_every_s <= 0:
+            raise ValueError("--minutes and --sample-every: must be > 0")
+        if self.storage not in ("memory", "durable"):
+            raise ValueError(f"--storage: memory or durable, got {self.storage!r}")
+
+
+DEFAULT = SoakConfig()
+QUICK = Quick("a 2-minute soak, sampled every 5 s", SoakConfig(minutes=2.0, sample_every_s=5.0))
+OPTIONS = (
+    Option("--minutes", "how long the load runs (default 30)", float),
+    Option("--sample-every", "seconds between samples (default 10)", float, field="sample_every_s"),
+    Option("--storage", "the broker's storage (default memory)", choices=("memory", "durable")),
+    Option("--concurrency", "rollouts the worker plays at once (default 6)", int),
+)
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def _process_stats(pids: dict[str, int]) -> tuple[dict[str, float], dict[str, float]]:
+    """Resident MiB and CPU seconds so far, per process."""
+    rss, cpu = {}, {}
+    for name, pid in pids.items():
+        proc = psutil.Process(pid)
+        times = proc.cpu_times()
+        rss[name] = round(proc.memory_info().rss / 2**20, 2)
+        cpu[name] = round(times.user + times.system, 2)
+    return rss, cpu
+
+
+def slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ``ys`` over ``xs``; None with fewer than two distinct ``xs``."""
+    if len(xs) < 2:
+        return None
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        return None
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+
+
+def _thirds(values: list[int]) -> list[float]:
+    size = max(1, len(values) // 3)
+    parts = [values[:size], values[size : 2 * size], values[2 * size :] or values[-1:]]
+    return [round(sum(p) / len(p), 1) for p in parts]
+
+
+def run(config: SoakConfig) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+        return _run(config, Path(tmp))
+
+
+def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
+    cluster = Cluster(
+        root,
+        seed=7,
+        storage=config.storage,
+        concurrency=config.concurrency,
+        remember=config.remember,
+        retain_bytes=config.retain_bytes,
+        closed_budget_mib=config.closed_budget_mib,
+    )
+    samples: list[dict[str, Any]] = []
+    with running(cluster):
+        began = time.monotonic()
+        while time.monotonic() - began < config.minutes * 60:
+            cluster.supervise(config.sample_every_s)
+            pids = {name: proc.pid for name, proc in cluster.procs.items()} | {"broker": cluster.broker.pid}
+            rss, cpu = _process_stats(pids)
+            finished = events_on(cluster.kafka, cluster.names.finalized)
+            samples.append(
+                {
+                    "at_s": round(time.monotonic() - began, 1),
+                    "finished": finished,
+                    "calls": events_on(cluster.kafka, cluster.names.committed) - finished,
+                    "lag": group_lags(cluster.kafka),
+                    "rss_mib": rss,
+                    "cpu_s": cpu,
+                    "log_bytes": _tree_bytes(root / "broker"),
+                    "spool_bytes": _tree_bytes(root / SPOOL_DIR),
+                }
+            )
+        restarts = {name: proc.restarts for name, proc in cluster.procs.items() if proc.restarts}
+        cluster.drain()
+        after_drain = group_lags(cluster.kafka)
+    return _report(config, samples, restarts, after_drain)
+
+
+def _report(
+    config: SoakConfig, samples: list[dict[str, Any]], restarts: dict[str, int], after_drain: dict[str, int]
+) -> dict[str, Any]:
+    last = samples[-1]
+    steady = [s for s in samples[len(samples) // 3 :] if s["finished"] >= MAX_BOUND_FILL_ROLLOUTS]
+    processes = {}
+    for name in last["rss_mib"]:
+        fitted = (
+            slope([s["finished"] for s in steady], [s["rss_mib"][name] for s in steady]) if steady else None
+        )
+        first = steady[0] if steady else samples[0]
+        rollouts = last["finished"] - first["finished"]
+        processes[name] = {
+            "rss_mib_first": samples[0]["rss_mib"][name],
+            "rss_mib_steady_from": first["rss_mib"][name],
+            "rss_mib_last": last["rss_mib"][name],
+            "slope_mib_per_10k_rollouts": None if fitted is None else round(fitted * 10_000, 3),
+            "cpu_ms_per_rollout": round(1000 * (last["cpu_s"][name] - first["cpu_s"][name]) / rollouts, 2)
+            if rollouts > 0
+            else None,
+        }
+    calls = last["calls"]
+    lag = {
+        stage: {
+            "mean_by_third": _thirds([s["lag"][stage] for s in samples]),
+            "max": max(s["lag"][stage] for s in samples),
+            "after_drain": after_drain.get(stage),
+        }
+        for stage in last["lag"]
+    }
+    return {
+        "benchmark": "soak",
+        "config": asdict(config),
+        "rollouts": last["finished"],
+        "calls": calls,
+        "rollouts_per_s": round(last["finished"] / last["at_s"], 1),
+        "steady_from_rollouts": steady[0]["finished"] if steady else None,
+        "processes": processes,
+        "lag": lag,
+        "disk_bytes_per_call": {
+            "log": round(last["log_bytes"] / calls, 1) if config.storage == "durable" and calls else None,
+            "spool": round(last["spool_bytes"] / calls, 1) if calls else None,
+            "ledger_store": None,
+            "archive": None,
+        },
+        "spool_bytes_max": max(s["spool_bytes"] for s in samples),
+        "restarts": restarts,
+        "samples": samples,
+        "machine": {"cpus": psutil.cpu_count()},
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        f"soak {report['config']['minutes']:g} min ({report['config']['storage']} broker): "
+        f"{report['rollouts']} rollouts, {report['calls']} calls, {report['rollouts_per_s']}/s; "
+        f"slopes over the samples from {report['steady_from_rollouts']} rollouts on",
+        f"{'process':<10} {'RSS first':>10} {'steady':>8} {'last':>8} {'MiB/10k':>9} {'CPU ms/r':>9}",
+    ]
+    for name, p in report["processes"].items():
+        per_10k = (
+            "n/a" if p["slope_mib_per_10k_rollouts"] is None else f"{p['slope_mib_per_10k_rollouts']:+.3f}"
+        )
+        lines.append(
+            f"{name:<10} {p['rss_mib_first']:>10.1f} {p['rss_mib_steady_from']:>8.1f} {p['rss_mib_last']:>8.1f} "
+            f"{per_10k:>9} {p['cpu_ms_per_rollout']!s:>9}"
+        )
+    for stage, lag in report["lag"].items():
+        lines.append(
+            f"lag {stage}: mean by third {lag['mean_by_third']}, max {lag['max']}, after drain {lag['after_drain']}"
+        )
+    disk = report["disk_bytes_per_call"]
+    lines.append(
+        f"disk bytes per call: log {disk['log']}, spool {disk['spool']} (max {report['spool_bytes_max']} B), "
+        "ledger store none, archive none"
+    )
+    if report["restarts"]:
+        lines.append(f"restarts: {report['restarts']}")
+    return "\n".join(lines)
+
+
+BENCHMARK = Benchmark("soak", __doc__, DEFAULT, QUICK, OPTIONS, run, render)
+
+if __name__ == "__main__":
+    sys.exit(BENCHMARK.main())
