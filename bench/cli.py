@@ -1,4 +1,4 @@
-"""``tokentrail bench engine|pipeline|replay|checkpoint|long-horizon|main-job|vllm|quotas|inspect|splice``: the benchmarks from the CLI.
+"""``tokentrail bench engine|pipeline|replay|checkpoint|gateway-recovery|long-horizon|main-job|vllm|quotas|inspect|splice``: the benchmarks from the CLI.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "pipeline": "calls/s, rollouts/s and seal-to-finalized latency through ledger + finalizer",
     "replay": "events/s rebuilding the ledger from the log",
     "checkpoint": "a rebuild's restart at 10^4..10^6 events of history: checkpoint + tail vs offset 0",
+    "gateway-recovery": "a restarted gateway's recovery at 10^4..10^6 events of history: bookmark vs the beginning",
     "long-horizon": "event bytes and ledger memory per call as one rollout grows to 10,000 calls",
     "main-job": "the main job end to end, memory vs durable broker storage, wall time side by side",
     "vllm": "the real vLLM worker's tokens/s with capture off vs on, per ack policy",
@@ -40,6 +41,7 @@ examples:
   tokentrail bench pipeline --instances 1,2 --lengths 16 --json
   tokentrail bench replay --sizes 10000,100000
   tokentrail bench checkpoint --quick --json
+  tokentrail bench gateway-recovery --quick --json
   tokentrail bench long-horizon --quick --json
   tokentrail bench main-job --quick --json
   tokentrail bench vllm --quick --json
