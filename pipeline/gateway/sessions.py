@@ -168,7 +168,14 @@ class Sessions:
         try:
             async with lock:
                 if rollout_id not in self._open and rollout_id not in self._sealed:
-                    await self.take_over(rollout_id)
+                    try:
+                        await self.take_over(rollout_id)
+                    except Exception as exc:  # the broker away: the caller may try again
+                        log.warning("taking rollout %s over from the log failed: %r", rollout_id, exc)
+                        raise SessionError(
+                            503,
+                            f"rollout {rollout_id}: its session could not be read from the log; try again",
+                        ) from exc
                     if (
                         opening is not None
                         and rollout_id not in self._open

@@ -263,3 +263,18 @@ def test_a_replica_lets_go_of_an_idle_session_another_went_on_with() -> None:
         assert sessions.abandoned == 1 and sessions.handed_over == 1 and sessions.open_count == 0
 
     asyncio.run(go())
+
+
+def test_a_takeover_that_cannot_read_the_log_is_a_503() -> None:
+    sessions = Sessions(RolloutClient(RecordingSink()), ttl_s=10.0)
+
+    async def unreachable(rollout_id: str) -> None:
+        raise ConnectionError("broker down")
+
+    async def go() -> None:
+        sessions.take_over = unreachable
+        with pytest.raises(SessionError) as caught:
+            await sessions.held("r1")
+        assert caught.value.status == 503 and "r1" in caught.value.message
+
+    asyncio.run(go())
