@@ -1,4 +1,4 @@
-"""``tokentrail bench engine|pipeline|replay|checkpoint|rebalance|long-horizon|main-job|vllm|quotas|inspect|splice|soak``: the benchmarks from the CLI.
+"""``tokentrail bench engine|pipeline|replay|checkpoint|rebalance|gateway-recovery|long-horizon|main-job|vllm|quotas|inspect|splice|soak``: the benchmarks from the CLI.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "replay": "events/s rebuilding the ledger from the log",
     "checkpoint": "a rebuild's restart at 10^4..10^6 events of history: checkpoint + tail vs offset 0",
     "rebalance": "stage processes under load: a kill -9 and a rolling restart, outcomes and the pause",
+    "gateway-recovery": "a restarted gateway's recovery at 10^4..10^6 events of history: bookmark vs the beginning",
     "long-horizon": "event bytes and ledger memory per call as one rollout grows to 10,000 calls",
     "main-job": "the main job end to end, memory vs durable broker storage, wall time side by side",
     "vllm": "the real vLLM worker's tokens/s with capture off vs on, per ack policy",
@@ -43,6 +44,7 @@ examples:
   tokentrail bench replay --sizes 10000,100000
   tokentrail bench checkpoint --quick --json
   tokentrail bench rebalance --quick --json
+  tokentrail bench gateway-recovery --quick --json
   tokentrail bench long-horizon --quick --json
   tokentrail bench main-job --quick --json
   tokentrail bench vllm --quick --json

@@ -17,6 +17,7 @@ from pipeline.gateway.quotas import Quotas
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.worker import add_body_limit_argument
+from stages.ledger.stage import LedgerConfig
 from topics.records import SamplePolicy
 
 EXAMPLES = """example:
@@ -66,6 +67,30 @@ def add_parser(subparsers: Any) -> None:
             "rewrite their history) (default: %(default)s)"
         ),
     )
+    recovery = parser.add_argument_group(
+        "recovery and replicas (a restart reads the log from the gateway's bookmark, not its beginning)"
+    )
+    recovery.add_argument(
+        "--replica",
+        metavar="NAME",
+        help="this replica's name, one of several behind one address routing by rollout id: a rollout "
+        "it does not hold is taken over from the log when called (default: the only gateway)",
+    )
+    recovery.add_argument(
+        "--max-open",
+        type=float,
+        default=LedgerConfig().max_open_s,
+        metavar="S",
+        help="the ledger's --max-open: older unsealed rollouts are neither rebuilt nor hold the "
+        "bookmark back (default: %(default)s)",
+    )
+    recovery.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="how often the bookmark is committed (default: %(default)s)",
+    )
     add_body_limit_argument(parser)
     quotas = parser.add_argument_group("per-rollout quotas (over one: 429 naming it)")
     for spec in fields(Quotas):
@@ -112,6 +137,9 @@ async def _serve(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         session_ttl_s=args.session_ttl,
+        replica=args.replica,
+        max_open_s=args.max_open,
+        checkpoint_every_s=args.checkpoint_every,
         sample_policy=args.sample_policy,
         max_body_bytes=args.max_body_bytes,
         credentials=credentials_from_args(args),

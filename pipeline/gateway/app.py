@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Literal
 
 import orjson
@@ -30,10 +30,11 @@ from pipeline.api.errors import InvalidRequest, api_error, parse_body
 from pipeline.auth.audit import Audit
 from pipeline.auth.capability import AgentCapabilities
 from pipeline.auth.credentials import Credentials, Role
-from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs, principal_of
+from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs, presented_secret, principal_of
 from pipeline.gateway.calls import Forwarder
 from pipeline.gateway.metrics import gateway_registry
 from pipeline.gateway.normalize import MalformedHistory, history_of
+from pipeline.gateway.opening import Opening, opening_of, terms_of
 from pipeline.gateway.pacing import AdmissionPacer, Paced
 from pipeline.gateway.previous import PREVIOUS
 from pipeline.gateway.quotas import QuotaExceeded, QuotaGuard, Quotas
@@ -188,13 +189,15 @@ def create_gateway_app(
                 "history": session.history,
                 "base_url": f"{base}/rollouts/{session.rollout_id}/v1",
                 "anthropic_base_url": f"{base}/rollouts/{session.rollout_id}",
-                "api_key": capabilities.issue(session.rollout_id),
+                "api_key": capabilities.issue(
+                    session.rollout_id, terms_of(session.group_id, session.history)
+                ),
             }
         )
 
     @app.get("/rollouts/{rollout_id}")
     async def show(rollout_id: str) -> JSONResponse:
-        return JSONResponse(sessions.describe(rollout_id))
+        return JSONResponse(await sessions.describe(rollout_id))
 
     @app.post("/rollouts/{rollout_id}/seal")
     async def seal(rollout_id: str, request: Request) -> JSONResponse:
@@ -211,12 +214,21 @@ def create_gateway_app(
         )
         return JSONResponse(sealed.model_dump(mode="json"))
 
+    def opening(request: Request) -> Opening | None:
+        """The opening the agent's key carries, if it is this rollout's (unchecked without credentials)."""
+        secret, rollout_id = presented_secret(request.headers), request.path_params["rollout_id"]
+        if secret is None or not capabilities.verify(rollout_id, secret):
+            return None
+        return opening_of(capabilities.terms(secret))
+
     for path, dialect in ROUTES.items():
-        app.post(f"/rollouts/{{rollout_id}}{path}")(_agent_route(sessions, forwarder, guard, path, dialect))
+        app.post(f"/rollouts/{{rollout_id}}{path}")(
+            _agent_route(sessions, forwarder, guard, path, dialect, opening)
+        )
 
     @app.get(f"/rollouts/{{rollout_id}}{MODELS}")
     async def models(rollout_id: str, request: Request) -> Response:
-        sessions.get(rollout_id)  # an open session's agent only; admits nothing
+        await sessions.held(rollout_id, opening(request))  # an open session's agent only; admits nothing
         return await forwarder.models(anthropic="anthropic-version" in request.headers)
 
     @app.get("/health")
@@ -235,7 +247,12 @@ def create_gateway_app(
 
 
 def _agent_route(
-    sessions: Sessions, forwarder: Forwarder, guard: QuotaGuard, path: str, dialect: Dialect
+    sessions: Sessions,
+    forwarder: Forwarder,
+    guard: QuotaGuard,
+    path: str,
+    dialect: Dialect,
+    opening: Callable[[Request], Opening | None],
 ) -> Any:
     async def serve(rollout_id: str, request: Request) -> Response:
         try:
@@ -245,7 +262,8 @@ def _agent_route(
                 raise InvalidRequest(None, "body: must be a JSON object")
             if CAPTURE_FIELD in body:
                 raise InvalidRequest(CAPTURE_FIELD, f"{CAPTURE_FIELD}: the gateway admits calls itself")
-            session = sessions.get(rollout_id)  # opened by its environment; never by an agent's call
+            # opened by its environment (here, or on another replica: the key's terms say how)
+            session = await sessions.held(rollout_id, opening(request))
             guard.check(session, len(raw))
             forwarded = body
             if dialect == "responses" and PREVIOUS in body:  # the conversation the worker does not keep

@@ -3,11 +3,18 @@
 The event sink arrives as a ``stages.ports.EventSink`` (in production the Kafka sink), so
 tests can pass an in-memory one. The server is the worker's in-loop uvicorn
 (``WorkerServer``); SIGTERM/SIGINT stop it after in-flight calls finish.
+
+Given the Kafka config, a gateway rebuilds its sessions from its bookmark at start and
+commits the bookmark while it serves (``bookmark``). A replica (``replica`` named) rebuilds
+nothing at start: it takes over, from the log, each rollout it is asked for and does not
+hold (``recovery.take_over``), so any replica can continue any episode.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +26,12 @@ from pipeline.auth.capability import AgentCapabilities
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.transport import TlsFiles, check_bind, client_verify
 from pipeline.gateway.app import create_gateway_app
+from pipeline.gateway.bookmark import Bookmark
 from pipeline.gateway.calls import Forwarder
 from pipeline.gateway.pacing import AdmissionPacer, Pacing
 from pipeline.gateway.quotas import Quotas
-from pipeline.gateway.recovery import recover
-from pipeline.gateway.sessions import Sessions
+from pipeline.gateway.recovery import recover, still_ours, take_over
+from pipeline.gateway.sessions import Session, Sessions
 from pipeline.gateway.upstream import Workers
 from pipeline.kafka.config import KafkaConfig
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
@@ -31,6 +39,9 @@ from pipeline.worker.main import WorkerServer, stop_on_signals
 from stages.client import RolloutClient
 from stages.ports import EventSink
 from topics.records import SamplePolicy
+
+_REPLICA = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+"""A replica's name, part of its consumer group's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +57,14 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     kafka: KafkaConfig | None = None
     """Where to rebuild sessions from at start (``recovery``); None starts empty."""
+    replica: str | None = None
+    """This replica's name among several serving one address: sessions are taken over
+    from the log on demand, and its bookmark is its own (None: the only gateway)."""
+    max_open_s: float = 3600.0
+    """The ledger's ``max_open``: a rollout unsealed this long after its first call is closed
+    ``never_sealed``, so it is neither rebuilt nor holds the bookmark back."""
+    checkpoint_every_s: float = 30.0
+    """How often the bookmark is committed."""
     credentials: Credentials = field(default_factory=Credentials)
     """Checks environment and operator callers, signs agent keys (``agent.key``), and
     presents the service credential to the workers (DESIGN §15)."""
@@ -59,12 +78,20 @@ class GatewayConfig:
     ssl_cafile: Path | None = None
     """The CA the workers' certificates are verified against (HTTPS workers)."""
 
+    def __post_init__(self) -> None:
+        if self.replica is not None and not _REPLICA.fullmatch(self.replica):
+            raise ValueError(f"replica: {self.replica[:80]!r} does not match {_REPLICA.pattern}")
+        for name in ("max_open_s", "checkpoint_every_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
 
 @dataclass(frozen=True, slots=True)
 class Gateway:
     app: FastAPI
     sessions: Sessions
     forwarder: Forwarder
+    bookmark: Bookmark | None = None
 
 
 @contextlib.asynccontextmanager
@@ -85,8 +112,7 @@ async def gateway(
         headers=credentials.authorization(Role.SERVICE),
         verify=client_verify(config.ssl_cafile),
     ) as http:
-        if config.kafka is not None:
-            await recover(config.kafka, sessions)
+        bookmark = None if config.kafka is None else await _recovered(config, sessions)
         workers = Workers(config.workers, slots=config.worker_slots)
         forwarder = Forwarder(client, workers, http)
         pacer = None if config.pacing is None else AdmissionPacer(config.pacing, lambda: workers.urls, http)
@@ -100,7 +126,39 @@ async def gateway(
             quotas=config.quotas,
             pacer=pacer,
         )
-        yield Gateway(app, sessions, forwarder)
+        if bookmark is None:
+            yield Gateway(app, sessions, forwarder)
+            return
+        committer = asyncio.create_task(bookmark.advance_forever(config.checkpoint_every_s))
+        try:
+            yield Gateway(app, sessions, forwarder, bookmark)
+        finally:
+            committer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await committer
+
+
+async def _recovered(config: GatewayConfig, sessions: Sessions) -> Bookmark:
+    """Sessions rebuilt from the bookmark (a replica: ready to take them over), and the
+    bookmark committed before any new session opens."""
+    kafka = config.kafka
+    assert kafka is not None
+    bookmark = Bookmark(kafka, sessions, replica=config.replica, max_open_s=config.max_open_s)
+    start = await bookmark.start()
+    if config.replica is None:
+        await recover(kafka, sessions, start=start, max_open_s=config.max_open_s)
+    else:
+        bookmark.inherit()
+
+        async def take(rollout_id: str) -> None:
+            await take_over(kafka, sessions, bookmark, rollout_id)
+
+        async def ours(session: Session) -> bool:
+            return await still_ours(kafka, bookmark, session)
+
+        sessions.take_over, sessions.still_ours = take, ours
+    await bookmark.advance()
+    return bookmark
 
 
 async def run_gateway(

@@ -36,6 +36,16 @@ class GatewayCollector(Collector):
             self.sessions.abandoned,
         )
         yield CounterMetricFamily(
+            "tokentrail_gateway_taken_over",
+            "rollouts this replica took over from the log: another gateway held them before",
+            self.sessions.taken_over,
+        )
+        yield CounterMetricFamily(
+            "tokentrail_gateway_handed_over",
+            "idle sessions let go unsealed: the log showed another replica had taken them over",
+            self.sessions.handed_over,
+        )
+        yield CounterMetricFamily(
             "tokentrail_gateway_rewritten_episodes",
             "terminal seals of sessions with several roots (the agent rewrote its history), which "
             "named the session's last call as the episode; the rewritten-away chains are no samples",

@@ -5,6 +5,10 @@ the worker that served its last call (routing prefers it), and its seal. The gat
 publishes the seal, so every session ends with exactly one: the environment's (reward,
 or failed with a reason), or ``abandoned`` when it stays idle past the session TTL. Each
 seal names who sealed it (``sealed_by``: a principal's name, never a secret).
+
+Each session also keeps its *floor*: offsets of the log at or after which all its events
+lie (``bookmark``), and a gateway given a way to take sessions over (``take_over``)
+rebuilds one it does not hold from the log when a call, a seal or a look names it.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+
+from aiokafka import TopicPartition
 
 from pipeline.api.errors import InvalidRequest
 from pipeline.gateway.lineage import GatewayCall, episode_end
+from pipeline.gateway.opening import Opening
 from pipeline.gateway.previous import ResponseLog
 from pipeline.gateway.quotas import Usage
 from stages.client import RolloutClient
@@ -56,6 +63,11 @@ class Session:
     usage: Usage = field(default_factory=Usage)
     history: HistoryPolicy = "exact"
     """What continuations' prompts hold of earlier turns (DESIGN §5.1), chosen at open."""
+    floor: Mapping[TopicPartition, int] = field(default_factory=dict)
+    """Offsets at or after which all of its events lie: what a restart must still read."""
+    opened_at: float = 0.0
+    """When its first event was (the sessions' clock): one older than the ledger's
+    ``max_open`` is closed ``never_sealed`` and holds no log back."""
 
     def add(self, call: GatewayCall) -> None:
         self.calls.append(call)
@@ -106,6 +118,15 @@ class Sessions:
         self.abandoned = 0
         self.rewritten_episodes = 0
         """``terminal`` seals that named the session's last call: the agent rewrote its history."""
+        self.mark: Mapping[TopicPartition, int] = {}
+        """The log's high watermarks read last (``bookmark``): the floor of sessions opened now."""
+        self.take_over: Callable[[str], Awaitable[None]] | None = None
+        """Rebuilds one rollout this gateway does not hold from the log (``takeover``)."""
+        self.taken_over = 0
+        self.still_ours: Callable[[Session], Awaitable[bool]] | None = None
+        """Replicas: False when the log shows another gateway went on with an idle session."""
+        self.handed_over = 0
+        self._taking: dict[str, asyncio.Lock] = {}
 
     def open(
         self, rollout_id: str | None = None, group_id: str | None = None, history: HistoryPolicy = "exact"
@@ -119,7 +140,8 @@ class Sessions:
             raise SessionError(409, f"rollout {rollout_id} is already sealed")
         session = self._open.get(rollout_id)
         if session is None:
-            session = Session(rollout_id, group_id, self.clock(), history=history)
+            now = self.clock()
+            session = Session(rollout_id, group_id, now, history=history, floor=self.mark, opened_at=now)
             self._open[rollout_id] = session
         elif group_id is not None and session.group_id not in (None, group_id):
             raise SessionError(409, f"rollout {rollout_id} is in group {session.group_id}, not {group_id}")
@@ -136,9 +158,49 @@ class Sessions:
             raise SessionError(409, f"rollout {rollout_id} is sealed; no more calls")
         raise SessionError(404, f"rollout {rollout_id} is unknown")
 
-    def describe(self, rollout_id: str) -> dict[str, object]:
+    async def held(self, rollout_id: str, opening: Opening | None = None) -> Session:
+        """The open session of ``rollout_id``; one this gateway does not know is taken over
+        from the log first when it can (one rebuild at a time per rollout), or, when the log
+        has nothing of it, opened as ``opening`` says (read from a verified agent key)."""
+        if rollout_id in self._open or rollout_id in self._sealed or self.take_over is None:
+            return self.get(rollout_id)
+        lock = self._taking.setdefault(rollout_id, asyncio.Lock())
+        try:
+            async with lock:
+                if rollout_id not in self._open and rollout_id not in self._sealed:
+                    try:
+                        await self.take_over(rollout_id)
+                    except Exception as exc:  # the broker away: the caller may try again
+                        log.warning("taking rollout %s over from the log failed: %r", rollout_id, exc)
+                        raise SessionError(
+                            503,
+                            f"rollout {rollout_id}: its session could not be read from the log; try again",
+                        ) from exc
+                    if (
+                        opening is not None
+                        and rollout_id not in self._open
+                        and rollout_id not in self._sealed
+                    ):
+                        self.open(rollout_id, *opening)
+                        self.taken_over += 1
+        finally:
+            if not lock.locked():
+                self._taking.pop(rollout_id, None)
+        return self.get(rollout_id)
+
+    def sealed_elsewhere(self, seal: RolloutSeal) -> None:
+        """Remember a rollout the log shows sealed (by another gateway): calls get a 409."""
+        self._sealed[seal.rollout_id] = Session(seal.rollout_id, seal.group_id, self.clock(), seal=seal)
+        self._trim_sealed()
+
+    async def describe(self, rollout_id: str) -> dict[str, object]:
         sealed = self._sealed.get(rollout_id)
-        return sealed.describe() if sealed is not None else self.get(rollout_id).describe()
+        return sealed.describe() if sealed is not None else (await self.held(rollout_id)).describe()
+
+    def floors(self, max_open_s: float) -> Iterator[tuple[str, Mapping[TopicPartition, int]]]:
+        """Each open session younger than ``max_open_s``, by rollout id, and its floor."""
+        now = self.clock()
+        return ((s.rollout_id, s.floor) for s in self._open.values() if now - s.opened_at < max_open_s)
 
     @property
     def open_count(self) -> int:
@@ -164,9 +226,7 @@ class Sessions:
                 f"reward {first.reward}" if first.status == "completed" else f"failed: {first.failure_reason}"
             )
             raise SessionError(409, f"rollout {rollout_id} was already sealed ({shown})")
-        session = self._open.get(rollout_id)
-        if session is None:
-            raise SessionError(404, f"rollout {rollout_id} is unknown")
+        session = await self.held(rollout_id)
         for call_id in call_rewards or {}:
             if call_id not in session.by_id:
                 raise InvalidRequest(
@@ -190,9 +250,12 @@ class Sessions:
         )
         session.seal = seal
         self._sealed[rollout_id] = self._open.pop(rollout_id)
+        self._trim_sealed()
+        return seal
+
+    def _trim_sealed(self) -> None:
         while len(self._sealed) > self.remember_sealed:
             self._sealed.popitem(last=False)
-        return seal
 
     def _default_policy(self, session: Session) -> SamplePolicy:
         """The gateway's policy; ``chains`` for a ``render`` session under ``terminal``, whose
@@ -202,16 +265,23 @@ class Sessions:
         return self.sample_policy
 
     async def sweep(self) -> list[str]:
-        """Seal every session idle past the TTL (none of its calls in flight) as ``abandoned``."""
+        """Seal every session idle past the TTL (none of its calls in flight) as ``abandoned``;
+        one another replica has taken over since (``still_ours``) is let go, not sealed."""
         now = self.clock()
-        idle = [
-            s.rollout_id for s in self._open.values() if s.in_flight == 0 and now - s.last_seen > self.ttl_s
-        ]
-        for rollout_id in idle:
+        idle = [s for s in self._open.values() if s.in_flight == 0 and now - s.last_seen > self.ttl_s]
+        sealed: list[str] = []
+        for session in idle:
+            rollout_id = session.rollout_id
+            if self.still_ours is not None and not await self.still_ours(session):
+                self._open.pop(rollout_id, None)
+                self.handed_over += 1
+                log.info("rollout %s went on on another replica: let go", rollout_id)
+                continue
             await self.seal(rollout_id, failed=ABANDONED, sealed_by=SWEEPER)
+            sealed.append(rollout_id)
             self.abandoned += 1
             log.warning("rollout %s idle past %.0fs: sealed failed %s", rollout_id, self.ttl_s, ABANDONED)
-        return idle
+        return sealed
 
     async def sweep_forever(self, every_s: float) -> None:
         while True:

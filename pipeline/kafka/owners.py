@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from aiokafka import ConsumerRecord, TopicPartition
-from aiokafka.partitioner import DefaultPartitioner
 
+from pipeline.kafka.keys import partition_of
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.reader import assigned_reader
 from stages.finalize.retain import OwnerProgress
@@ -33,11 +33,9 @@ class KafkaSampleOwners:
         names = reader.config.names
         self._partitions = list(range(names.partitions))
         self._topic = names.finalized
-        self._partitioner = DefaultPartitioner()
 
     def partition_of(self, rollout_id: str) -> int:
-        partitions = self._partitions
-        return int(self._partitioner(rollout_id.encode(), partitions, partitions))
+        return partition_of(rollout_id, len(self._partitions))
 
     async def progress(self) -> OwnerProgress:
         wanted = self._wanted()

@@ -97,6 +97,20 @@ def test_a_capability_is_bound_to_its_rollout(rollout_id: str, key: bytes) -> No
     assert not AgentCapabilities(bytes(32)).verify(rollout_id, issued) or key == bytes(32)
 
 
+@given(st.text(min_size=1, max_size=40).filter(lambda s: s.isprintable() and "\n" not in s))
+@settings(max_examples=100, deadline=None)
+def test_a_capability_carries_terms_it_binds(terms: str) -> None:
+    """Terms are read back as issued, and a key whose terms were changed, or moved to
+    another rollout, is refused."""
+    caps = AgentCapabilities(bytes(range(32)))
+    issued = caps.issue("r1", terms)
+    assert caps.verify("r1", issued) and caps.terms(issued) == terms
+    assert not caps.verify("r2", issued)
+    forged = issued.split(".")[0] + "." + caps.issue("r1", terms + "x").split(".")[1]
+    assert not caps.verify("r1", forged) and not caps.verify("r1", issued.split(".")[0])
+    assert caps.terms(caps.issue("r1")) == "" and caps.terms("tta_x.%%%") == ""
+
+
 def test_minted_credentials_are_private_and_kept(tmp_path: Path) -> None:
     directory = tmp_path / "credentials"
     first = Credentials.mint(directory)

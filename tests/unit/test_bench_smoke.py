@@ -164,6 +164,18 @@ def test_replay_smallest_configuration() -> None:
 
 @pytest.mark.slow
 @pytest.mark.broker
+def test_gateway_recovery_smallest_configuration() -> None:
+    from bench import gateway_recovery
+
+    report = gateway_recovery.run(gateway_recovery.GatewayRecoveryConfig(sizes=(340,), open=3, calls=2))
+    (result,) = report["results"]
+    assert result["reopened"] == 3 and result["tail_events"] == 3 * 4 and result["history_events"] == 340
+    assert result["restart_from_bookmark_s"] > 0 and result["restart_from_beginning_s"] > 0
+    assert "| 340 |" in gateway_recovery.render(report)
+
+
+@pytest.mark.slow
+@pytest.mark.broker
 @pytest.mark.dataplane
 def test_long_horizon_smallest_configuration() -> None:
     from bench import long_horizon

@@ -10,7 +10,7 @@ import pytest
 from pipeline.gateway.lineage import GatewayCall, episode_end, logical_call_id, parse_logical_call_id, resolve
 from pipeline.gateway.normalize import Turn, extended, history_of
 from pipeline.gateway.recovery import _recovered
-from pipeline.gateway.sessions import ABANDONED, SessionError, Sessions
+from pipeline.gateway.sessions import ABANDONED, Session, SessionError, Sessions
 from pipeline.gateway.upstream import NoWorker, Workers
 from stages.client import RolloutClient
 from stages.memory import RecordingSink
@@ -90,7 +90,7 @@ def test_sessions_seal_once_and_abandon_idle_ones() -> None:
             assert caught.value.status in (404, 409)
         with pytest.raises(SessionError) as caught:
             sessions.get("r1")
-        assert caught.value.status == 409 and sessions.describe("r1")["sealed"] is not None
+        assert caught.value.status == 409 and (await sessions.describe("r1"))["sealed"] is not None
         busy, idle = sessions.open("r2"), sessions.open("r3")
         busy.in_flight = 1
         now[0] = 11.0
@@ -235,3 +235,46 @@ def test_the_episode_end_is_declared_only_for_a_rewritten_history() -> None:
     assert episode_end(rewritten) == "c4"
     choices = [*rewritten, _call("c5.0", "ht7-e.0", "c4"), _call("c5.1", "ht7-e.1", "c4")]
     assert episode_end(choices) is None
+
+
+def test_an_opening_travels_in_the_key_and_back() -> None:
+    from pipeline.gateway.opening import opening_of, terms_of
+
+    assert terms_of(None, "exact") == "" and opening_of("") == (None, "exact")
+    for opening in (("g", "exact"), (None, "render"), ("g", "render")):
+        assert opening_of(terms_of(*opening)) == opening
+    with pytest.raises(ValueError, match="terms"):
+        opening_of('{"group_id": 3, "history": "exact"}')
+
+
+def test_a_replica_lets_go_of_an_idle_session_another_went_on_with() -> None:
+    now = [0.0]
+    sessions = Sessions(RolloutClient(RecordingSink()), ttl_s=10.0, clock=lambda: now[0])
+
+    async def go() -> None:
+        sessions.open("mine"), sessions.open("moved")
+
+        async def still_ours(session: Session) -> bool:
+            return session.rollout_id == "mine"
+
+        sessions.still_ours = still_ours
+        now[0] = 11.0
+        assert await sessions.sweep() == ["mine"]
+        assert sessions.abandoned == 1 and sessions.handed_over == 1 and sessions.open_count == 0
+
+    asyncio.run(go())
+
+
+def test_a_takeover_that_cannot_read_the_log_is_a_503() -> None:
+    sessions = Sessions(RolloutClient(RecordingSink()), ttl_s=10.0)
+
+    async def unreachable(rollout_id: str) -> None:
+        raise ConnectionError("broker down")
+
+    async def go() -> None:
+        sessions.take_over = unreachable
+        with pytest.raises(SessionError) as caught:
+            await sessions.held("r1")
+        assert caught.value.status == 503 and "r1" in caught.value.message
+
+    asyncio.run(go())
