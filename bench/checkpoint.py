@@ -19,12 +19,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.command import Benchmark, Option, Quick, ints
-from bench.common import machine, versions
+from bench.common import per_size_on_a_memory_broker
 from bench.replay import ReplayConfig, fill
 
 
@@ -99,25 +99,12 @@ async def measure(broker: Any, size: int, config: CheckpointConfig) -> dict[str,
 
 
 async def run_async(config: CheckpointConfig) -> dict[str, Any]:
-    from pipeline.kafka.broker import EmbeddedBroker
     from pipeline.process.heap import collect_per_batch
 
     collect_per_batch()  # as ``tokentrail replay`` does
-    started = time.perf_counter()
-    broker = EmbeddedBroker(storage="memory")
-    await asyncio.to_thread(broker.start)
-    try:
-        results = [await measure(broker, size, config) for size in config.sizes]
-    finally:
-        await asyncio.to_thread(broker.stop)
-    return {
-        "benchmark": "checkpoint",
-        "config": asdict(config),
-        "machine": machine(),
-        "versions": versions(),
-        "results": results,
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    return await per_size_on_a_memory_broker(
+        "checkpoint", config, lambda broker, size: measure(broker, size, config)
+    )
 
 
 def run(config: CheckpointConfig | None = None) -> dict[str, Any]:

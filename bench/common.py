@@ -14,7 +14,8 @@ import platform
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,29 @@ __all__ = [
     "tree_cpu_s",
     "versions",
 ]
+
+
+async def per_size_on_a_memory_broker(
+    name: str, config: Any, measure: Callable[[Any, int], Awaitable[dict[str, Any]]]
+) -> dict[str, Any]:
+    """The report of a benchmark that measures each of ``config.sizes`` (events of
+    history) on topics of its own, on one embedded tansu broker (memory engine)."""
+    import asyncio
+
+    from pipeline.kafka.broker import EmbeddedBroker
+
+    started = time.perf_counter()
+    broker = EmbeddedBroker(storage="memory")
+    await asyncio.to_thread(broker.start)
+    try:
+        results = [await measure(broker, size) for size in config.sizes]
+    finally:
+        await asyncio.to_thread(broker.stop)
+    return {
+        "benchmark": name,
+        "config": asdict(config),
+        "machine": machine(),
+        "versions": versions(),
+        "results": results,
+        "seconds": round(time.perf_counter() - started, 1),
+    }

@@ -20,11 +20,11 @@ import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from bench.command import Benchmark, Option, Quick, ints
-from bench.common import machine, versions
+from bench.common import per_size_on_a_memory_broker
 from bench.events import rollout_events
 from topics.records import CaptureAdmission, Record, RolloutSeal
 
@@ -153,23 +153,9 @@ async def measure(broker: Any, size: int, config: GatewayRecoveryConfig) -> dict
 
 
 async def run_async(config: GatewayRecoveryConfig) -> dict[str, Any]:
-    from pipeline.kafka.broker import EmbeddedBroker
-
-    started = time.perf_counter()
-    broker = EmbeddedBroker(storage="memory")
-    await asyncio.to_thread(broker.start)
-    try:
-        results = [await measure(broker, size, config) for size in config.sizes]
-    finally:
-        await asyncio.to_thread(broker.stop)
-    return {
-        "benchmark": "gateway-recovery",
-        "config": asdict(config),
-        "machine": machine(),
-        "versions": versions(),
-        "results": results,
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    return await per_size_on_a_memory_broker(
+        "gateway-recovery", config, lambda broker, size: measure(broker, size, config)
+    )
 
 
 def run(config: GatewayRecoveryConfig | None = None) -> dict[str, Any]:
