@@ -105,6 +105,8 @@ class Cluster:
     names: TopicNames = field(init=False)
     broker: EmbeddedBroker = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    """Each stage's ``/metrics`` port, by stage name."""
     dataplane_restarts: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -140,8 +142,10 @@ class Cluster:
         return [sys.executable, "-m", "pipeline.cli", *args]
 
     def _stage(self, name: str) -> list[str]:
+        port = self.metrics_ports.setdefault(name, free_port())
         return self._cli(
             "stage", name, "--bootstrap", self.broker.bootstrap, "--topic-prefix", self.names.prefix,
+            "--metrics-port", str(port),
             "--partitions", str(self.names.partitions), "--seal-grace", str(SEAL_GRACE_S),
             "--max-open", str(self.max_open_s), "--session-timeout-ms", "1000", "--heartbeat-ms", "300",
             "--dataplane-mode", "attach", "--data-dir", str(self.root), "--remember", str(self.remember),

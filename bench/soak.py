@@ -9,7 +9,10 @@ first minute and any growth after that is a leak, not a structure still filling.
 
 Per process it samples resident memory and CPU time, and reports the memory's slope per
 10,000 finished rollouts (least squares over the samples past the first third, all of
-them after the bounds filled); the stages' consumer lag over time (mean per third, max);
+them after the bounds filled). For the stages it also scrapes the interpreter's heap
+(``tokentrail_python_allocated_blocks``) and full collections: resident memory that rises
+while the blocks stay flat is the allocator keeping pages, not a leak. Then the stages'
+consumer lag over time (mean per third, max);
 and what lies on disk per call: the log (the broker's data dir, with ``--storage
 durable``; none in memory) and the finalizer's spool of sample copies. The ledger keeps
 no store and this cluster runs no archive: both are reported as absent.
@@ -24,7 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cluster import Cluster, events_on, group_lags, running
 from bench.command import Benchmark, Option, Quick
@@ -80,6 +85,23 @@ def _process_stats(pids: dict[str, int]) -> tuple[dict[str, float], dict[str, fl
     return rss, cpu
 
 
+def _heap(ports: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per stage: the interpreter's allocated blocks and its full (generation 2) collections."""
+    heap = {}
+    for name, port in ports.items():
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        values = {
+            (sample.name, sample.labels.get("generation")): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        heap[name] = {
+            "blocks": values[("tokentrail_python_allocated_blocks", None)],
+            "full_collections": values[("python_gc_collections_total", "2")],
+        }
+    return heap
+
+
 def slope(xs: list[float], ys: list[float]) -> float | None:
     """Least-squares slope of ``ys`` over ``xs``; None with fewer than two distinct ``xs``."""
     if len(xs) < 2:
@@ -128,6 +150,7 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
                     "lag": group_lags(cluster.kafka),
                     "rss_mib": rss,
                     "cpu_s": cpu,
+                    "heap": _heap(cluster.metrics_ports),
                     "log_bytes": _tree_bytes(root / "broker"),
                     "spool_bytes": _tree_bytes(root / SPOOL_DIR),
                 }
@@ -151,6 +174,7 @@ def _report(
         first = steady[0] if steady else samples[0]
         rollouts = last["finished"] - first["finished"]
         processes[name] = {
+            **_heap_report(samples, steady, name),
             "rss_mib_first": samples[0]["rss_mib"][name],
             "rss_mib_steady_from": first["rss_mib"][name],
             "rss_mib_last": last["rss_mib"][name],
@@ -190,6 +214,27 @@ def _report(
     }
 
 
+def _heap_report(samples: list[dict[str, Any]], steady: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """A stage's interpreter heap over the run: blocks first, last and their slope per
+    10,000 rollouts over the steady samples, and the full collections it ran."""
+    if name not in samples[-1]["heap"]:
+        return {}
+    blocks = [s["heap"][name]["blocks"] for s in samples]
+    fitted = (
+        slope([s["finished"] for s in steady], [s["heap"][name]["blocks"] for s in steady])
+        if steady
+        else None
+    )
+    return {
+        "blocks_first": blocks[0],
+        "blocks_last": blocks[-1],
+        "blocks_max": max(blocks),
+        "blocks_slope_per_10k_rollouts": None if fitted is None else round(fitted * 10_000),
+        "full_collections": samples[-1]["heap"][name]["full_collections"]
+        - samples[0]["heap"][name]["full_collections"],
+    }
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [
         f"soak {report['config']['minutes']:g} min ({report['config']['storage']} broker): "
@@ -205,6 +250,12 @@ def render(report: dict[str, Any]) -> str:
             f"{name:<10} {p['rss_mib_first']:>10.1f} {p['rss_mib_steady_from']:>8.1f} {p['rss_mib_last']:>8.1f} "
             f"{per_10k:>9} {p['cpu_ms_per_rollout']!s:>9}"
         )
+    for name, p in report["processes"].items():
+        if "blocks_first" in p:
+            lines.append(
+                f"heap {name}: blocks {p['blocks_first']:,.0f} -> {p['blocks_last']:,.0f} (max {p['blocks_max']:,.0f}), "
+                f"{p['blocks_slope_per_10k_rollouts']} per 10k rollouts; {p['full_collections']:g} full collections"
+            )
     for stage, lag in report["lag"].items():
         lines.append(
             f"lag {stage}: mean by third {lag['mean_by_third']}, max {lag['max']}, after drain {lag['after_drain']}"

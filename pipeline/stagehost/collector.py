@@ -7,6 +7,8 @@ scrapes instead of mirroring every change into metric objects.
 
 from __future__ import annotations
 
+import gc
+import sys
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -135,3 +137,31 @@ class StateCollector(Collector):
             for (topic, partition), count in sorted(dict(stats.lost).items()):
                 lost.add_metric([self.stage, group, topic, str(partition)], count)
         yield from (rebalances, commits, passed, lost)
+
+
+class HeapCollector(Collector):
+    """The interpreter's own heap, beside the process's resident memory.
+
+    Resident memory alone cannot tell a leak from the allocator's high-water mark: a
+    stage that held a burst of large fetches keeps those pages after it freed them.
+    Python objects that pile up show in the allocated blocks; resident memory that rises
+    while the blocks stay flat is the allocator or native buffers, not the stage's
+    state (DESIGN §7.9). The collector's pending counts show what waits for a
+    collection, which stages run rarely (``pipeline.process.heap``).
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        blocks = GaugeMetricFamily(
+            "tokentrail_python_allocated_blocks",
+            "Memory blocks the interpreter has allocated (objects and their buffers) and not freed",
+        )
+        blocks.add_metric([], sys.getallocatedblocks())
+        pending = GaugeMetricFamily(
+            "tokentrail_python_gc_pending",
+            "The garbage collector's counts per generation: allocations (generation 0) or "
+            "collections of the younger generation since the generation was last collected",
+            labels=["generation"],
+        )
+        for generation, count in enumerate(gc.get_count()):
+            pending.add_metric([str(generation)], count)
+        yield from (blocks, pending)

@@ -41,7 +41,7 @@ from prometheus_client.process_collector import ProcessCollector
 from pipeline.dataplane.timed import TimedDataPlane, timed
 from pipeline.kafka.consumer import LoopStats
 from pipeline.kafka.lag import PartitionLag
-from pipeline.stagehost.collector import StateCollector
+from pipeline.stagehost.collector import HeapCollector, StateCollector
 from stages.ports import Consumed, DataPlane, EventSink, StageHandler, StagePort, TopicPartition
 from topics.events import PAYLOAD_TYPES
 from topics.records import CallRecord, DeadLetter, FailedCall, FinalizedEvent, Record, RolloutReceipt
@@ -105,6 +105,7 @@ class StageMetrics:
         if process:  # memory and CPU of the process (DESIGN §9: memory stays bounded)
             ProcessCollector(registry=self.registry)
             GCCollector(registry=self.registry)
+            self.registry.register(HeapCollector())
         self._state = StateCollector(stage)
         self.registry.register(self._state)
         self._sealed_at: dict[str, float] = {}

@@ -225,3 +225,22 @@ def test_the_finalizer_exports_what_its_janitor_swept() -> None:
     metrics = asyncio.run(go())
     assert sample(metrics, "tokentrail_staging_rows_swept_total", stage="finalizer", why="finished") == 1
     assert sample(metrics, "tokentrail_staging_rows_swept_total", stage="finalizer", why="expired") == 0
+
+
+def test_the_heap_gauge_follows_objects_held_not_resident_memory() -> None:
+    metrics = StageMetrics("ledger")
+
+    def blocks() -> float:
+        value = sample(metrics, "tokentrail_python_allocated_blocks")
+        assert value is not None
+        return value
+
+    before = blocks()
+    held = [object() for _ in range(100_000)]
+    while_held = blocks()
+    del held
+    after = blocks()
+    assert while_held - before >= 95_000  # a scrape allocates a few blocks of its own
+    assert while_held - after >= 95_000  # freed objects leave the gauge, whatever the RSS does
+    pending = [sample(metrics, "tokentrail_python_gc_pending", generation=g) for g in "012"]
+    assert all(value is not None and value >= 0 for value in pending)
