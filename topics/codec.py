@@ -76,8 +76,10 @@ def record_size(key: bytes | None, value: bytes | None, headers: Sequence[tuple[
 
 
 def encode_payload(payload: Record) -> bytes:
-    """pydantic's Rust serializer writes the same JSON as orjson would, about 5x faster."""
-    return payload.model_dump_json().encode()
+    """pydantic's Rust serializer writes the same JSON as orjson would, about 5x faster.
+    Called directly: ``model_dump_json`` is a Python wrapper that returns the same bytes
+    decoded to a string, which would be encoded straight back."""
+    return payload.__pydantic_serializer__.to_json(payload)
 
 
 def encode(event: Envelope[Record]) -> tuple[bytes, bytes, Headers]:
@@ -143,7 +145,9 @@ def decode_payload(event_type: EventType, value: bytes) -> Record:
     if not isinstance(raw, dict):
         raise DecodeError("value", f"expected a JSON object, got {type(raw).__name__}")
     try:
-        return PAYLOAD_TYPES[event_type].model_validate(raw)
+        # The validator itself: ``model_validate`` is a Python wrapper around this call.
+        record: Record = PAYLOAD_TYPES[event_type].__pydantic_validator__.validate_python(raw)
+        return record
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         raise DecodeError(*_field_and_reason(first["loc"], first["msg"])) from None

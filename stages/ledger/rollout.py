@@ -327,6 +327,13 @@ def _starts_segment(rollout_id: str, admission: Admitted, staged: StagedEvent) -
 
 def _coords_mismatch(rollout_id: str, admission: Admitted, staged: StagedEvent) -> str | None:
     coords = staged.coords
+    if (
+        coords.prev_len == admission.prev_len
+        and coords.parent_call_id == admission.parent_call_id
+        and coords.mode == admission.mode
+        and coords.rollout_id == rollout_id
+    ):
+        return None  # every call that joins: no tuples built to find what differs
     checks = (
         ("rollout_id", coords.rollout_id, rollout_id),
         ("parent_call_id", coords.parent_call_id, admission.parent_call_id),
