@@ -5,11 +5,14 @@ vendored compose-spec for the compose file, kubernetes-validate's Kubernetes sch
 for the manifests. On top of the schemas, the wiring between files is checked: the
 dashboard queries only metrics the stages register, Prometheus scrapes exactly the
 compose services that serve metrics, and the probes, ports, labels and variables of
-the manifests refer to things that exist.
+the manifests refer to things that exist: for the gateway, each replica is named after
+its pod and its flags parse with the gateway's own parser, and the router reaches every
+replica by the names the StatefulSet gives them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -18,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import promql_parser
@@ -25,12 +29,18 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from pipeline.auth.credentials import AGENT_KEY_FILE, ROLE_FILES, Role
+from pipeline.auth.gate import PUBLIC, ROLLOUT_PARAM
+from pipeline.commands import gateway as gateway_command
+from pipeline.gateway.app import gateway_policy
+from pipeline.gateway.main import GatewayConfig
 from pipeline.kafka.retention import ROLES, retention_from_args, retention_setting
 from pipeline.stagehost.metrics import StageMetrics
 from stages.ledger.stage import LedgerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSIONS = ["1.30.0", "1.37.0"]  # oldest and newest Kubernetes the manifests are held to
+STAGES = ("tokentrail-ledger", "tokentrail-finalizer")  # the stage Deployments
 GRAFANA_VARIABLES = re.compile(r"\$__(rate_interval|interval|range)\b|\$\{__(rate_interval|interval|range)\}")
 
 
@@ -67,6 +77,11 @@ def manifests() -> Iterator[tuple[Path, dict[str, Any]]]:
     for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
         for doc in yaml_documents(path):
             yield path, doc
+
+
+def manifest(kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for _, d in manifests() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
 
 
 def flag(args: list[str] | str, name: str) -> str | None:
@@ -248,7 +263,7 @@ def test_manifests_match_the_kubernetes_schemas(version: str) -> None:
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{path.name} {doc['kind']}: {exc}")
         kinds.add(doc["kind"])
-    assert {"ConfigMap", "Deployment", "Service"} <= kinds
+    assert {"ConfigMap", "Deployment", "Service", "StatefulSet", "NetworkPolicy"} <= kinds
 
 
 def test_the_kubernetes_validator_refuses_a_broken_manifest() -> None:
@@ -260,11 +275,12 @@ def test_the_kubernetes_validator_refuses_a_broken_manifest() -> None:
 
 def test_manifest_wiring() -> None:
     docs = [doc for _, doc in manifests()]
-    config = next(d for d in docs if d["kind"] == "ConfigMap")
-    service = next(d for d in docs if d["kind"] == "Service")
+    config = manifest("ConfigMap", "tokentrail")
+    service = manifest("Service", "tokentrail-stages-metrics")
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
-    assert set(deployments) == {"tokentrail-ledger", "tokentrail-finalizer"}
-    for name, deployment in deployments.items():
+    assert set(deployments) == {*STAGES, "tokentrail-gateway-router"}
+    for name in STAGES:
+        deployment = deployments[name]
         pod = deployment["spec"]["template"]
         labels = pod["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
@@ -297,10 +313,9 @@ def test_both_stages_keep_every_topic_as_long_as_the_pipeline_needs() -> None:
     reports another retention on existing topics at every start), never below --max-open
     plus 1h (the stage would refuse to start)."""
     lines = [command_words(compose()["services"][stage]) for stage in ("ledger", "finalizer")]
-    docs = [doc for _, doc in manifests()]
-    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
-    for deployment in (d for d in docs if d["kind"] == "Deployment"):
-        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    config = manifest("ConfigMap", "tokentrail")["data"]
+    for name in STAGES:
+        (container,) = manifest("Deployment", name)["spec"]["template"]["spec"]["containers"]
         lines.append(shlex.split(" ".join([*container.get("command", []), *container["args"]])))
     seen = set()
     for words in lines:
@@ -311,6 +326,183 @@ def test_both_stages_keep_every_topic_as_long_as_the_pipeline_needs() -> None:
         assert retention.shortfalls(max_open) == []
         seen.add(retention)
     assert len(seen) == 1, "the stages ask for different retentions"
+
+
+# -- the gateway on Kubernetes ------------------------------------------------------
+
+GATEWAY = "tokentrail-gateway"  # the StatefulSet of replicas, and the Service agents call (the router's)
+ROUTER = "tokentrail-gateway-router"  # nginx: its Deployment and its ConfigMap
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (``matchLabels``, ``matchExpressions`` with ``In``) selects ``labels``."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In", expression
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True
+
+
+def pod_labels(kind: str, name: str) -> dict[str, str]:
+    labels: dict[str, str] = manifest(kind, name)["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def field_refs(container: dict[str, Any]) -> dict[str, str]:
+    """The container's variables taken from the pod (downward API), and the field of each."""
+    return {
+        env["name"]: env["valueFrom"]["fieldRef"]["fieldPath"]
+        for env in container.get("env", [])
+        if "fieldRef" in env.get("valueFrom", {})
+    }
+
+
+def expanded(words: list[str], variables: dict[str, str]) -> list[str]:
+    """``$(VAR)`` replaced as the kubelet does; a variable defined nowhere fails the test."""
+
+    def value(match: re.Match[str]) -> str:
+        assert match.group(1) in variables, f"$({match.group(1)}) is defined nowhere"
+        return variables[match.group(1)]
+
+    return [re.sub(r"\$\((\w+)\)", value, word) for word in words]
+
+
+def gateway_arguments(words: list[str]) -> argparse.Namespace:
+    """``words`` (``gateway ...``) parsed by the real ``tokentrail gateway`` parser."""
+    parser = argparse.ArgumentParser(prog="tokentrail")
+    gateway_command.add_parser(parser.add_subparsers(dest="verb", required=True))
+    return parser.parse_args(words)
+
+
+def nginx_conf() -> str:
+    text: str = manifest("ConfigMap", ROUTER)["data"]["nginx.conf"]
+    return text
+
+
+def test_every_gateway_replica_is_named_after_its_pod() -> None:
+    statefulset = manifest("StatefulSet", GATEWAY)
+    labels = pod_labels("StatefulSet", GATEWAY)
+    assert statefulset["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert container["args"][0] == "gateway"
+    assert {ref["configMapRef"]["name"] for ref in container["envFrom"]} == {"tokentrail"}
+    replica = re.fullmatch(r"\$\((\w+)\)", flag(container["args"], "--replica") or "")
+    assert replica is not None, "--replica must be $(VAR) of the pod's name"
+    assert field_refs(container).get(replica.group(1)) == "metadata.name", "--replica must be the pod's name"
+    config = manifest("ConfigMap", "tokentrail")["data"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    (ledger,) = manifest("Deployment", "tokentrail-ledger")["spec"]["template"]["spec"]["containers"]
+    names = set()
+    for ordinal in range(statefulset["spec"]["replicas"]):
+        pod = f"{GATEWAY}-{ordinal}"  # a StatefulSet's pod names
+        args = gateway_arguments(expanded(container["args"], {**config, replica.group(1): pod}))
+        config_of_replica = GatewayConfig(workers=tuple(args.workers.split(",")), replica=args.replica)
+        names.add(config_of_replica.replica)
+        assert args.port == ports["http"] and args.host == "0.0.0.0"
+        assert args.max_open == float(flag(ledger["args"], "--max-open") or LedgerConfig().max_open_s)
+    assert len(names) == statefulset["spec"]["replicas"], "two replicas share a name (and a bookmark)"
+
+
+def test_gateway_probes_and_credentials_are_what_the_gateway_serves_and_reads() -> None:
+    pod = manifest("StatefulSet", GATEWAY)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    policy = gateway_policy()
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        assert policy.get(get["path"]) == PUBLIC, f"{probe}: the gateway serves no public {get['path']}"
+        assert get["port"] == "http"
+    directory = flag(container["args"], "--credentials-dir")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]
+    needed = {ROLE_FILES[role] for role in (Role.ENVIRONMENT, Role.OPERATOR, Role.SERVICE)} | {AGENT_KEY_FILE}
+    assert {item["path"] for item in secret["items"]} == needed  # and not api.key
+    context = pod["securityContext"]  # the Secret's files are the group's: the user must be in it
+    assert secret["defaultMode"] & 0o040 and context["fsGroup"] == context["runAsUser"]
+
+
+def test_the_router_sends_each_rollout_to_one_replica_by_its_id() -> None:
+    statefulset = manifest("StatefulSet", GATEWAY)
+    headless = manifest("Service", statefulset["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    assert headless["spec"]["selector"].items() <= pod_labels("StatefulSet", GATEWAY).items()
+    (gateway,) = statefulset["spec"]["template"]["spec"]["containers"]
+    (port,) = headless["spec"]["ports"]
+    assert port["port"] == {p["name"]: p["containerPort"] for p in gateway["ports"]}[port["targetPort"]]
+    conf = nginx_conf()
+    upstream = re.search(r"^\s*upstream (\w+) \{(.*?)^\s*\}", conf, re.M | re.S)
+    assert upstream is not None
+    name, body = upstream.groups()
+    assert re.search(r"^\s*hash \$rollout consistent;", body, re.M)
+    servers = re.findall(r"^\s*server (\S+)", body, re.M)
+    assert servers == [
+        f"{GATEWAY}-{i}.{headless['metadata']['name']}.${{POD_NAMESPACE}}.svc.cluster.local:{port['port']}"
+        for i in range(statefulset["spec"]["replicas"])
+    ], "the upstream must list every replica of the StatefulSet, at its port"
+    assert f"proxy_pass http://{name};" in conf
+    assert "proxy_set_header Host $http_host;" in conf  # the base URLs a new rollout gets name the router
+    # The map takes the id out of every route of one rollout, and out of no other route.
+    (rollout_map,) = re.findall(r"map \$uri \$rollout \{(.*?)\}", conf, re.S)
+    (pattern,) = re.findall(r"^\s*~(\S+) \$1;", rollout_map, re.M)
+    placeholder = "{" + ROLLOUT_PARAM + "}"
+    for path in gateway_policy():
+        match = re.match(pattern, path.replace(placeholder, "rollout-7"))
+        if placeholder in path:
+            assert match is not None and match.group(1) == "rollout-7", path
+        else:
+            assert match is None, f"{path} would be routed by a rollout id"
+
+
+def test_the_router_runs_the_config_it_is_given() -> None:
+    router = manifest("Deployment", ROUTER)
+    assert router["spec"]["selector"]["matchLabels"].items() <= pod_labels("Deployment", ROUTER).items()
+    pod = router["spec"]["template"]["spec"]
+    (nginx,) = pod["containers"]
+    image, tag = nginx["image"].split(":")
+    assert image == "nginx" and tuple(map(int, tag.split("."))) >= (1, 27, 3)  # `resolve` in an upstream
+    (volume,) = [v for v in pod["volumes"] if v.get("configMap", {}).get("name") == ROUTER]
+    (mount,) = [m for m in nginx["volumeMounts"] if m["name"] == volume["name"]]
+    line = " ".join(nginx["args"])
+    assert f"< {mount['mountPath']}/nginx.conf " in line and "envsubst '$POD_NAMESPACE'" in line
+    assert field_refs(nginx) == {"POD_NAMESPACE": "metadata.namespace"}
+    ports = {p["name"]: p["containerPort"] for p in nginx["ports"]}
+    assert sorted(int(p) for p in re.findall(r"listen (\d+);", nginx_conf())) == sorted(ports.values())
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = nginx[probe]["httpGet"]
+        served = rf"listen {ports[get['port']]};\s*location = {get['path']} \{{\s*return 200"
+        assert re.search(served, nginx_conf()), f"{probe}: nginx serves no {get['path']} on that port"
+    service = manifest("Service", GATEWAY)
+    assert service["spec"]["selector"].items() <= pod_labels("Deployment", ROUTER).items()
+    assert [ports[p["targetPort"]] for p in service["spec"]["ports"]] == [ports["http"]]
+
+
+def test_agents_reach_the_router_and_only_the_router_reaches_the_replicas() -> None:
+    policies = [doc["spec"] for _, doc in manifests() if doc["kind"] == "NetworkPolicy"]
+
+    def admitted(source: dict[str, str], target: dict[str, str], port: int) -> bool:
+        chosen = [p for p in policies if selects(p["podSelector"], target)]
+        assert chosen, f"no policy (not even deny-by-default) covers {target}"
+        return any(
+            any(selects(peer.get("podSelector", {}), source) for peer in rule.get("from", [{}]))
+            and any(p["port"] == port for p in rule.get("ports", [{"port": port}]))
+            for policy in chosen
+            for rule in policy.get("ingress", [])
+        )
+
+    sandbox = {"tokentrail.io/role": "agent-sandbox"}
+    environment = {"tokentrail.io/role": "environment"}
+    gateway, router = pod_labels("StatefulSet", GATEWAY), pod_labels("Deployment", ROUTER)
+    gateway_port = manifest("Service", f"{GATEWAY}-replicas")["spec"]["ports"][0]["port"]
+    router_port = manifest("Service", GATEWAY)["spec"]["ports"][0]["port"]
+    assert admitted(sandbox, router, router_port) and admitted(environment, router, router_port)
+    assert admitted(router, gateway, gateway_port)
+    assert not admitted(sandbox, gateway, gateway_port), "agents must not bypass the routing by rollout id"
+    assert not admitted(environment, gateway, gateway_port)
+    for url in manifest("ConfigMap", "tokentrail")["data"]["TOKENTRAIL_WORKERS"].split(","):
+        port = urlsplit(url).port
+        assert port is not None and admitted(gateway, {"app.kubernetes.io/component": "worker"}, port), url
 
 
 # -- image -----------------------------------------------------------------------
