@@ -86,7 +86,8 @@ def _process_stats(pids: dict[str, int]) -> tuple[dict[str, float], dict[str, fl
 
 
 def _heap(ports: dict[str, int]) -> dict[str, dict[str, float]]:
-    """Per stage: the interpreter's allocated blocks and its full (generation 2) collections."""
+    """Per stage: the interpreter's allocated blocks, its full (generation 2) collections
+    and the rollouts it holds open (the ledger's; what its state grows with under lag)."""
     heap = {}
     for name, port in ports.items():
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
@@ -98,6 +99,13 @@ def _heap(ports: dict[str, int]) -> dict[str, dict[str, float]]:
         heap[name] = {
             "blocks": values[("tokentrail_python_allocated_blocks", None)],
             "full_collections": values[("python_gc_collections_total", "2")],
+            "open_rollouts": values.get(("tokentrail_open_rollouts", None), 0.0),
+            "events_in": sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "tokentrail_stage_events_in_total"
+            ),
         }
     return heap
 
@@ -148,6 +156,8 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
                     "finished": finished,
                     "calls": events_on(cluster.kafka, cluster.names.committed) - finished,
                     "lag": group_lags(cluster.kafka),
+                    "ledger_inputs": events_on(cluster.kafka, cluster.names.admission)
+                    + events_on(cluster.kafka, cluster.names.staged),
                     "rss_mib": rss,
                     "cpu_s": cpu,
                     "heap": _heap(cluster.metrics_ports),
@@ -156,9 +166,23 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
                 }
             )
         restarts = {name: proc.restarts for name, proc in cluster.procs.items() if proc.restarts}
-        cluster.drain()
+        try:
+            cluster.drain()
+            drain_error = None
+        except TimeoutError as exc:  # a finding of the run, not a reason to lose its samples
+            drain_error = str(exc)
         after_drain = group_lags(cluster.kafka)
-    return _report(config, samples, restarts, after_drain)
+        log_tails = _log_tails(root / "logs") if drain_error else {}
+    report = _report(config, samples, restarts, after_drain)
+    return {**report, "drain_error": drain_error, "log_tails": log_tails}
+
+
+def _log_tails(logs: Path, lines: int = 30) -> dict[str, list[str]]:
+    """The last lines of each process's log: what a run that did not settle leaves to read."""
+    return {
+        path.stem: path.read_text(errors="replace").splitlines()[-lines:]
+        for path in sorted(logs.glob("*.log"))
+    }
 
 
 def _report(
@@ -230,6 +254,10 @@ def _heap_report(samples: list[dict[str, Any]], steady: list[dict[str, Any]], na
         "blocks_last": blocks[-1],
         "blocks_max": max(blocks),
         "blocks_slope_per_10k_rollouts": None if fitted is None else round(fitted * 10_000),
+        "open_rollouts_by_third": _thirds([int(s["heap"][name]["open_rollouts"]) for s in samples]),
+        "unread_by_third": _thirds([int(s["ledger_inputs"] - s["heap"][name]["events_in"]) for s in samples])
+        if name == "ledger"
+        else None,
         "full_collections": samples[-1]["heap"][name]["full_collections"]
         - samples[0]["heap"][name]["full_collections"],
     }
@@ -254,7 +282,9 @@ def render(report: dict[str, Any]) -> str:
         if "blocks_first" in p:
             lines.append(
                 f"heap {name}: blocks {p['blocks_first']:,.0f} -> {p['blocks_last']:,.0f} (max {p['blocks_max']:,.0f}), "
-                f"{p['blocks_slope_per_10k_rollouts']} per 10k rollouts; {p['full_collections']:g} full collections"
+                f"{p['blocks_slope_per_10k_rollouts']} per 10k rollouts; {p['full_collections']:g} full collections; "
+                f"open rollouts by third {p['open_rollouts_by_third']}"
+                + (f"; unread by third {p['unread_by_third']}" if p["unread_by_third"] is not None else "")
             )
     for stage, lag in report["lag"].items():
         lines.append(
@@ -265,6 +295,8 @@ def render(report: dict[str, Any]) -> str:
         f"disk bytes per call: log {disk['log']}, spool {disk['spool']} (max {report['spool_bytes_max']} B), "
         "ledger store none, archive none"
     )
+    if report.get("drain_error"):
+        lines.append(f"did not settle after the load: {report['drain_error']}")
     if report["restarts"]:
         lines.append(f"restarts: {report['restarts']}")
     return "\n".join(lines)
