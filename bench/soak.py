@@ -85,29 +85,22 @@ def _process_stats(pids: dict[str, int]) -> tuple[dict[str, float], dict[str, fl
     return rss, cpu
 
 
-def _heap(ports: dict[str, int]) -> dict[str, dict[str, float]]:
-    """Per stage: the interpreter's allocated blocks, its full (generation 2) collections
-    and the rollouts it holds open (the ledger's; what its state grows with under lag)."""
-    heap = {}
+def _stage_state(ports: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per stage, from its ``/metrics``: the interpreter's allocated blocks, its full
+    (generation 2) collections, the rollouts it holds open (the ledger's) and the events
+    it has handled (how far it has read, beside its commit point)."""
+    state = {}
     for name, port in ports.items():
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        values = {
-            (sample.name, sample.labels.get("generation")): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        }
-        heap[name] = {
+        samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+        values = {(sample.name, sample.labels.get("generation")): sample.value for sample in samples}
+        state[name] = {
             "blocks": values[("tokentrail_python_allocated_blocks", None)],
             "full_collections": values[("python_gc_collections_total", "2")],
             "open_rollouts": values.get(("tokentrail_open_rollouts", None), 0.0),
-            "events_in": sum(
-                sample.value
-                for family in text_string_to_metric_families(text)
-                for sample in family.samples
-                if sample.name == "tokentrail_stage_events_in_total"
-            ),
+            "events_in": sum(s.value for s in samples if s.name == "tokentrail_stage_events_in_total"),
         }
-    return heap
+    return state
 
 
 def slope(xs: list[float], ys: list[float]) -> float | None:
@@ -160,7 +153,7 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
                     + events_on(cluster.kafka, cluster.names.staged),
                     "rss_mib": rss,
                     "cpu_s": cpu,
-                    "heap": _heap(cluster.metrics_ports),
+                    "heap": _stage_state(cluster.metrics_ports),
                     "log_bytes": _tree_bytes(root / "broker"),
                     "spool_bytes": _tree_bytes(root / SPOOL_DIR),
                 }
