@@ -1,4 +1,4 @@
-"""``tokentrail bench engine|pipeline|replay|checkpoint|rebalance|gateway-recovery|long-horizon|main-job|vllm|quotas|inspect|splice|soak``: the benchmarks from the CLI.
+"""``tokentrail bench engine|pipeline|tq-controller|replay|checkpoint|rebalance|gateway-recovery|long-horizon|main-job|vllm|quotas|inspect|splice|soak``: the benchmarks from the CLI.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
@@ -23,6 +23,7 @@ from bench.command import Benchmark
 BENCHMARKS: dict[str, str] = {
     "engine": "engine throughput with capture off, inline and tokentrail, vs data-plane delay",
     "pipeline": "calls/s, rollouts/s and seal-to-finalized latency through ledger + finalizer",
+    "tq-controller": "TransferQueue's controller: CPU per put, get and delete of one row, ops/s per controller core",
     "replay": "events/s rebuilding the ledger from the log",
     "checkpoint": "a rebuild's restart at 10^4..10^6 events of history: checkpoint + tail vs offset 0",
     "rebalance": "stage processes under load: a kill -9 and a rolling restart, outcomes and the pause",
@@ -41,6 +42,7 @@ examples:
   tokentrail bench engine --quick
   tokentrail bench engine --json --plot bench/engine_throughput.png
   tokentrail bench pipeline --instances 1,2 --lengths 16 --json
+  tokentrail bench tq-controller --quick --json
   tokentrail bench replay --sizes 10000,100000
   tokentrail bench checkpoint --quick --json
   tokentrail bench rebalance --quick --json

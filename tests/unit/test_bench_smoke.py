@@ -460,3 +460,52 @@ def test_soak_slope_is_least_squares_per_finished_rollout() -> None:
     ledger = report["processes"]["ledger"]
     assert ledger["slope_mib_per_10k_rollouts"] == 0.1 and ledger["cpu_ms_per_rollout"] == 1.0
     assert report["lag"]["ledger"]["mean_by_third"] == [2.0, 5.0, 8.0] and report["lag"]["ledger"]["max"] == 9
+
+
+def test_tq_controller_ceiling_is_operations_per_controller_cpu_second() -> None:
+    """CPU per operation by role comes from the data plane's CPU around a sweep point; the
+    ceiling is one controller core's operations per second, and a call is a put, a get and
+    a delete of its row."""
+    from bench import tq_controller
+
+    def point(operation: str, controller_s: float, request_s: float) -> dict[str, Any]:
+        clients = [{"ops": 500, "wall_s": 2.0, "cpu_s": 0.5, "latencies": [0.001, 0.003]}] * 2
+        before = {"request": 1.0, "controller": 2.0, "storage": 3.0, "process": 10.0}
+        after = {
+            "request": 1.0 + request_s,
+            "controller": 2.0 + controller_s,
+            "storage": 3.2,
+            "process": 10.2 + controller_s + 0.1,
+        }
+        return tq_controller.summarize(operation, clients, before, after)
+
+    put = point("put", 1.0, 0.9)
+    assert put["ops"] == 1000 and put["ops_per_s"] == 500.0 and put["clients"] == 2
+    assert put["cpu_us_per_op"] == {
+        "controller": 1000.0,
+        "request_thread": 900.0,
+        "storage": 200.0,
+        "rest_of_process": 100.0,
+        "clients": 1000.0,
+    }
+    assert put["request_thread_busy"] == 0.45 and put["ceiling_ops_per_core"] == 1000
+    points = [put, point("get", 0.25, 0.2), point("meta", 0.2, 1.9), point("delete", 0.75, 0.7)]
+    summary = tq_controller.summary(points, batch=1)
+    assert summary["controller_us_per_call"] == 2000.0 and summary["ceiling_calls_per_core"] == 500
+    assert summary["dense_case_controller_cores"] == 20.0
+    assert summary["request_thread_busy_max"] == 0.95 and summary["saturated"]
+    assert tq_controller.summary(points, batch=4)["ceiling_calls_per_core"] == 2000
+    assert tq_controller.ceiling(0.0) == 0.0
+
+
+def test_named_threads_give_transferqueue_threads_their_roles() -> None:
+    from bench import named_threads
+
+    assert named_threads.role("TransferQueueControllerProcessRequestThread") == named_threads.REQUEST_THREAD
+    assert named_threads.role("StorageUnitWorkerThread-TQ_STORAGE_UNIT_1a2b") == "tq-su-worker"
+    assert named_threads.role("tq-ssd-read_0") == "tq-su-disk" and named_threads.role("MainThread") is None
+    assert (
+        named_threads.zmq_role(100, 102) == "tq-ctl-zmq" and named_threads.zmq_role(104, 102) == "tq-su-zmq"
+    )
+    labels = [label for _, label in named_threads.ROLES] + ["tq-ctl-zmq", "tq-su-zmq"]
+    assert all(len(label) <= 15 and not any(c.isdigit() for c in label) for label in labels)  # kernel names
