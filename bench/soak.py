@@ -91,7 +91,10 @@ def _stage_state(ports: dict[str, int]) -> dict[str, dict[str, float]]:
     it has handled (how far it has read, beside its commit point)."""
     state = {}
     for name, port in ports.items():
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            continue  # restarting: this sample goes without it
         samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
         values = {(sample.name, sample.labels.get("generation")): sample.value for sample in samples}
         state[name] = {
@@ -234,7 +237,9 @@ def _report(
 def _heap_report(samples: list[dict[str, Any]], steady: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """A stage's interpreter heap over the run: blocks first, last and their slope per
     10,000 rollouts over the steady samples, and the full collections it ran."""
-    if name not in samples[-1]["heap"]:
+    samples = [s for s in samples if name in s["heap"]]
+    steady = [s for s in steady if name in s["heap"]]
+    if not samples:
         return {}
     blocks = [s["heap"][name]["blocks"] for s in samples]
     fitted = (
