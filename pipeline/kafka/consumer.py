@@ -90,16 +90,6 @@ class _Fetched:
     item: Consumed | None
 
 
-class ConsumerWedged(RuntimeError):
-    """Partitions behind their end returned nothing for ``wedged_after_s``: restart."""
-
-
-def wedged(behind: Mapping[TopicPartition, float], now: float, after_s: float) -> list[TopicPartition]:
-    """The partitions that have been behind their end with nothing returned since a
-    monotonic time ``after_s`` or more before ``now``, in order."""
-    return sorted(tp for tp, since in behind.items() if now - since >= after_s)
-
-
 @dataclass(frozen=True, slots=True)
 class ConsumerTuning:
     """Group timings and batch size. Takeover after a member dies takes about the session
@@ -128,13 +118,6 @@ class ConsumerTuning:
     """Log-time order: a partition behind its end that returns nothing for this long (a
     broker recovering) stops holding the others back, as Kafka Streams'
     ``max.task.idle.ms``; the order may then differ from a replay's (counted: ``enforced``)."""
-    wedged_after_s: float = 120.0
-    """Log-time order: a partition behind its end that has returned nothing for this long
-    is wedged, not waiting for a broker to recover; the loop raises ``ConsumerWedged``
-    and the process exits, so that its supervisor restarts it from the commit point
-    (crash-only). Seen in a 30-minute soak on the memory broker: a ledger's consumer
-    stopped receiving every admission partition while a fresh consumer read them, and
-    its liveness stayed green because the other partitions still flowed (DESIGN §11)."""
 
 
 DEFAULT_TUNING = ConsumerTuning()
@@ -216,7 +199,6 @@ class ConsumerLoop:
         self._held: LogTimeMerge[_Fetched] = LogTimeMerge(log_time_order or ())
         self._frontier = -math.inf  # log time the ordered merge has provably reached
         self._max_idle_s = tuning.max_idle_ms / 1000
-        self._wedged_after_s = tuning.wedged_after_s
         # Since when each partition has had nothing held, yet records still to fetch.
         self._behind: dict[TopicPartition, float] = {}
         self._enforced: set[TopicPartition] = set()  # partitions the last release stopped waiting for
@@ -433,7 +415,6 @@ class ConsumerLoop:
             waited_for = set(self._enforced)
             self._enforced.clear()
             released = self._held.release(consumer.assignment(), self._caught_up_to(consumer))
-            self._raise_if_wedged()
             entries = released.items
             # A partition no longer waited for still bounds log time: at the last record
             # handled from it, so no grace expires on time that partition has not shown.
@@ -463,14 +444,6 @@ class ConsumerLoop:
         now = self._frontier if self.ordered else self._log_time(consumer)
         if now > -math.inf:
             await self.handler.tick(now)
-
-    def _raise_if_wedged(self) -> None:
-        stuck = wedged(self._behind, time.monotonic(), self._wedged_after_s)
-        if stuck:
-            raise ConsumerWedged(
-                f"{self.stage}: {_named(set(stuck))} returned nothing for {self._wedged_after_s:g} s "
-                "though behind its end; exiting so that a restart reads on from the commit point"
-            )
 
     async def _commit(self, consumer: AIOKafkaConsumer, only: Iterable[TopicPartition] | None = None) -> None:
         """Commit what the handler allows, for partitions still owned, where it moved."""

@@ -18,13 +18,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import pytest
-from aiokafka import TopicPartition as KafkaPartition
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.events import rollout_events
-from pipeline.kafka.consumer import ConsumerLoop, ConsumerTuning, ConsumerWedged, wedged
+from pipeline.kafka.consumer import ConsumerLoop, ConsumerTuning
 from pipeline.kafka.logtime import LogTimeMerge
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.memory import RecordingSink
@@ -245,34 +243,3 @@ def test_a_loop_polls_often_only_while_a_held_record_is_past_its_margin(
     assert ordered._poll_ms() == 5
     unordered._held.add(("t", 1), [(now - 0.5, None)])  # type: ignore[list-item]
     assert unordered._poll_ms() == 1000  # no order, nothing waits for a margin
-
-
-class _BehindItsEnd:
-    """A consumer whose partitions all lie behind their end, with nothing fetched."""
-
-    def highwater(self, tp: KafkaPartition) -> int:
-        return 10
-
-    def last_poll_timestamp(self, tp: KafkaPartition) -> int | None:
-        return None
-
-
-def test_only_partitions_behind_for_the_whole_wait_are_wedged() -> None:
-    a, b = KafkaPartition("t", 0), KafkaPartition("t", 1)
-    assert wedged({a: 100.0, b: 150.0}, now=200.0, after_s=60.0) == [a]
-    assert wedged({a: 100.0, b: 150.0}, now=210.0, after_s=60.0) == [a, b]
-    assert wedged({}, now=210.0, after_s=60.0) == []
-
-
-def test_a_partition_that_returns_nothing_though_behind_wedges_the_loop(
-    unconnected_loop: Callable[..., ConsumerLoop],
-) -> None:
-    """Past ``max_idle_ms`` the others stop waiting for it; past ``wedged_after_s`` the
-    loop raises, so the process exits and its supervisor restarts it."""
-    loop = unconnected_loop(ConsumerTuning(max_idle_ms=0, wedged_after_s=0.2), [])
-    bound = loop._caught_up_to(_BehindItsEnd())  # type: ignore[arg-type]
-    assert bound(("t", 0)) == math.inf  # no longer holds the others back
-    loop._raise_if_wedged()  # not yet wedged
-    time.sleep(0.25)
-    with pytest.raises(ConsumerWedged, match=r"t\[0\] returned nothing for 0.2 s though behind its end"):
-        loop._raise_if_wedged()
