@@ -144,9 +144,9 @@ class HeapCollector(Collector):
 
     Resident memory alone cannot tell a leak from the allocator's high-water mark: a
     stage that held a burst of large fetches keeps those pages after it freed them.
-    Python objects that pile up show in the allocated blocks; resident memory that rises
-    while the blocks stay flat is the allocator or native buffers, not the stage's
-    state (DESIGN §7.9). The collector's pending counts show what waits for a
+    Objects that pile up show in the allocated blocks (one per allocation, whatever its
+    size); resident memory that rises while the blocks stay flat is larger buffers or
+    pages the allocator kept, not more of the stage's state (DESIGN §7.9). The collector's pending counts show what waits for a
     collection, which stages run rarely (``pipeline.process.heap``).
     """
 
