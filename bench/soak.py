@@ -237,8 +237,8 @@ def _report(
 def _heap_report(samples: list[dict[str, Any]], steady: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """A stage's interpreter heap over the run: blocks first, last and their slope per
     10,000 rollouts over the steady samples, and the full collections it ran."""
-    samples = [s for s in samples if name in s["heap"]]
-    steady = [s for s in steady if name in s["heap"]]
+    samples = [s for s in samples if name in s.get("heap", {})]
+    steady = [s for s in steady if name in s.get("heap", {})]
     if not samples:
         return {}
     blocks = [s["heap"][name]["blocks"] for s in samples]

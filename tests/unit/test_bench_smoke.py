@@ -453,12 +453,25 @@ def test_soak_slope_is_least_squares_per_finished_rollout() -> None:
             "cpu_s": {"ledger": 1.0 * i},
             "log_bytes": 0,
             "spool_bytes": 100 * i,
+            "ledger_inputs": 100 * i + 10,
+            "heap": {
+                "ledger": {
+                    "blocks": 1000.0 + 2 * i,
+                    "full_collections": i // 5,
+                    "open_rollouts": 5.0,
+                    "events_in": 100.0 * i,
+                }
+            },
         }
         for i in range(1, 10)
     ]
+    samples[4]["heap"] = {}  # a stage restarting: that sample goes without it
     report = soak._report(soak.SoakConfig(minutes=1.5), samples, {}, {"ledger": 0, "finalizer": 0})
     ledger = report["processes"]["ledger"]
     assert ledger["slope_mib_per_10k_rollouts"] == 0.1 and ledger["cpu_ms_per_rollout"] == 1.0
+    assert ledger["blocks_slope_per_10k_rollouts"] == 20 and ledger["full_collections"] == 1
+    assert ledger["blocks_first"] == 1002.0 and ledger["blocks_last"] == 1018.0
+    assert ledger["unread_by_third"] == [10.0, 10.0, 10.0]
     assert report["lag"]["ledger"]["mean_by_third"] == [2.0, 5.0, 8.0] and report["lag"]["ledger"]["max"] == 9
 
 
