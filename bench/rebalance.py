@@ -93,16 +93,13 @@ class Members:
 @contextlib.asynccontextmanager
 async def members(kafka: Any, addresses: Any, config: RebalanceConfig, tag: str) -> AsyncIterator[Members]:
     from bench.pipeline import bench_groups
+    from bench.stage_processes import attached_plane
     from pipeline.stagehost.processes import StageOptions, stage_command
     from stages.ledger.stage import LedgerConfig
     from stages.specs import FINALIZER, LEDGER
 
     with tempfile.TemporaryDirectory(prefix="bench-rebalance-") as scratch:
-        plane = (
-            "--dataplane-mode", "attach",
-            "--dataplane-addresses", str(addresses.write(Path(scratch) / "dataplane.json")),
-            "--retain-dir", str(Path(scratch) / "retained"),
-        )  # fmt: skip
+        plane = attached_plane(addresses, Path(scratch))
         commands = {
             f"{spec.name}-{index}": stage_command(
                 spec.name,

@@ -74,6 +74,16 @@ class ProcessMembers:
         return None
 
 
+def attached_plane(addresses: Any, scratch: Path) -> tuple[str, ...]:
+    """Stage flags that attach to a running data plane (its addresses written under
+    ``scratch``) and spool retained samples there too."""
+    return (
+        "--dataplane-mode", "attach",
+        "--dataplane-addresses", str(addresses.write(scratch / "dataplane.json")),
+        "--retain-dir", str(scratch / "retained-samples"),
+    )  # fmt: skip
+
+
 @contextlib.asynccontextmanager
 async def process_members(
     kafka: KafkaConfig,
@@ -95,11 +105,7 @@ async def process_members(
         stop.set()
 
     with tempfile.TemporaryDirectory(prefix="bench-stages-") as scratch:
-        addresses_file = addresses.write(Path(scratch) / "dataplane.json")
-        plane = (
-            "--dataplane-mode", "attach", "--dataplane-addresses", str(addresses_file),
-            "--retain-dir", str(Path(scratch) / "retained-samples"),
-        )  # fmt: skip
+        plane = attached_plane(addresses, Path(scratch))
         commands = {
             f"{spec.name}-{index}": stage_command(
                 spec.name,
