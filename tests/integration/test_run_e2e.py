@@ -502,13 +502,19 @@ def test_trl_grpo_trainer_trains_on_the_samples(tmp_path: Path, agent: str) -> N
     assert [first["weight_version"], second["weight_version"]] == [0, 1]
     assert first["samples"] + first["rejected_filled"] == second["samples"] + second["rejected_filled"] == 4
     assert first["ratio_max_abs_dev"] <= 1e-4 and second["ratio_max_abs_dev"] <= 1e-4, summary["train_steps"]
-    assert check_mismatch(first)["mean_log_kept"] < 0 and check_mismatch(second)["mean_log_kept"] < 0
+    # The truncation is replayed: at step 1 the kept mass shows. TRL's first Adam step can
+    # collapse the tiny model so far that top-p keeps one token of probability 1.0 in float32
+    # at step 2 (log S exactly 0), so there only its sign is certain; the spans below say
+    # that the provenance itself was never lost.
+    assert check_mismatch(first)["mean_log_kept"] < 0 and check_mismatch(second)["mean_log_kept"] <= 0
     assert isinstance(first["loss"], float) and isinstance(second["loss"], float)
     assert summary["dataplane_samples_left"] == 0
     before = load_file(data_dir / "tiny-model" / "model.safetensors")
     after = load_file(data_dir / "weights" / "step-1" / "model.safetensors")
     assert any(not torch.equal(before[name], after[name]) for name in before), "TRL's step changed nothing"
-    versions = Counter(frozenset(sample["weight_versions"]) for sample in export(data_dir))
+    samples = export(data_dir)
+    assert all(span["sampling"] == TRUNCATED for sample in samples for span in sample["spans"]), samples
+    versions = Counter(frozenset(sample["weight_versions"]) for sample in samples)
     assert versions == {frozenset({0}): 4, frozenset({1}): 4}
 
 
