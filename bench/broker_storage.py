@@ -9,6 +9,14 @@ batch, written and read back: flat in ``--batches`` when listings cost nothing e
 the log grows.
 
     python -m bench.broker_storage --batches 300 --json
+
+``--tail`` measures what a live consumer meets instead: ``--batches`` single-record
+batches in one partition, then a reader placed ``TAIL_BATCHES`` before its end reads
+them with the stages' fetch wait. tansu finds each batch it serves by listing the
+partition from its first batch, within the fetch's wait, so the further the log, the
+fewer batches a fetch returns, and past some length none (DESIGN §3).
+
+    python -m bench.broker_storage --tail --batches 3000 --json
 """
 
 from __future__ import annotations
@@ -20,11 +28,14 @@ import tempfile
 import time
 from typing import Any
 
+from aiokafka import TopicPartition
+
 from bench.common import machine, process_cpu_s, versions
 from bench.events import rollout_events
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker, StorageMode
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.kafka.reader import assigned_reader
@@ -32,6 +43,8 @@ from topics.names import TopicNames
 
 PARTITIONS = 4
 READ_LIMIT_S = 60.0
+TAIL_BATCHES = 300
+TAIL_LIMIT_S = 30.0
 
 
 async def _measure(bootstrap: str, batches: int, store_pid: int | None) -> dict[str, float]:
@@ -61,7 +74,33 @@ async def _measure(bootstrap: str, batches: int, store_pid: int | None) -> dict[
     return numbers
 
 
-def run(batches: int) -> dict[str, Any]:
+async def _measure_tail(bootstrap: str, batches: int, store_pid: int | None) -> dict[str, float]:
+    config = KafkaConfig(bootstrap_servers=bootstrap, names=TopicNames(prefix="bench-tail", partitions=1))
+    await ensure_topics(config)
+    admissions = [rollout_events(f"r{number}", 1)[0] for number in range(batches)]
+    async with KafkaEventSink(config, linger_ms=0) as sink:
+        for admission in admissions:  # one record per request: one batch each
+            await sink.publish([admission])
+    tp = TopicPartition(config.names.admission, 0)
+    store_cpu_before = process_cpu_s(store_pid) if store_pid is not None else None
+    start = max(0, batches - TAIL_BATCHES)
+    async with assigned_reader(
+        config, {tp: start}, fetch_max_wait_ms=DEFAULT_TUNING.fetch_wait_ms
+    ) as consumer:
+        read, began = 0, time.monotonic()
+        while read < batches - start and time.monotonic() - began < TAIL_LIMIT_S:
+            fetched = await consumer.getmany(timeout_ms=200)
+            read += sum(len(records) for records in fetched.values())
+        read_s = time.monotonic() - began
+    numbers = {"read": read, "of": batches - start, "read_per_s": read / read_s}
+    store_cpu_after = process_cpu_s(store_pid) if store_pid is not None else None
+    if store_cpu_before is not None and store_cpu_after is not None:
+        numbers["store_cpu_ms_per_batch"] = (store_cpu_after - store_cpu_before) * 1000 / max(read, 1)
+    return numbers
+
+
+def run(batches: int, *, tail: bool = False) -> dict[str, Any]:
+    measure = _measure_tail if tail else _measure
     results: dict[str, Any] = {}
     for storage in ("memory", "durable"):
         mode: StorageMode = "durable" if storage == "durable" else "memory"
@@ -69,9 +108,9 @@ def run(batches: int) -> dict[str, Any]:
             tempfile.TemporaryDirectory() as data_dir,
             EmbeddedBroker(storage=mode, data_dir=data_dir if mode == "durable" else None) as broker,
         ):
-            results[storage] = asyncio.run(_measure(broker.bootstrap, batches, broker.bucket_pid))
+            results[storage] = asyncio.run(measure(broker.bootstrap, batches, broker.bucket_pid))
     ratio = results["memory"]["read_per_s"] / max(results["durable"]["read_per_s"], 1e-9)
-    return {"batches": batches, "results": results, "read_ratio_memory_to_durable": ratio}
+    return {"batches": batches, "tail": tail, "results": results, "read_ratio_memory_to_durable": ratio}
 
 
 def main() -> None:
@@ -79,15 +118,23 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batches", type=int, default=300, help="single-record batches to write and read")
+    parser.add_argument(
+        "--tail",
+        action="store_true",
+        help=f"read the last {TAIL_BATCHES} batches of one partition, as a live consumer",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
-    report = {"machine": machine(), "versions": versions(), **run(args.batches)}
+    report = {"machine": machine(), "versions": versions(), **run(args.batches, tail=args.tail)}
     if args.json:
         print(json.dumps(report, indent=2))
         return
     for storage, numbers in report["results"].items():
+        produced = (
+            f"produce {numbers['produced_per_s']:8.0f} batches/s   " if "produced_per_s" in numbers else ""
+        )
         print(
-            f"{storage:8s} produce {numbers['produced_per_s']:8.0f} batches/s   "
+            f"{storage:8s} {produced}"
             f"read {numbers['read_per_s']:8.0f} records/s ({numbers['read']:.0f} read)"
             + (
                 f"   store CPU {numbers['store_cpu_ms_per_batch']:.2f} ms/batch"

@@ -102,6 +102,8 @@ class Cluster:
     """The finalizer's budget for sample copies (None: its default)."""
     closed_budget_mib: float | None = None
     """The ledger's budget for closed rollouts' call ids (None: its default)."""
+    fetch_wait_ms: int | None = None
+    """The stages' fetch wait (None: their default)."""
     names: TopicNames = field(init=False)
     broker: EmbeddedBroker = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -152,6 +154,7 @@ class Cluster:
             "--staging-sweep", str(STAGING_SWEEP_S),
             *(("--retain-samples-bytes", str(self.retain_bytes)) if self.retain_bytes is not None else ()),
             *(("--closed-budget-mib", str(self.closed_budget_mib)) if self.closed_budget_mib is not None else ()),
+            *(("--fetch-wait-ms", str(self.fetch_wait_ms)) if self.fetch_wait_ms is not None else ()),
         )  # fmt: skip
 
     def _worker(self) -> list[str]:

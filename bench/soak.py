@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cluster import Cluster, events_on, group_lags, running
 from bench.command import Benchmark, Option, Quick
+from pipeline.process.guard import guard_descendants
 
 SPOOL_DIR = "retained-samples"
 """Where ``tokentrail stage finalizer --data-dir D`` spools its sample copies (D/retained-samples)."""
@@ -49,6 +50,9 @@ class SoakConfig:
     """The broker's storage: ``durable`` puts the log on disk (measured), at a lighter load."""
     concurrency: int = 6
     """Rollouts the worker plays at once."""
+    fetch_wait_ms: int | None = None
+    """The stages' ``--fetch-wait-ms`` (None: their default). tansu lists a partition's
+    whole log on every fetch (DESIGN §3), so a longer wait slows its growing cost."""
     remember: int = 300
     closed_budget_mib: float = 0.125
     retain_bytes: int = 512 * 1024
@@ -56,6 +60,8 @@ class SoakConfig:
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.sample_every_s <= 0:
             raise ValueError("--minutes and --sample-every: must be > 0")
+        if self.fetch_wait_ms is not None and self.fetch_wait_ms < 1:
+            raise ValueError(f"--fetch-wait-ms: must be >= 1, got {self.fetch_wait_ms}")
         if self.storage not in ("memory", "durable"):
             raise ValueError(f"--storage: memory or durable, got {self.storage!r}")
 
@@ -67,6 +73,7 @@ OPTIONS = (
     Option("--sample-every", "seconds between samples (default 10)", float, field="sample_every_s"),
     Option("--storage", "the broker's storage (default memory)", choices=("memory", "durable")),
     Option("--concurrency", "rollouts the worker plays at once (default 6)", int),
+    Option("--fetch-wait-ms", "the stages' fetch wait (default: theirs)", int),
 )
 
 
@@ -124,6 +131,7 @@ def _thirds(values: list[int]) -> list[float]:
 
 
 def run(config: SoakConfig) -> dict[str, Any]:
+    guard_descendants()  # the cluster's processes die with this one, also on SIGTERM or SIGKILL
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         return _run(config, Path(tmp))
 
@@ -134,6 +142,7 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
         seed=7,
         storage=config.storage,
         concurrency=config.concurrency,
+        fetch_wait_ms=config.fetch_wait_ms,
         remember=config.remember,
         retain_bytes=config.retain_bytes,
         closed_budget_mib=config.closed_budget_mib,
@@ -144,6 +153,8 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
         while time.monotonic() - began < config.minutes * 60:
             cluster.supervise(config.sample_every_s)
             pids = {name: proc.pid for name, proc in cluster.procs.items()} | {"broker": cluster.broker.pid}
+            if cluster.broker.bucket_pid is not None:  # durable: the broker's object store is a process too
+                pids["store"] = cluster.broker.bucket_pid
             rss, cpu = _process_stats(pids)
             finished = events_on(cluster.kafka, cluster.names.finalized)
             samples.append(

@@ -424,7 +424,9 @@ class ConsumerLoop:
                 self.stats.enforced += 1
                 if self._enforced != waited_for:
                     log.warning(
-                        "log-time order not kept: %s returned nothing for %.0f s though behind its end",
+                        "log-time order not kept: %s returned nothing for %.0f s though behind its end"
+                        " (on tansu, a partition too long to read within the fetch wait: raise"
+                        " --fetch-wait-ms, DESIGN §3)",
                         ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(self._enforced)),
                         self._max_idle_s,
                     )

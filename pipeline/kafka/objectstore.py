@@ -10,7 +10,9 @@ the store; its handler gets two changes here, both measured (bench/RESULTS.md):
 * a listing reads only the folder its prefix names, not the whole bucket, and from an
   index the server keeps (``FolderIndex``): the broker lists one partition's records on
   every fetch, and a walk, a stat and an XML element of every object made each fetch
-  slower as the log grew; entries are now rendered once, when written.
+  slower as the log grew; entries are now rendered once, when written, a page starts
+  where its marker falls (a bisection), and the pages after the first (a partition of
+  over 1,000 batches) come from the index too.
 
 ``EmbeddedBroker`` runs it as ``python -m pipeline.kafka.objectstore ROOT --host HOST
 --port PORT``. The handler overrides localbucket's own methods, so the project pins its
@@ -149,11 +151,18 @@ class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library
         folder = prefix.rpartition("/")[0]  # a key under a/b/c lies in folder a/b/
         if ".." in folder.split("/"):
             return contents, common_prefixes, False, last_entry
-        for entry in INDEX.entries(bucket_dir, folder):
+        entries = INDEX.entries(bucket_dir, folder)
+        # Keys sharing a prefix are contiguous in byte order: start at the prefix, or past
+        # the marker, and stop at the first key beyond the prefix.
+        start = bisect.bisect_left(entries, prefix.encode(), key=_byte_order)
+        if marker:
+            start = max(start, bisect.bisect_right(entries, marker.encode(), key=_byte_order))
+        for at in range(start, len(entries)):
+            entry = entries[at]
             key = entry.key
             if not key.startswith(prefix):
-                continue
-            if marker and (key.encode() <= marker.encode() or (marker_is_prefix and key.startswith(marker))):
+                break
+            if marker_is_prefix and key.startswith(marker):
                 continue
             cut = key.find(delimiter, len(prefix)) if delimiter else -1
             common = key[: cut + len(delimiter)] if cut >= 0 else ""
@@ -171,15 +180,18 @@ class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library
         return contents, common_prefixes, False, last_entry
 
     def _list_objects_v2(self, bucket: str) -> None:
-        """The broker's own listing (a prefix, perhaps a start) from pre-rendered entries;
-        any other listing as localbucket answers it."""
-        if set(self.query) - FAST_LISTING:
+        """The broker's own listing (a prefix, perhaps a start or a next page) from
+        pre-rendered entries; any other listing, or a token that does not read, as
+        localbucket answers it."""
+        token = self.query.get("continuation-token")
+        marker = _token_marker(token) if token is not None else self.query.get("start-after", "")
+        if set(self.query) - FAST_LISTING or marker is None:
             super()._list_objects_v2(bucket)
             return
         prefix, start_after = self.query.get("prefix", ""), self.query.get("start-after", "")
         max_keys = self._max_keys()
         contents, _, truncated, last_entry = self._list_entries(
-            self._bucket_dir(bucket), prefix, "", start_after, False, max_keys
+            self._bucket_dir(bucket), prefix, "", marker, False, max_keys
         )
         parts = [
             f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="{localbucket.S3_NAMESPACE}">',
@@ -189,6 +201,8 @@ class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library
             _element("KeyCount", str(len(contents))),
             _element("IsTruncated", "true" if truncated else "false"),
         ]
+        if token is not None:
+            parts.append(_element("ContinuationToken", token))
         if truncated:  # the token localbucket reads back on the next page
             parts.append(
                 _element("NextContinuationToken", base64.urlsafe_b64encode(last_entry.encode()).decode())
@@ -200,7 +214,17 @@ class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library
         self._send(HTTPStatus.OK, "".join(parts).encode(), {"Content-Type": "application/xml"})
 
 
-FAST_LISTING = frozenset({"list-type", "prefix", "start-after", "max-keys"})
+FAST_LISTING = frozenset({"list-type", "prefix", "start-after", "max-keys", "continuation-token"})
+
+
+def _token_marker(token: str) -> str | None:
+    """The key a next-page token continues after (localbucket's ``K:key`` tokens, the only
+    ones a listing without a delimiter hands out); None for any other token."""
+    try:
+        decoded = base64.urlsafe_b64decode(token.encode()).decode()
+    except ValueError:
+        return None
+    return decoded[2:] if decoded.startswith("K:") else None
 
 
 def read_entries(bucket_dir: Path, scope: Path) -> list[Entry]:
@@ -234,8 +258,13 @@ def read_entry(bucket_dir: Path, path: Path) -> Entry | None:
 
 
 def replaced(entries: list[Entry], key: str, entry: Entry | None) -> list[Entry]:
-    """A copy of ``entries`` with ``key``'s entry put in place, or removed when None
-    (a copy: a listing being answered keeps reading the list it got)."""
+    """``entries`` with ``key``'s entry put in place, or removed when None. A new last
+    entry (the next batch of a partition, the common case) is appended to the list
+    itself, which a listing being answered reads no further than its length when it
+    began; anything else changes a copy, so such a listing never sees entries move."""
+    if entry is not None and (not entries or _byte_order(entries[-1]) < key.encode()):
+        entries.append(entry)
+        return entries
     updated = list(entries)
     at = bisect.bisect_left(updated, key.encode(), key=_byte_order)
     if at < len(updated) and updated[at].key == key:

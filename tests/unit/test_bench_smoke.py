@@ -162,6 +162,19 @@ def test_replay_smallest_configuration() -> None:
     assert report["without_broker"]["ledger_events_per_s"] > 0
 
 
+@pytest.mark.broker
+def test_broker_storage_tail_reads_a_short_partition_whole() -> None:
+    """The live-consumer mode: on both engines a reader at the start of a short partition
+    of single-record batches reads every one, and durable storage reports its store's CPU."""
+    from bench import broker_storage
+
+    report = broker_storage.run(40, tail=True)
+    assert report["tail"] is True and set(report["results"]) == {"memory", "durable"}
+    for numbers in report["results"].values():
+        assert numbers["read"] == numbers["of"] == 40 and numbers["read_per_s"] > 0
+    assert report["results"]["durable"]["store_cpu_ms_per_batch"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.broker
 def test_gateway_recovery_smallest_configuration() -> None:

@@ -3,6 +3,7 @@ and sees every write the server acknowledged."""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import threading
 import xml.etree.ElementTree as ET
@@ -24,6 +25,15 @@ KEYS = [
     "clusters/c1/groups/consumers/g.json",
     "top.json",
 ]
+RECORDS = "clusters/c1/topics/t.a/partitions/0000000000/records/"
+
+
+def token(marker: str) -> str:
+    """A next-page token as localbucket hands them out."""
+    return base64.urlsafe_b64encode(marker.encode()).decode()
+
+
+UNREADABLE = token("nope")
 
 
 @pytest.fixture
@@ -114,6 +124,10 @@ def test_a_listing_sees_every_acknowledged_write(bucket: Path) -> None:
         "list-type=2&prefix=clusters/c1/topics/t.a/partitions/0000000000/records/&max-keys=1",
         "list-type=2&prefix=clusters/&start-after=clusters/c1/meta.json",
         "list-type=2&prefix=clusters/c1/topics/&delimiter=/",
+        # the broker's next page of a partition of many batches, and a token that does not read
+        f"list-type=2&prefix={RECORDS}&max-keys=1&continuation-token={token('K:' + RECORDS + '0' * 20 + '.batch')}",
+        f"list-type=2&prefix=clusters/&max-keys=2&continuation-token={token('K:clusters/c1/meta.json')}",
+        f"list-type=2&prefix={RECORDS}&continuation-token={UNREADABLE}",
     ],
 )
 def test_the_rendered_listing_is_localbucket_s(bucket: Path, query: str) -> None:
@@ -131,8 +145,48 @@ def test_the_rendered_listing_is_localbucket_s(bucket: Path, query: str) -> None
         finally:
             server.shutdown()
             server.server_close()
-    assert answers[0][0] == 200 and ("<Contents>" in answers[0][2] or "<CommonPrefixes>" in answers[0][2])
+    if UNREADABLE in query:
+        assert answers[0][0] == 400
+    else:
+        assert answers[0][0] == 200 and ("<Contents>" in answers[0][2] or "<CommonPrefixes>" in answers[0][2])
     assert answers[1] == answers[0]
+
+
+def test_a_listing_of_many_pages_is_localbucket_s(bucket: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page by page through a partition of 2,500 batches, each page as localbucket
+    answers it: the index serves the pages after the first as it serves the first
+    (localbucket's own walk of the folder is not called)."""
+    folder = bucket / RECORDS
+    for offset in range(2, 2_500):
+        (folder / f"{offset:020d}.batch").write_bytes(b"r")
+    pages = []
+    for handler_class in (localbucket.S3Handler, FastS3Handler):
+        if handler_class is FastS3Handler:
+            monkeypatch.setattr(localbucket.S3Handler, "_list_objects_v2", None)
+        handler_class.data_root = bucket.parent
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+        try:
+            answers, query = [], f"list-type=2&prefix={RECORDS}"
+            while True:
+                connection.request("GET", f"/{bucket.name}?{query}")
+                reply = connection.getresponse()
+                body = reply.read()
+                answers.append((reply.status, canonical(body)))
+                following = ET.fromstring(body).findtext(
+                    f"{{{localbucket.S3_NAMESPACE}}}NextContinuationToken"
+                )
+                if following is None:
+                    break
+                query = f"list-type=2&prefix={RECORDS}&continuation-token={following}"
+        finally:
+            connection.close()
+            server.shutdown()
+            server.server_close()
+        pages.append(answers)
+    assert len(pages[0]) == 3 and sum(body.count("<Key>") for _, body in pages[0]) == 2_500
+    assert pages[1] == pages[0]
 
 
 def canonical(xml: bytes) -> str:
