@@ -51,8 +51,9 @@ class SoakConfig:
     concurrency: int = 6
     """Rollouts the worker plays at once."""
     fetch_wait_ms: int | None = None
-    """The stages' ``--fetch-wait-ms`` (None: their default). tansu lists a partition's
-    whole log on every fetch (DESIGN §3), so a longer wait slows its growing cost."""
+    """The stages' ``--fetch-wait-ms`` (None: their default). tansu reads a partition's
+    tail only as far as the fetch's wait allows, less the longer the log (DESIGN §3):
+    a long soak on the embedded broker needs a longer wait."""
     remember: int = 300
     closed_budget_mib: float = 0.125
     retain_bytes: int = 512 * 1024
