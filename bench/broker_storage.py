@@ -47,17 +47,22 @@ TAIL_BATCHES = 300
 TAIL_LIMIT_S = 30.0
 
 
+async def _publish_one_per_batch(config: KafkaConfig, batches: int) -> None:
+    """``batches`` admissions, one record per request: one batch each, as a worker writes them."""
+    admissions = [rollout_events(f"r{number}", 1)[0] for number in range(batches)]
+    async with KafkaEventSink(config, linger_ms=0) as sink:
+        for admission in admissions:
+            await sink.publish([admission])
+
+
 async def _measure(bootstrap: str, batches: int, store_pid: int | None) -> dict[str, float]:
     config = KafkaConfig(
         bootstrap_servers=bootstrap, names=TopicNames(prefix="bench-small", partitions=PARTITIONS)
     )
     await ensure_topics(config)
-    admissions = [rollout_events(f"r{number}", 1)[0] for number in range(batches)]
     store_cpu_before = process_cpu_s(store_pid) if store_pid is not None else None
     began = time.monotonic()
-    async with KafkaEventSink(config, linger_ms=0) as sink:
-        for admission in admissions:  # one record per request: one batch each
-            await sink.publish([admission])
+    await _publish_one_per_batch(config, batches)
     produced_s = time.monotonic() - began
     async with LagReader(config) as lag:
         partitions = await lag.partitions([config.names.admission])
@@ -77,10 +82,7 @@ async def _measure(bootstrap: str, batches: int, store_pid: int | None) -> dict[
 async def _measure_tail(bootstrap: str, batches: int, store_pid: int | None) -> dict[str, float]:
     config = KafkaConfig(bootstrap_servers=bootstrap, names=TopicNames(prefix="bench-tail", partitions=1))
     await ensure_topics(config)
-    admissions = [rollout_events(f"r{number}", 1)[0] for number in range(batches)]
-    async with KafkaEventSink(config, linger_ms=0) as sink:
-        for admission in admissions:  # one record per request: one batch each
-            await sink.publish([admission])
+    await _publish_one_per_batch(config, batches)
     tp = TopicPartition(config.names.admission, 0)
     store_cpu_before = process_cpu_s(store_pid) if store_pid is not None else None
     start = max(0, batches - TAIL_BATCHES)
