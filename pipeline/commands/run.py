@@ -96,6 +96,13 @@ def add_parser(subparsers: Any) -> None:
         default=defaults.max_open_s,
         help="seconds before an unsealed rollout is closed (default: %(default)s)",
     )
+    ledger.add_argument(
+        "--fetch-wait-ms",
+        type=int,
+        default=defaults.fetch_wait_ms,
+        help="how long the broker may hold the stages' fetches; on the embedded broker a longer "
+        "wait lets them read longer partitions (DESIGN §3) (default: %(default)s)",
+    )
     services = parser.add_argument_group("services")
     services.add_argument(
         "--broker-storage",
@@ -322,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
             agent=args.agent,
             seal_grace_s=args.seal_grace,
             max_open_s=args.max_open,
+            fetch_wait_ms=args.fetch_wait_ms,
             keep=args.keep,
             train_steps=args.train_steps,
             learning_rate=args.learning_rate,

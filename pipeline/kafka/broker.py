@@ -9,7 +9,10 @@ Single-machine runs and tests use tansu, the Apache-2.0 broker binary shipped in
   real Kafka answer (ApiVersions, then Metadata carrying our unique cluster id, so
   another broker already on the port is never mistaken for ours);
 * a broker that dies later must not go unnoticed: a watcher thread per child
-  process records the failure, and ``check()``/``wait()`` surface it.
+  process records the failure, and ``check()``/``wait()`` surface it;
+* killed between claiming a produce's offsets and writing its batch, its durable
+  engine leaves offsets that never come to exist at a partition's end: they are given
+  back before it starts again (``pipeline.kafka.unwritten``).
 
 Two storage modes: ``memory`` (tests, benchmarks) and ``durable``, which runs tansu's
 ``s3://`` engine against an S3-compatible server keeping buckets as folders
@@ -29,6 +32,7 @@ import fcntl
 import http.client
 import importlib.resources
 import json
+import logging
 import os
 import re
 import shutil
@@ -47,6 +51,7 @@ from typing import IO, Literal, Self
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.probe import ProbeError, identify
+from pipeline.kafka.unwritten import GivenBack, give_back_unwritten
 from topics.names import TopicNames
 
 StorageMode = Literal["memory", "durable"]
@@ -73,6 +78,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 TAKEOVER_WAIT_S = 10.0
 """How long a broker waits for the processes of a dead holder of its store to go."""
 _AUTO_PORT_ATTEMPTS = 3
+
+log = logging.getLogger(__name__)
 
 
 class BrokerError(RuntimeError):
@@ -248,6 +255,8 @@ class EmbeddedBroker:
         self._supervising = False  # child exits count as failures only once started
         self._lock = threading.RLock()
         self._callbacks: list[Callable[[BrokerError], None]] = []
+        self.given_back: list[GivenBack] = []
+        """Partitions whose unwritten offsets the last start gave back (durable storage)."""
 
     # -- addresses -------------------------------------------------------------
 
@@ -386,8 +395,17 @@ class EmbeddedBroker:
             self._lock_data_dir(self.data_dir)
             (self.data_dir / BUCKET_DIR / BUCKET).mkdir(parents=True, exist_ok=True)
             self._cluster_id = self._durable_cluster_id(self.data_dir)
+            self._give_back_unwritten(self.data_dir / BUCKET_DIR / BUCKET / "clusters" / self._cluster_id)
         else:
             self._cluster_id = self._requested_cluster_id or f"tokentrail-{uuid.uuid4().hex[:12]}"
+
+    def _give_back_unwritten(self, cluster_dir: Path) -> None:
+        try:
+            self.given_back = give_back_unwritten(cluster_dir)
+        except (OSError, ValueError) as exc:
+            raise BrokerError(f"durable store: {exc}") from exc
+        for partition in self.given_back:
+            log.warning("durable store: %s", partition.describe())
 
     def _lock_data_dir(self, data_dir: Path) -> None:
         """Hold an exclusive lock on the store: two brokers on one store corrupt it.

@@ -82,6 +82,9 @@ class RunConfig:
     seed: int = 0
     seal_grace_s: float = 10.0
     max_open_s: float = 600.0
+    fetch_wait_ms: int = 25
+    """How long the broker may hold the stages' fetches (``ConsumerTuning.fetch_wait_ms``):
+    latency per hop against how long a partition tansu can still serve (DESIGN §3)."""
     finalize_timeout_s: float = 600.0
     lag_timeout_s: float = 60.0
     keep: bool = False
@@ -172,6 +175,8 @@ class RunConfig:
             raise ValueError("trainer_delay_s: slows the built-in trainer's --train-steps only")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
+        if self.fetch_wait_ms < 1:
+            raise ValueError(f"fetch_wait_ms: must be >= 1, got {self.fetch_wait_ms}")
         for name in ("seal_grace_s", "max_open_s", "finalize_timeout_s", "lag_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

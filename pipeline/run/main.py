@@ -261,7 +261,7 @@ class Run:
         shutdown.check()
 
         ledger = LedgerConfig(seal_grace_s=config.seal_grace_s, max_open_s=config.max_open_s)
-        tuning = run_groups(broker)
+        tuning = run_groups(broker, config.fetch_wait_ms)
         children = None
         if config.stages == "processes":
             # Started before the engine, whose start blocks this loop for tens of seconds:

@@ -48,11 +48,12 @@ log within 76 ms of its timestamp (publish-to-acknowledgement p99.9 70 ms, max 7
 64-rollout main job); durable storage takes up to about 330 ms, so it keeps the default."""
 
 
-def run_groups(broker: EmbeddedBroker | None) -> ConsumerTuning:
+def run_groups(broker: EmbeddedBroker | None, fetch_wait_ms: int) -> ConsumerTuning:
     """The run's group timings: the merge margin is as short as the log allows (DESIGN §7.2)."""
+    tuning = replace(RUN_GROUPS, fetch_wait_ms=fetch_wait_ms)
     if broker is not None and broker.storage == "memory":
-        return replace(RUN_GROUPS, idle_margin_ms=MEMORY_LOG_MARGIN_MS)
-    return RUN_GROUPS
+        return replace(tuning, idle_margin_ms=MEMORY_LOG_MARGIN_MS)
+    return tuning
 
 
 STAGE_STOP_TIMEOUT_S = 30.0

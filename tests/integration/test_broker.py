@@ -24,7 +24,10 @@ from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTun
 from pipeline.kafka.lag import LagReader, total_lag
 from pipeline.kafka.probe import identify
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.kafka.reader import assigned_reader
+from pipeline.kafka.tail import recent_keys
 from stages.ports import Consumed
+from topics.events import EventType
 from topics.names import TopicNames
 from topics.records import CaptureAdmission
 
@@ -279,6 +282,65 @@ def test_concurrent_producers_on_one_durable_partition_all_land(tmp_path: Path) 
     with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
         calls = asyncio.run(produce_and_read(broker.bootstrap))
     assert sorted(calls) == sorted(f"c{i}" for i in range(each * producers))
+
+
+def test_offsets_a_killed_broker_never_wrote_are_given_back(tmp_path: Path) -> None:
+    """tansu claims a produce's offsets (its watermark object), then writes the batch: a
+    kill between the two, as a kill -9 of a run can land, leaves the watermark past the
+    last batch. Started again, the broker gives those offsets back, so a read up to the
+    high watermark ends and the next record takes them; without that the read waits forever."""
+    names = TopicNames(prefix="unwritten", partitions=1)
+    records = admissions(3)
+
+    async def publish(bootstrap: str, batch: list[CaptureAdmission]) -> None:
+        config = KafkaConfig(bootstrap_servers=bootstrap, names=names)
+        await ensure_topics(config)
+        async with KafkaEventSink(config, linger_ms=0) as sink:
+            for record in batch:
+                await sink.publish([record])  # a batch each
+
+    async def read_back(bootstrap: str) -> tuple[list[str], list[str]]:
+        config = KafkaConfig(bootstrap_servers=bootstrap, names=names)
+        recalled = await asyncio.wait_for(
+            recent_keys(config, names.admission, EventType.ADMISSION, per_partition=10), 20
+        )
+        async with LagReader(config) as reader:
+            (partition,) = await reader.partitions([names.admission])
+            end = (await reader.watermarks([partition]))[partition].highwater
+        async with assigned_reader(config, {partition: 0}) as consumer:
+            read: list[str] = []
+            while len(read) < end:
+                for batch in (await asyncio.wait_for(consumer.getmany(timeout_ms=500), 20)).values():
+                    read += [f"{record.offset}:{record.key.decode()}" for record in batch if record.key]
+        return recalled, read
+
+    with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
+        asyncio.run(publish(broker.bootstrap, records))
+        partition_dir = (
+            tmp_path
+            / "s3"
+            / "tansu"
+            / "clusters"
+            / broker.cluster_id
+            / "topics"
+            / names.admission
+            / "partitions"
+        ) / "0000000000"
+    (
+        partition_dir / "records" / f"{2:020d}.batch"
+    ).unlink()  # what such a kill leaves: high 3, batches 0 and 1
+    assert json.loads((partition_dir / "watermark.json").read_text())["high"] == 3
+
+    with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
+        assert [(g.topic, g.partition, g.written_end, g.claimed_end) for g in broker.given_back] == [
+            (names.admission, 0, 2, 3)
+        ]
+        recalled, read = asyncio.run(read_back(broker.bootstrap))
+        assert (recalled, read) == (["r0", "r1"], ["0:r0", "1:r1"])
+        asyncio.run(publish(broker.bootstrap, records[2:]))
+        assert asyncio.run(read_back(broker.bootstrap))[1] == ["0:r0", "1:r1", "2:r2"]
+    with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
+        assert broker.given_back == []
 
 
 def test_broker_command_runs_in_the_foreground_and_stops_on_sigterm(tmp_path: Path) -> None:

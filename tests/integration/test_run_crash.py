@@ -52,7 +52,7 @@ def start_run(data_dir: Path, log: IO[str], options: list[str]) -> subprocess.Po
     )
 
 
-def wait_for_phase(log_path: Path, phase: str, run: subprocess.Popen[str], timeout_s: float = 300) -> None:
+def wait_for_phase(log_path: Path, phase: str, run: subprocess.Popen[str], timeout_s: float = 150) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(_says(line, phase) for line in log_path.read_text().splitlines()):
@@ -129,6 +129,7 @@ async def read_topic(config: KafkaConfig, topic: str) -> list[Record]:
     return records
 
 
+@pytest.mark.timeout(900)  # above the phases' own bounds, so a stuck run fails with its log
 def test_killed_runs_leave_nothing_and_the_next_run_finishes_them(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     kills = ("starting the vLLM engine", "driving rollouts", "waiting for finalized events")
@@ -155,7 +156,13 @@ def test_killed_runs_leave_nothing_and_the_next_run_finishes_them(tmp_path: Path
     log_path = tmp_path / "final.log"
     with log_path.open("w") as log:
         final = start_run(data_dir, log, FINAL)
-        out, _ = final.communicate(timeout=400)
+        try:
+            out, _ = final.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            final.kill()
+            raise AssertionError(
+                f"the final run did not end in 300 s:\n{log_path.read_text()[-4000:]}"
+            ) from None
     assert final.returncode == 0, f"exit {final.returncode}:\n{log_path.read_text()[-4000:]}"
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["status"] == "completed" and summary["lag"] == 0, summary

@@ -334,8 +334,9 @@ def test_a_killed_run_is_finished_by_the_next_one_on_the_same_log(tmp_path: Path
 def test_the_merge_margin_is_short_only_where_the_log_is_fast(tmp_path: Path) -> None:
     """The memory broker logs a record within 100 ms of its stamp; durable storage and an
     external cluster keep the margin that covers their slower writes (DESIGN §7.2)."""
-    memory = run_groups(EmbeddedBroker(storage="memory"))
-    durable = run_groups(EmbeddedBroker(storage="durable", data_dir=tmp_path))
+    wait = RunConfig().fetch_wait_ms
+    memory = run_groups(EmbeddedBroker(storage="memory"), wait)
+    durable = run_groups(EmbeddedBroker(storage="durable", data_dir=tmp_path), wait)
     assert memory.idle_margin_ms == MEMORY_LOG_MARGIN_MS < durable.idle_margin_ms
-    assert durable == run_groups(None) == RUN_GROUPS
+    assert durable == run_groups(None, wait) == RUN_GROUPS
     assert memory.fetch_wait_ms == RUN_GROUPS.fetch_wait_ms

@@ -66,10 +66,22 @@ def test_the_stage_command_carries_the_runs_settings(monkeypatch: pytest.MonkeyP
 
 
 def test_the_memory_brokers_short_merge_margin_reaches_the_stage_processes() -> None:
-    tuning = run_groups(EmbeddedBroker(storage="memory"))  # not started: only its storage counts
+    tuning = run_groups(
+        EmbeddedBroker(storage="memory"), RunConfig().fetch_wait_ms
+    )  # not started: only its storage counts
     options = StageOptions(ledger=LedgerConfig(), tuning=tuning)
     args = parsed(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options))
     assert args.merge_margin_ms == tuning.idle_margin_ms < RUN_GROUPS.idle_margin_ms
+
+
+def test_the_runs_fetch_wait_reaches_its_stage_processes() -> None:
+    """``tokentrail run --fetch-wait-ms``: the lever against tansu's listing cliff (DESIGN §3)."""
+    tuning = run_groups(None, 250)
+    assert tuning == replace(RUN_GROUPS, fetch_wait_ms=250)
+    options = StageOptions(ledger=LedgerConfig(), tuning=tuning)
+    assert parsed(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options)).fetch_wait_ms == 250
+    with pytest.raises(ValueError, match="fetch_wait_ms: must be >= 1, got 0"):
+        RunConfig(fetch_wait_ms=0)
 
 
 def test_a_group_is_passed_when_given() -> None:
