@@ -11,6 +11,8 @@ read (no payload is decoded), so warming is cheap even for a long tail.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 
 from pipeline.kafka.config import KafkaConfig
@@ -20,6 +22,12 @@ from topics.codec import HEADER_TYPE
 from topics.events import EventType
 
 FETCH_TIMEOUT_MS = 500
+STALL_WARNING_S = 30.0
+"""A partition behind its high watermark that gives nothing this long is named in a
+warning: the stage is not ready until its recall ends (a read held by the broker, or
+offsets that never came to exist, DESIGN §3)."""
+
+log = logging.getLogger(__name__)
 
 
 async def recent_keys(
@@ -29,6 +37,7 @@ async def recent_keys(
     *,
     per_partition: int,
     partitions: Iterable[int] | None = None,
+    stall_warning_s: float = STALL_WARNING_S,
 ) -> list[str]:
     """Keys of the ``event_type`` events among the last ``per_partition`` events of each
     partition of ``topic`` (or of the given partition numbers), oldest first within a
@@ -48,13 +57,24 @@ async def recent_keys(
         return []
     wanted = event_type.value.encode()
     keys: list[str] = []
+    progressed = dict.fromkeys(pending, time.monotonic())
     async with assigned_reader(config, {tp: starts[tp] for tp in sorted(pending)}) as consumer:
         while pending:
             fetched = await consumer.getmany(*pending, timeout_ms=FETCH_TIMEOUT_MS)
+            now = time.monotonic()
             for tp, records in fetched.items():
                 for record in records:
                     if record.key is not None and (HEADER_TYPE, wanted) in list(record.headers):
                         keys.append(record.key.decode(errors="replace"))
+                if records:
+                    progressed[tp] = now
                 if records and records[-1].offset + 1 >= marks[tp].highwater:
                     pending.discard(tp)
+            for tp in pending:
+                if now - progressed[tp] >= stall_warning_s:
+                    progressed[tp] = now  # said again only after as long again
+                    log.warning(
+                        "reading %s[%d] up to its high watermark %d: no record at offset %d for %.0f s",
+                        tp.topic, tp.partition, marks[tp].highwater, await consumer.position(tp), stall_warning_s,
+                    )  # fmt: skip
     return keys

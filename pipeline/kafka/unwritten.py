@@ -9,7 +9,8 @@ high watermark (a stage recalling what it answered) waits forever, and a consume
 group's lag on that partition stays above 0 (measured, DESIGN §3). No producer was told
 the offsets were written (tansu answers a produce after both writes), so before tansu
 starts the supervisor lowers such a watermark to the end of the last batch, and the next
-produce takes the offsets again. Nothing can have read or committed past that end.
+produce takes the offsets again. No record past that end was ever read; only a high
+watermark read between the two writes could name an offset past it (DESIGN §3).
 """
 
 from __future__ import annotations

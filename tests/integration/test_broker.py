@@ -284,63 +284,88 @@ def test_concurrent_producers_on_one_durable_partition_all_land(tmp_path: Path) 
     assert sorted(calls) == sorted(f"c{i}" for i in range(each * producers))
 
 
-def test_offsets_a_killed_broker_never_wrote_are_given_back(tmp_path: Path) -> None:
-    """tansu claims a produce's offsets (its watermark object), then writes the batch: a
-    kill between the two, as a kill -9 of a run can land, leaves the watermark past the
-    last batch. Started again, the broker gives those offsets back, so a read up to the
-    high watermark ends and the next record takes them; without that the read waits forever."""
-    names = TopicNames(prefix="unwritten", partitions=1)
+UNWRITTEN = TopicNames(prefix="unwritten", partitions=1)
+
+
+async def publish_one_per_batch(bootstrap: str, records: list[CaptureAdmission]) -> None:
+    config = KafkaConfig(bootstrap_servers=bootstrap, names=UNWRITTEN)
+    await ensure_topics(config)
+    async with KafkaEventSink(config, linger_ms=0) as sink:
+        for record in records:
+            await sink.publish([record])
+
+
+def store_left_by_a_kill_mid_produce(data_dir: Path) -> list[CaptureAdmission]:
+    """A durable store as a kill between tansu's two writes of a produce (the watermark,
+    then the batch) leaves it: admissions 0 and 1 written, the watermark at 3."""
     records = admissions(3)
-
-    async def publish(bootstrap: str, batch: list[CaptureAdmission]) -> None:
-        config = KafkaConfig(bootstrap_servers=bootstrap, names=names)
-        await ensure_topics(config)
-        async with KafkaEventSink(config, linger_ms=0) as sink:
-            for record in batch:
-                await sink.publish([record])  # a batch each
-
-    async def read_back(bootstrap: str) -> tuple[list[str], list[str]]:
-        config = KafkaConfig(bootstrap_servers=bootstrap, names=names)
-        recalled = await asyncio.wait_for(
-            recent_keys(config, names.admission, EventType.ADMISSION, per_partition=10), 20
-        )
-        async with LagReader(config) as reader:
-            (partition,) = await reader.partitions([names.admission])
-            end = (await reader.watermarks([partition]))[partition].highwater
-        async with assigned_reader(config, {partition: 0}) as consumer:
-            read: list[str] = []
-            while len(read) < end:
-                for batch in (await asyncio.wait_for(consumer.getmany(timeout_ms=500), 20)).values():
-                    read += [f"{record.offset}:{record.key.decode()}" for record in batch if record.key]
-        return recalled, read
-
-    with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
-        asyncio.run(publish(broker.bootstrap, records))
-        partition_dir = (
-            tmp_path
-            / "s3"
-            / "tansu"
-            / "clusters"
-            / broker.cluster_id
-            / "topics"
-            / names.admission
-            / "partitions"
-        ) / "0000000000"
-    (
-        partition_dir / "records" / f"{2:020d}.batch"
-    ).unlink()  # what such a kill leaves: high 3, batches 0 and 1
+    with EmbeddedBroker(storage="durable", data_dir=data_dir) as broker:
+        asyncio.run(publish_one_per_batch(broker.bootstrap, records))
+        topics = data_dir / "s3" / "tansu" / "clusters" / broker.cluster_id / "topics"
+    partition_dir = topics / UNWRITTEN.admission / "partitions" / "0000000000"
+    (partition_dir / "records" / f"{2:020d}.batch").unlink()
     assert json.loads((partition_dir / "watermark.json").read_text())["high"] == 3
+    return records
 
+
+async def recall_and_read(
+    bootstrap: str, stall_warning_s: float = 30.0, recall_timeout_s: float = 20.0
+) -> tuple[list[str], list[str]]:
+    """The admissions' keys as a stage's recall reads them (to the high watermark), and
+    every record as ``offset:key``."""
+    config = KafkaConfig(bootstrap_servers=bootstrap, names=UNWRITTEN)
+    recalled = await asyncio.wait_for(
+        recent_keys(
+            config,
+            UNWRITTEN.admission,
+            EventType.ADMISSION,
+            per_partition=10,
+            stall_warning_s=stall_warning_s,
+        ),
+        recall_timeout_s,
+    )
+    async with LagReader(config) as reader:
+        (partition,) = await reader.partitions([UNWRITTEN.admission])
+        end = (await reader.watermarks([partition]))[partition].highwater
+    async with assigned_reader(config, {partition: 0}) as consumer:
+        read: list[str] = []
+        while len(read) < end:
+            for batch in (await asyncio.wait_for(consumer.getmany(timeout_ms=500), 20)).values():
+                read += [f"{record.offset}:{record.key.decode()}" for record in batch if record.key]
+    return recalled, read
+
+
+def test_offsets_a_killed_broker_never_wrote_are_given_back(tmp_path: Path) -> None:
+    """Started again on such a store, the broker gives the unwritten offset back, so a read
+    up to the high watermark ends and the next record takes the offset."""
+    records = store_left_by_a_kill_mid_produce(tmp_path)
     with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
         assert [(g.topic, g.partition, g.written_end, g.claimed_end) for g in broker.given_back] == [
-            (names.admission, 0, 2, 3)
+            (UNWRITTEN.admission, 0, 2, 3)
         ]
-        recalled, read = asyncio.run(read_back(broker.bootstrap))
-        assert (recalled, read) == (["r0", "r1"], ["0:r0", "1:r1"])
-        asyncio.run(publish(broker.bootstrap, records[2:]))
-        assert asyncio.run(read_back(broker.bootstrap))[1] == ["0:r0", "1:r1", "2:r2"]
+        assert asyncio.run(recall_and_read(broker.bootstrap)) == (["r0", "r1"], ["0:r0", "1:r1"])
+        asyncio.run(publish_one_per_batch(broker.bootstrap, records[2:]))
+        assert asyncio.run(recall_and_read(broker.bootstrap))[1] == ["0:r0", "1:r1", "2:r2"]
     with EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker:
         assert broker.given_back == []
+
+
+def test_without_the_give_back_the_recall_waits_and_names_the_partition(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a stage met before: its recall of answered rollouts reads toward an offset that
+    never comes, so the stage is never ready; the reader says which partition holds it."""
+    store_left_by_a_kill_mid_produce(tmp_path)
+    monkeypatch.setattr("pipeline.kafka.broker.give_back_unwritten", lambda cluster_dir: [])
+    with (
+        EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker,
+        caplog.at_level("WARNING"),
+        pytest.raises(TimeoutError),
+    ):
+        asyncio.run(recall_and_read(broker.bootstrap, stall_warning_s=1.0, recall_timeout_s=3.0))
+    assert (
+        f"reading {UNWRITTEN.admission}[0] up to its high watermark 3: no record at offset 2" in caplog.text
+    )
 
 
 def test_broker_command_runs_in_the_foreground_and_stops_on_sigterm(tmp_path: Path) -> None:
