@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 
 from pipeline.kafka.broker import StorageMode
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.worker.reasoning import AUTO
 from stages.driver import Job
 from stages.envs.arithmetic import Task, make_tasks
@@ -82,7 +83,7 @@ class RunConfig:
     seed: int = 0
     seal_grace_s: float = 10.0
     max_open_s: float = 600.0
-    fetch_wait_ms: int = 25
+    fetch_wait_ms: int = DEFAULT_TUNING.fetch_wait_ms
     """How long the broker may hold the stages' fetches (``ConsumerTuning.fetch_wait_ms``):
     latency per hop against how long a partition tansu can still serve (DESIGN §3)."""
     finalize_timeout_s: float = 600.0
