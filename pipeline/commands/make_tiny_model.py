@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.models.tiny import TEMPLATES, family
+from pipeline.models.vocabularies import VOCABULARIES
 
 EXAMPLE = """\
 example:
@@ -20,6 +21,7 @@ example:
   tokentrail make-tiny-model /tmp/tiny-strip --template strip_reasoning
   tokentrail make-tiny-model /tmp/tiny-llama3 --template llama3
   tokentrail make-tiny-model /tmp/tiny-moe --moe
+  tokentrail make-tiny-model /tmp/tiny-qwen3 --vocab qwen3
 """
 
 
@@ -48,6 +50,15 @@ def add_parser(subparsers: Any) -> None:
         + "; ".join(f"{name}: {family(name).summary}" for name in TEMPLATES),
     )
     parser.add_argument(
+        "--vocab",
+        choices=[vocab.name for vocab in VOCABULARIES],
+        default="",
+        metavar="NAME",
+        help="a real model's vocabulary and that model's own chat template, read from the package that ships "
+        "them (tokentrail's 'models' extra) instead of the trained toy vocabulary and --template: "
+        + "; ".join(f"{vocab.name}: {vocab.summary}" for vocab in VOCABULARIES),
+    )
+    parser.add_argument(
         "--moe",
         action="store_true",
         help="a mixture-of-experts model instead (Qwen2-MoE architecture, 4 experts, top-2 routing)",
@@ -62,7 +73,12 @@ def run(args: argparse.Namespace) -> int:
 
     out_dir: Path = args.dir
     existed = tinymodel.read_manifest(out_dir) is not None
-    options: dict[str, Any] = {"seed": args.seed, "template": args.template, "experts": 4 if args.moe else 0}
+    options: dict[str, Any] = {
+        "seed": args.seed,
+        "template": args.template,
+        "experts": 4 if args.moe else 0,
+        "vocab": args.vocab,
+    }
     if args.vocab_size is not None:
         options["vocab_size"] = args.vocab_size
     try:

@@ -158,22 +158,32 @@ def reasoning_rewrite(replied: str, sent_back: str) -> str | None:
 
 
 def episode_end(calls: Sequence[GatewayCall]) -> str | None:
-    """The call a ``terminal`` seal declares as the episode's end when the agent rewrote its
-    history for real (an edit, a summary: the session has several roots), else None.
+    """The call a ``terminal`` seal declares as the episode's end when the session's calls do
+    not form one chain (several roots or several leaves), else None.
 
     The argument: the environment rewarded the episode the agent played, and the agent's
-    last call is where that episode ended; the chains it rewrote away are earlier drafts
-    of it. Left to the ledger, several roots are several leaves, and ``terminal`` would
-    reject a rewarded rollout as ``ambiguous_terminal``. So the seal names the last call
-    admitted, and the ledger takes the chain ending there as the sample (or rejects it
-    with that call's own code if it failed, as it would a unique leaf). None when there is
-    one root (the ledger's unique leaf is the episode) or when the last call is one of
-    several choices of one request (``n`` > 1: which of them ended the episode is truly
-    ambiguous, and stays so)."""
+    last call is where that episode ended. Several roots are a history the agent rewrote
+    (an edit, a summary); several leaves under one root are a turn the agent sent back
+    changed (a framework that rewrites a reply's ``<think>`` makes the next call continue
+    an earlier one), so the earlier branch is a draft of the episode. Left to the ledger,
+    either is several leaves, and ``terminal`` would reject a rewarded rollout as
+    ``ambiguous_terminal``. So the seal names the last call admitted, and the ledger takes
+    the chain ending there as the sample (or rejects it with that call's own code if it
+    failed, as it would a unique leaf). None when the calls form one chain (the ledger's
+    unique leaf is the episode) or when the last call is one of several choices of one
+    request (``n`` > 1: which of them ended the episode is truly ambiguous, and stays so).
+    Leaves count logical calls, so a retry is no second leaf."""
     roots = {call.logical_call_id for call in calls if call.parent_call_id is None}
-    if len(roots) < 2 or _CHOICE.search(calls[-1].logical_call_id):
+    if _CHOICE.search(calls[-1].logical_call_id) or (len(roots) < 2 and len(_leaves(calls)) < 2):
         return None
     return calls[-1].call_id
+
+
+def _leaves(calls: Sequence[GatewayCall]) -> set[str]:
+    """The logical ids no call continues (a retry's child continues the logical call)."""
+    logical_of = {call.call_id: call.logical_call_id for call in calls}
+    extended = {logical_of.get(call.parent_call_id) for call in calls if call.parent_call_id is not None}
+    return {call.logical_call_id for call in calls} - extended
 
 
 _CHOICE = re.compile(r"\.\d+$")

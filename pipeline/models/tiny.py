@@ -84,7 +84,11 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 8192
-    template: TemplateName = "chatml"
+    template: str = "chatml"
+    """A family of ``TEMPLATES``, or with ``vocab`` that model's own template (TRL's name)."""
+    vocab: str = ""
+    """"": the toy vocabulary trained here. Else a real one (``vocabularies``), whose size
+    ``vocab_size`` then records."""
     experts: int = 0
     """0: a dense Llama. Otherwise a Qwen2-MoE with this many routed experts per layer
     (no shared expert), ``experts_per_token`` of them per token."""
@@ -94,6 +98,8 @@ class TinyModelSpec:
 
 MOE_FIELDS = ("experts", "experts_per_token", "moe_intermediate_size")
 """Left out of a dense model's manifest, so dense models built before MoE existed still match."""
+VOCAB_FIELD = "vocab"
+"""Left out for the toy vocabulary, so models built before real vocabularies still match."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class TokenLayout:
     token_ids: dict[str, int]
     vocab_size: int
     family: Family
+    pad: str = ENDOFTEXT
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -332,6 +339,8 @@ def _save_tokenizer(out_dir: Path, spec: TinyModelSpec) -> TokenLayout:
     """Save the wrapped tokenizer; return where its chat tokens landed."""
     from tokenizers import AddedToken
 
+    if spec.vocab:
+        return _save_real_tokenizer(out_dir, spec)
     hf = _transformers()
     chosen = family(spec.template)
     backend = train_tokenizer(spec.vocab_size)
@@ -353,6 +362,33 @@ def _save_tokenizer(out_dir: Path, spec: TinyModelSpec) -> TokenLayout:
         token_ids={token: int(backend.token_to_id(token)) for token in tokens},
         vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
         family=chosen,
+    )
+
+
+def _save_real_tokenizer(out_dir: Path, spec: TinyModelSpec) -> TokenLayout:
+    """Save a real model's vocabulary with its own template; its chat tokens are its stops."""
+    from pipeline.models.vocabularies import load_tokenizer, vocabulary
+
+    real = vocabulary(spec.vocab)
+    chosen = real.family()
+    backend = load_tokenizer(real)
+    extra = {} if chosen.bos is None else {"bos_token": chosen.bos}
+    wrapped = _transformers().PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=chosen.eos,
+        pad_token=real.pad,
+        clean_up_tokenization_spaces=False,
+        model_max_length=spec.max_position_embeddings,
+        chat_template=chosen.template,
+        **extra,
+    )
+    wrapped.save_pretrained(str(out_dir))
+    tokens = {*chosen.stops, chosen.eos, real.pad, *([] if chosen.bos is None else [chosen.bos])}
+    return TokenLayout(
+        token_ids={token: int(backend.token_to_id(token)) for token in sorted(tokens)},
+        vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
+        family=chosen,
+        pad=real.pad,
     )
 
 
@@ -408,7 +444,7 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
             tie_word_embeddings=False,
             bos_token_id=None if layout.family.bos is None else layout.token_ids[layout.family.bos],
             eos_token_id=layout.token_ids[layout.family.eos],
-            pad_token_id=layout.token_ids[ENDOFTEXT],
+            pad_token_id=layout.token_ids[layout.pad],
             dtype="float32",
             architectures=["LlamaForCausalLM"],
         )
@@ -420,7 +456,7 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
     _init_weights(model, spec.seed)
     model.generation_config = hf.GenerationConfig(
         eos_token_id=layout.eos_token_ids,
-        pad_token_id=layout.token_ids[ENDOFTEXT],
+        pad_token_id=layout.token_ids[layout.pad],
     )
     with _quiet_progress():
         model.save_pretrained(str(out_dir))
@@ -452,7 +488,7 @@ def _moe_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
         tie_word_embeddings=False,
         bos_token_id=None if layout.family.bos is None else layout.token_ids[layout.family.bos],
         eos_token_id=layout.token_ids[layout.family.eos],
-        pad_token_id=layout.token_ids[ENDOFTEXT],
+        pad_token_id=layout.token_ids[layout.pad],
         dtype="float32",
         architectures=["Qwen2MoeForCausalLM"],
     )
@@ -497,8 +533,8 @@ def read_manifest(model_dir: Path) -> dict[str, Any] | None:
 
 def _expected_manifest(spec: TinyModelSpec) -> dict[str, Any]:
     fields = asdict(spec)
-    if not spec.experts:
-        fields = {name: value for name, value in fields.items() if name not in MOE_FIELDS}
+    left_out = (() if spec.experts else MOE_FIELDS) + (() if spec.vocab else (VOCAB_FIELD,))
+    fields = {name: value for name, value in fields.items() if name not in left_out}
     return {"format": MANIFEST_FORMAT, "spec": fields}
 
 
@@ -526,10 +562,13 @@ def make_tiny_model(
     vocab_size: int = TinyModelSpec.vocab_size,
     template: TemplateName = "chatml",
     experts: int = 0,
+    vocab: str = "",
 ) -> Path:
     """Create the tiny model in ``out_dir`` (idempotent) and return the directory.
 
     ``experts`` > 0 builds a mixture-of-experts model (Qwen2-MoE, top-2 routing).
+    ``vocab`` names a real model's vocabulary (``vocabularies.VOCAB_NAMES``), built with that
+    model's own chat template instead of ``template`` and ``vocab_size``.
 
     ``vocab_size`` is the tokenizer's target; see ``TokenLayout`` for when it falls
     short. The manifest (``tinymodel.json``, see ``read_manifest``) records the chat
@@ -538,11 +577,7 @@ def make_tiny_model(
     built in a sibling temporary directory and renamed into place, so concurrent callers
     and interrupted builds never leave a half-written model behind. Offline only.
     """
-    if template not in TEMPLATES:
-        raise ValueError(f"unknown template {template!r}; expected one of {', '.join(TEMPLATES)}")
-    if vocab_size < 512:
-        raise ValueError("vocab_size must be at least 512 (256 bytes, chat tokens and merges)")
-    spec = TinyModelSpec(seed=seed, vocab_size=vocab_size, template=template, experts=experts)
+    spec = _spec(seed=seed, vocab_size=vocab_size, template=template, experts=experts, vocab=vocab)
     out_dir = Path(out_dir)
     if _existing(out_dir, spec):
         return out_dir
@@ -565,6 +600,21 @@ def make_tiny_model(
     if not _existing(out_dir, spec):
         raise RuntimeError(f"tiny model in {out_dir} is incomplete after building it")
     return out_dir
+
+
+def _spec(*, seed: int, vocab_size: int, template: str, experts: int, vocab: str) -> TinyModelSpec:
+    """The spec of a build, its options checked; a real vocabulary brings its own template and size."""
+    if vocab:
+        from pipeline.models.vocabularies import load_tokenizer, vocabulary
+
+        real = vocabulary(vocab)
+        size = int(load_tokenizer(real).get_vocab_size(with_added_tokens=True))
+        return TinyModelSpec(seed=seed, vocab_size=size, template=real.template, vocab=vocab, experts=experts)
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; expected one of {', '.join(TEMPLATES)}")
+    if vocab_size < 512:
+        raise ValueError("vocab_size must be at least 512 (256 bytes, chat tokens and merges)")
+    return TinyModelSpec(seed=seed, vocab_size=vocab_size, template=template, experts=experts)
 
 
 def _relax_permissions(directory: Path) -> None:

@@ -224,17 +224,30 @@ def _call(call_id: str, logical: str, parent: str | None) -> GatewayCall:
     return GatewayCall(call_id, logical, parent, "turns", 1, b"\0" * 16)
 
 
-def test_the_episode_end_is_declared_only_for_a_rewritten_history() -> None:
-    """One root: the ledger's unique leaf decides (None). Several roots: the last call.
-    Several roots ending in one of ``n`` choices: truly ambiguous (None)."""
+def test_the_episode_end_is_declared_only_when_the_calls_are_not_one_chain() -> None:
+    """One chain: the ledger's unique leaf decides (None). Several roots, or one root with
+    several leaves: the last call. Ending in one of ``n`` choices: truly ambiguous (None)."""
     chain = [_call("c1", "ht1-a", None), _call("c2", "ht3-b", "c1")]
     assert episode_end(chain) is None
     retried_root = [_call("c1", "ht1-a", None), _call("c1b", "ht1-a", None)]
     assert episode_end(retried_root) is None  # a retry of the root is no second root
+    retried_then_extended = [*retried_root, _call("c2", "ht3-b", "c1b")]
+    assert episode_end(retried_then_extended) is None  # nor is the unextended attempt a leaf
     rewritten = [*chain, _call("c3", "ht3-c", None), _call("c4", "ht5-d", "c3")]
     assert episode_end(rewritten) == "c4"
     choices = [*rewritten, _call("c5.0", "ht7-e.0", "c4"), _call("c5.1", "ht7-e.1", "c4")]
     assert episode_end(choices) is None
+    # A reply sent back changed: the third call continues the first, beside the second.
+    reply_rewritten = [*chain, _call("c3", "ht3-c", "c1")]
+    assert episode_end(reply_rewritten) == "c3"
+    one_choice_continued = [
+        _call("c1", "ht1-a", None),
+        _call("c2.0", "ht3-b.0", "c1"),
+        _call("c2.1", "ht3-b.1", "c1"),
+        _call("c3", "ht5-c", "c2.0"),
+    ]
+    assert episode_end(one_choice_continued) == "c3"
+    assert episode_end(one_choice_continued[:3]) is None
 
 
 def test_an_opening_travels_in_the_key_and_back() -> None:
