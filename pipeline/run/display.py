@@ -102,6 +102,11 @@ def summary_table(summary: RunSummary) -> Table:
     table.add_row("calls", f"{summary.calls}{rate}")
     table.add_row("tokens captured", f"{summary.tokens_captured} ({summary.generated_tokens} generated)")
     table.add_row("samples written", f"{summary.samples_written} -> {summary.samples_file}")
+    if summary.retokenization is not None and summary.retokenization.turns:
+        drift = summary.retokenization
+        table.add_row(
+            "re-tokenization", f"{drift.drifted} of {drift.turns} generated turns would change (ids kept)"
+        )
     lag = ", ".join(f"{stage} {value}" for stage, value in summary.lag_by_stage.items())
     table.add_row("consumer lag", f"{summary.lag} ({lag})" if lag else "unknown")
     table.add_row("temperature", str(summary.temperature))

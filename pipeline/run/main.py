@@ -77,7 +77,8 @@ from pipeline.run.services import (
     start_engine,
 )
 from pipeline.run.training import WEIGHTS_DIR, ClosedLoop, refit
-from pipeline.samples.archive import SampleArchive, archive_path
+from pipeline.samples.archive import SampleArchive, archive_path, read_archive
+from pipeline.samples.drift import Drift, drift_of, model_tokenizer
 from pipeline.stagehost.lag import StageLagProbe
 from pipeline.trainer.feed import FeedSettings, TrainerFeed
 from pipeline.trainer.grpo import GrpoTrainer
@@ -718,7 +719,16 @@ class Run:
             dataplane_samples_left=self.samples_left,
             paced_waits=self._paced_waits(),
             stages=config.stages if config.attach is None else None,
+            retokenization=self._retokenization(),
         )
+
+    def _retokenization(self) -> Drift | None:
+        """The drift over this run's archived samples, read with the served model's tokenizer."""
+        tokenizer = model_tokenizer(self.model_dir)
+        if tokenizer is None:
+            return None
+        archived = read_archive(archive_path(self.config.data_dir), run_id=self.run_id).records
+        return drift_of(archived, tokenizer)
 
 
 def execute(config: RunConfig, progress: RunProgress | None = None, **options: Any) -> RunSummary:

@@ -7,7 +7,9 @@ refresh thread: plain counters, no locking needed for a progress view).
 ``tokens_captured`` is the sum of ``total_len`` over this run's accepted
 ``FinalizedEvent``s, i.e. the prompt plus generated tokens of every accepted sample
 (equal to the summed ``len(token_ids)`` of the archived samples);
-``generated_tokens`` is the loss-masked (mask 1) part of it.
+``generated_tokens`` is the loss-masked (mask 1) part of it. ``retokenization`` counts
+the archived generated turns a decode → re-encode would have changed (``samples.drift``):
+what keeping the sampled ids saved this run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pipeline.samples.drift import Drift
 from stages.driver import DriverStats
 from topics.records import FinalizedEvent
 
@@ -117,6 +120,8 @@ class RunSummary:
     (``--max-staleness``), or by a paced gateway's 429 the agent waited out; None: not paced."""
     stages: str | None = None
     """How the run hosted its stages (``processes`` or ``inline``); None: the cluster's (drive)."""
+    retokenization: Drift | None = None
+    """Generated turns archived and those a re-tokenization would change; None: no local tokenizer."""
 
     @property
     def exit_code(self) -> int:
@@ -173,6 +178,7 @@ class RunSummary:
             "error": self.error,
             "closed_interrupted": self.closed_interrupted,
             "paced_waits": self.paced_waits,
+            "retokenization": None if self.retokenization is None else self.retokenization.document(),
             **({"stages": self.stages} if self.stages is not None else {}),
             **(
                 {"train_steps": self.train_steps, "dataplane_samples_left": self.dataplane_samples_left}
