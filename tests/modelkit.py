@@ -1,0 +1,31 @@
+"""What the model matrix (``tests/models``) found, cell by cell, for the README model table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.models.vocabularies import vocabulary
+
+
+@dataclass
+class ModelReport:
+    """(vocabulary, cell) -> outcome for the README table; an attempt not recorded failed."""
+
+    cells: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def attempt(self, vocab: str, cell: str) -> None:
+        self.cells[(vocab, cell)] = "**failed**"
+
+    def record(self, vocab: str, cell: str, outcome: str) -> None:
+        self.cells[(vocab, cell)] = outcome
+
+    def markdown(self) -> str:
+        """One row per vocabulary, one column per cell (a cell that does not apply is "-")."""
+        vocabs = list(dict.fromkeys(vocab for vocab, _ in self.cells))
+        cells = list(dict.fromkeys(cell for _, cell in self.cells))
+        lines = ["| model (package) | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+        for vocab in vocabs:
+            known = vocabulary(vocab)
+            name = f"{vocab} (`{known.package}`, template `{known.template}`)"
+            lines.append(f"| {name} | " + " | ".join(self.cells.get((vocab, c), "-") for c in cells) + " |")
+        return "\n".join(lines) + "\n"
