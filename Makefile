@@ -12,7 +12,7 @@ export TQ_NUM_THREADS ?= 2
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install browser run test lint bench faults-table escape-table family-table framework-table clean
+.PHONY: install browser run test lint bench faults-table escape-table family-table framework-table model-table clean
 
 $(VENV):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ escape-table: install
 # Re-run the template-family matrix and rewrite its table in README.md.
 family-table: install
 	$(BIN)/pytest tests/families --family-table README.md $(PYTEST_ARGS)
+
+# Re-run the real-model matrix and rewrite its table in README.md.
+model-table: install
+	$(BIN)/pytest tests/models --model-table README.md $(PYTEST_ARGS)
 
 # Re-run the agent-framework matrix and rewrite its table in README.md.
 framework-table: install

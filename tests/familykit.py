@@ -49,9 +49,13 @@ def first_messages() -> list[Message]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 2 + 3?"}]
 
 
-def next_messages(turn: int, reply: str) -> list[Message]:
-    """What the agent appends after call ``turn`` (0-based) answered ``reply``."""
+def next_messages(turn: int, reply: str, *, tool_calls: bool = True) -> list[Message]:
+    """What the agent appends after call ``turn`` (0-based) answered ``reply``; without
+    ``tool_calls`` the tool's result comes in the user's words (a template that cannot
+    render a tool call in the history)."""
     messages: list[Message] = [{"role": "assistant", "content": reply}]
+    if turn in (0, 2) and not tool_calls:
+        return [*messages, {"role": "user", "content": f"{TOOL_REQUEST} {TOOL_RESULTS[turn // 2]}"}]
     if turn in (0, 2):
         result = TOOL_RESULTS[turn // 2]
         call_id = f"call_{turn}"
@@ -250,14 +254,14 @@ def _messages(
     return Reply(text, delta.model_extra)
 
 
-def play(route: str, stream: bool, extra: Extra, **clients: Any) -> list[Reply]:
+def play(route: str, stream: bool, extra: Extra, *, tool_calls: bool = True, **clients: Any) -> list[Reply]:
     """The five calls of one episode; ``extra`` gives each request's added body fields."""
     messages = first_messages()
     replies: list[Reply] = []
     for turn in range(CALLS):
         reply = send(route, stream, messages, extra(replies[-1] if replies else None), **clients)
         replies.append(reply)
-        messages += next_messages(turn, reply.text)
+        messages += next_messages(turn, reply.text, tool_calls=tool_calls)
     return replies
 
 
