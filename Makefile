@@ -24,9 +24,9 @@ $(VENV):
 # imports triton without declaring it, and its own deps are already pinned above.
 # openai-agents caps websockets below 17 for its realtime and voice parts only (unused
 # here); its other deps come with the frameworks extra, so uvicorn's websockets stays.
-$(STAMP): pyproject.toml Makefile | $(VENV)
+$(STAMP): pyproject.toml deploy/constraints.txt Makefile | $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/pip install --quiet -c deploy/constraints.txt -e ".[$(EXTRAS)]"
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/pip install --quiet triton==3.9.0
 	$(BIN)/pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2

@@ -36,7 +36,9 @@ def three_turns(opened: dict[str, Any], tap: Tap, seed: int) -> None:
 
     async def episode() -> None:
         async with tap.async_client() as http:
-            provider = OpenAIProvider(base_url=opened["base_url"], api_key=opened["api_key"], http_client=http)
+            provider = OpenAIProvider(
+                base_url=opened["base_url"], api_key=opened["api_key"], http_client=http
+            )
             settings = ModelSettings(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed)
             agent = Agent(OpenAIChatModel("tiny", provider=provider), model_settings=settings)
             history = None
