@@ -59,6 +59,7 @@ from typing import Any, Literal
 
 import orjson
 
+from pipeline.api import sse
 from topics.wire import Dialect
 
 _TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
@@ -444,23 +445,10 @@ class _Piece:
 
 def _sse_messages(event: str) -> Iterator[tuple[str | None, dict[str, Any]]]:
     """Each SSE message in ``event`` as (its event name, its JSON data); [DONE] and bad JSON skipped."""
-    for block in event.replace("\r\n", "\n").split("\n\n"):
-        name: str | None = None
-        data: list[str] = []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                name = line[len("event:") :].strip()
-            elif line.startswith("data:"):
-                data.append(line[len("data:") :].removeprefix(" "))
-        payload = "\n".join(data).strip()
-        if not payload or payload == "[DONE]":
-            continue
-        try:
-            parsed = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            continue
+    for message in sse.messages(event):
+        parsed = message.json()
         if isinstance(parsed, dict):
-            yield name, parsed
+            yield message.event, parsed
 
 
 def _append(parts: list[str], value: Any) -> None:

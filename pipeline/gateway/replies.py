@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
+from pipeline.api import sse
 from topics.records import CommitCoords
 from topics.wire import COORDS_FIELD, TOKEN_FIELDS, strip_token_fields
 
@@ -44,16 +43,11 @@ def strip_event(event: str, hidden: frozenset[str]) -> tuple[str, dict[int, Comm
     """One SSE message without hidden fields, and the coords it carried."""
     if not any(marker in event for marker in _MARKERS):
         return event, {}
-    marker = event.find("data: ")
-    if marker < 0:
+    message = sse.message(event)
+    data = message.json()
+    if data is None:
         return event, {}
-    try:
-        data = orjson.loads(event[marker + len("data: ") :].strip())
-    except orjson.JSONDecodeError:
-        return event, {}
-    coords = take_coords(data)
-    body = orjson.dumps(strip_token_fields(data, hidden)).decode()
-    return f"{event[:marker]}data: {body}\n\n", coords
+    return message.with_data(strip_token_fields(data, hidden)), take_coords(data)
 
 
 __all__ = ["hidden_fields", "strip_event", "take_coords"]

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
-
+from pipeline.api import sse
 from stages.capture.vllm.scope import CaptureScope
 from topics.failures import WorkerFailure
 from topics.wire import COORDS_FIELD, Dialect
@@ -57,8 +56,9 @@ async def _with_coords(event: str, dialect: Dialect, scope: CaptureScope) -> str
     if dialect in CHOICE_DIALECTS:
         if '"finish_reason":"' not in event:
             return event
-        head, data = _split(event)
-        if data is None:
+        message = sse.message(event)
+        data = message.json()
+        if not isinstance(data, dict):
             return event
         for choice in data.get("choices") or ():
             if choice.get("finish_reason") is not None:
@@ -66,33 +66,18 @@ async def _with_coords(event: str, dialect: Dialect, scope: CaptureScope) -> str
                 choice[COORDS_FIELD] = coords
                 if scope.n == 1:
                     data[COORDS_FIELD] = coords
-        return _join(head, data)
+        return message.with_data(data)
     final = "response.completed" if dialect == "responses" else "message_delta"
-    if not event.startswith(f"event: {final}\n"):
+    if final not in event:
         return event
-    head, data = _split(event)
-    if data is None:
+    message = sse.message(event)
+    data = message.json()
+    if message.event != final or not isinstance(data, dict):
         return event
     target = data.get("response") if dialect == "responses" else data
     if isinstance(target, dict):
         target[COORDS_FIELD] = await _coords_json(scope, 0)
-    return _join(head, data)
-
-
-def _split(event: str) -> tuple[str, dict[str, Any] | None]:
-    """An SSE message as (lines before ``data:``, the parsed data)."""
-    marker = event.find("data: ")
-    if marker < 0:
-        return event, None
-    try:
-        data = orjson.loads(event[marker + len("data: ") :].strip())
-    except orjson.JSONDecodeError:
-        return event, None
-    return event[:marker], data if isinstance(data, dict) else None
-
-
-def _join(head: str, data: dict[str, Any]) -> str:
-    return f"{head}data: {orjson.dumps(data).decode()}\n\n"
+    return message.with_data(data)
 
 
 async def _coords_json(scope: CaptureScope, index: int) -> dict[str, Any] | None:
