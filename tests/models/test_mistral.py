@@ -8,16 +8,35 @@ Hugging Face forward (which needs only ids) to be usable as the oracle.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anthropic
+import openai
 import pytest
+from enginekit import (
+    EngineHost,
+    HFOracle,
+    Rig,
+    assert_matches_hf,
+    assert_sample_is_what_the_engine_saw,
+    start_rig,
+)
+from familykit import ADD_SCHEMA, ROUTES, TOOL_REQUEST, TOOL_RESULTS, Extra, Message, Reply, send
+from gatewaykit import agent_of, serve_gateway
+from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 from vocabkit import diverse_strings
 
 from pipeline.models.tekken import TEKKEN_FILE, TEKKEN_VOCAB, tekken_source, tekkenizer
 from pipeline.models.tiny import make_tiny_model, read_manifest
+from topics.wire import CAPTURE_FIELD
 
 USER = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD_SCHEMA}}]
+"""The tool ``familykit`` sends on every call, in Chat Completions' shape."""
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +98,6 @@ def test_transformers_alone_would_lose_bos_eos_and_the_chat_format(tekken_dir: P
 def test_a_hugging_face_forward_is_the_oracle_on_ids_alone(tekken_dir: Path) -> None:
     """The oracle loads weights and config only: a forward over the ids mistral_common
     encodes gives a distribution over the whole Tekken vocabulary at every position."""
-    from enginekit import HFOracle
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
     from vllm.tokenizers.mistral import MistralTokenizer
 
@@ -89,3 +107,162 @@ def test_a_hugging_face_forward_is_the_oracle_on_ids_alone(tekken_dir: Path) -> 
     assert tuple(log_probs.shape) == (len(ids), tekkenizer().n_words)
     for row in log_probs:
         assert math.isclose(float(row.exp().sum()), 1.0, abs_tol=1e-4)
+
+
+# ----------------------------------------------------------------- served by vLLM's mistral mode
+
+TOOL_CALL_ID = "a1b2c3d4e"
+"""mistral_common's tool call ids are nine letters or digits."""
+CALLS = 3
+STREAMING = pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+
+
+@pytest.fixture(scope="module")
+def tekken_host(tekken_dir: Path) -> Iterator[EngineHost]:
+    """A vLLM CPU engine serving the Tekken model through mistral_common."""
+    from stages.capture.vllm.engine import EngineSettings
+
+    host = EngineHost(EngineSettings(model=str(tekken_dir), tokenizer_mode="mistral"))
+    try:
+        yield host
+    finally:
+        host.close()
+
+
+def next_turns(turn: int, reply: str) -> list[Message]:
+    """After call 0 the agent asks for the add tool and calls it in the model's name (the
+    random model never writes ``[TOOL_CALLS]`` itself), then adds the tool's result; after
+    call 1 it asks again."""
+    turns: list[Message] = [{"role": "assistant", "content": reply}]
+    if turn == 0:
+        call = {
+            "id": TOOL_CALL_ID,
+            "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+        }
+        return [
+            *turns,
+            {"role": "user", "content": TOOL_REQUEST},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": TOOL_CALL_ID, "content": TOOL_RESULTS[0]},
+        ]
+    return [*turns, {"role": "user", "content": "And 1 more?"}]
+
+
+def episode(route: str, stream: bool, extra: Extra, **clients: Any) -> list[list[Message]]:
+    """The three calls; each call's conversation, as sent."""
+    messages: list[Message] = [dict(m) for m in USER]
+    sent: list[list[Message]] = []
+    previous: Reply | None = None
+    for turn in range(CALLS):
+        sent.append([dict(m) for m in messages])
+        previous = send(route, stream, messages, extra(previous), **clients)
+        messages += next_turns(turn, previous.text)
+    return sent
+
+
+def mistral_common_ids(messages: list[Message]) -> list[int]:
+    """mistral_common's own encoding of a request, from the file the package ships."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    tokenizer = MistralTokenizer.from_file(str(tekken_source()))
+    request = ChatCompletionRequest.from_openai(messages, tools=TOOLS)
+    return list(tokenizer.encode_chat_completion(request).tokens)
+
+
+def check_exact(
+    tekken_dir: Path, oracle: HFOracle, rig: Rig, sent: list[list[Message]], event: Any, sample: Any
+) -> None:
+    """One accepted chain, exact against the engine and the HF forward; every prompt's new
+    turns are mistral_common's encoding, the first prompt wholly."""
+    assert event.status == "accepted", event
+    assert sample is not None and event.call_count == CALLS
+    calls = rig.recorder.calls
+    assert len(calls) == CALLS
+    assert_sample_is_what_the_engine_saw(sample, [(call, 0) for call in calls])
+    assert_matches_hf(oracle, tekken_dir, sample)
+    reference = tekkenizer()
+    assert calls[0].prompt_ids == mistral_common_ids(sent[0])
+    # Later calls are not mistral_common's render: it moved the system text and the tools
+    # to the new last user turn, and the earlier turns kept the tokens the model saw.
+    assert all(
+        call.prompt_ids != mistral_common_ids(messages)
+        for call, messages in zip(calls[1:], sent[1:], strict=True)
+    )
+    for call, messages in zip(calls, sent, strict=True):
+        expected = mistral_common_ids(messages)
+        last_close = max((i for i, t in enumerate(expected) if t == reference.eos_id), default=0)
+        tail = expected[last_close + 1 :] if last_close else expected
+        assert call.prompt_ids[-len(tail) :] == tail  # system text and tools with the last user turn
+    assert sample.token_ids.count(reference.bos_id) == 1
+    text = reference.decode(sample.token_ids, special_token_policy=SpecialTokenPolicy.KEEP)
+    assert TOOL_RESULTS[0] in text and "[TOOL_CALLS]" in text and text.count(TOOL_REQUEST) == 1, text
+
+
+def worker_episode(
+    host: EngineHost, tekken_dir: Path, route: str, stream: bool
+) -> tuple[Rig, list[list[Message]], Any, Any]:
+    """The three calls spoken to the worker with ``ng_capture``, as a driver does."""
+    rig = start_rig(host, tekken_dir)
+    rollout_id = f"r-{route}-{stream}"
+    try:
+
+        def admit(previous: Reply | None) -> dict[str, Any]:
+            admission = rig.admit(rollout_id, None if previous is None else previous.coords())
+            return {CAPTURE_FIELD: admission.model_dump(mode="json")}
+
+        sent = episode(
+            route,
+            stream,
+            admit,
+            openai_client=openai.OpenAI(
+                base_url=f"{rig.url}/v1", api_key="unused", max_retries=0, timeout=120
+            ),
+            anthropic_client=anthropic.Anthropic(
+                base_url=rig.url, api_key="unused", max_retries=0, timeout=120
+            ),
+        )
+        event, sample = rig.finalize(rollout_id)
+    finally:
+        rig.close()
+    return rig, sent, event, sample
+
+
+def gateway_episode(
+    host: EngineHost, tekken_dir: Path, route: str, stream: bool
+) -> tuple[Rig, list[list[Message]], Any, Any]:
+    """The three calls from an unmodified SDK agent through the gateway."""
+    rig = start_rig(host, tekken_dir)
+    try:
+        with contextlib.contextmanager(serve_gateway)(rig) as served:
+            opened = served.session()
+            rollout_id = opened["rollout_id"]
+            agent = anthropic.Anthropic(
+                base_url=opened["anthropic_base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
+            )
+            sent = episode(
+                route, stream, lambda _: {}, openai_client=agent_of(opened), anthropic_client=agent
+            )
+            calls = served.calls(rollout_id)
+            assert [c["parent_call_id"] for c in calls] == [None, *(c["call_id"] for c in calls[:-1])]
+            assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
+            event, sample = rig.finalize(rollout_id, sealed=True)
+    finally:
+        rig.close()
+    return rig, sent, event, sample
+
+
+EPISODES = {"worker": worker_episode, "gateway": gateway_episode}
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@STREAMING
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("where", list(EPISODES))
+def test_three_calls_with_a_tool_call_are_one_exact_chain(
+    tekken_host: EngineHost, tekken_dir: Path, oracle: HFOracle, where: str, route: str, stream: bool
+) -> None:
+    rig, sent, event, sample = EPISODES[where](tekken_host, tekken_dir, route, stream)
+    check_exact(tekken_dir, oracle, rig, sent, event, sample)
