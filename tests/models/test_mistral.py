@@ -109,6 +109,45 @@ def test_a_hugging_face_forward_is_the_oracle_on_ids_alone(tekken_dir: Path) -> 
         assert math.isclose(float(row.exp().sum()), 1.0, abs_tol=1e-4)
 
 
+# --------------------------------------------------------- the splice's rule under mistral_common
+
+
+@pytest.fixture(scope="module")
+def served(tekken_dir: Path) -> Any:
+    """vLLM's ``MistralTokenizer`` on the model: what its mistral mode renders requests with."""
+    from vllm.tokenizers.mistral import MistralTokenizer
+
+    return MistralTokenizer.from_pretrained(str(tekken_dir))
+
+
+def test_the_splice_counts_closed_assistant_turns(served: Any, tekken_dir: Path) -> None:
+    """Only assistant turns close, each on ``</s>`` (a ``[TOOL_CALLS]`` one too), and the system
+    text and tools move to the last user turn: the exact prefix goes back at the n-th ``</s>``
+    of vLLM's render, n the turns it closes; a tool call the agent added in the model's name
+    is passed over for the assistant turn the prefix ends with."""
+    from stages.capture.splice import SpliceError
+    from stages.capture.vllm.mistral import MistralChatRenderer
+
+    renderer = MistralChatRenderer.of_engine(served, tekken_dir)
+    eos = served.eos_token_id
+    assert renderer.eos_token_ids == {eos} and renderer.template_text is None
+    generated = served.encode(" five", add_special_tokens=False)
+    first = served.apply_chat_template([dict(m) for m in USER], TOOLS, add_generation_prompt=True)
+    cut = first + generated  # stopped at max_tokens: the splice adds the boundary </s>
+    for history in (
+        [{"role": "user", "content": "And 1 more?"}],
+        next_turns(0, "five")[1:],  # the agent's tool call and its result
+    ):
+        messages = [*USER, {"role": "assistant", "content": "five"}, *history]
+        full = served.apply_chat_template(messages, TOOLS, add_generation_prompt=True)
+        tail = full[full.index(eos) + 1 :]
+        assert renderer.spliced(cut, messages, TOOLS, full) == [*cut, eos, *tail]
+        assert renderer.spliced([*cut, eos], messages, TOOLS, full) == [*cut, eos, *tail]
+        assert full[: len(cut)] != cut  # the render moved the system text: no shortcut
+    with pytest.raises(SpliceError, match="closes 1 turns but the exact prefix closes 2"):
+        renderer.spliced([*first, eos, *generated], messages[:4], TOOLS, full)
+
+
 # ----------------------------------------------------------------- served by vLLM's mistral mode
 
 TOOL_CALL_ID = "a1b2c3d4e"
