@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline.models import tekken
 from pipeline.models.tiny import TEMPLATES, family
 from pipeline.models.vocabularies import VOCABULARIES
 
@@ -22,6 +23,7 @@ example:
   tokentrail make-tiny-model /tmp/tiny-llama3 --template llama3
   tokentrail make-tiny-model /tmp/tiny-moe --moe
   tokentrail make-tiny-model /tmp/tiny-qwen3 --vocab qwen3
+  tokentrail make-tiny-model /tmp/tiny-tekken --vocab mistral_tekken
 """
 
 
@@ -51,12 +53,14 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--vocab",
-        choices=[vocab.name for vocab in VOCABULARIES],
+        choices=[*(vocab.name for vocab in VOCABULARIES), tekken.TEKKEN_VOCAB],
         default="",
         metavar="NAME",
         help="a real model's vocabulary and that model's own chat template, read from the package that ships "
         "them (tokentrail's 'models' extra) instead of the trained toy vocabulary and --template: "
-        + "; ".join(f"{vocab.name}: {vocab.summary}" for vocab in VOCABULARIES),
+        + "; ".join(f"{vocab.name}: {vocab.summary}" for vocab in VOCABULARIES)
+        + f"; {tekken.TEKKEN_VOCAB}: {tekken.SUMMARY} (tekken.json from mistral_common, no Jinja template: "
+        "serve it with the worker's mistral tokenizer mode)",
     )
     parser.add_argument(
         "--moe",

@@ -24,6 +24,7 @@ from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
 from pipeline.run.config import RunConfig, TrainerKind
 from pipeline.worker.reasoning import reasoning_parser_for
+from pipeline.worker.tokenizer_mode import TOKENIZER_MODES, resolve_tokenizer_mode
 from stages.envs.arithmetic import read_tasks
 from stages.trainer.settings import TRAINER_DTYPES
 from stages.trainer.staleness import StaleMeasure
@@ -81,6 +82,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="NAME",
         help="the worker's vLLM reasoning parser; auto: the one that fits the model's template family "
         "(qwen3, deepseek_r1), if it reasons; none: off (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tokenizer-mode",
+        choices=TOKENIZER_MODES,
+        default=defaults.tokenizer_mode,
+        help="the worker's: mistral: chat through mistral_common, as vLLM serves Mistral models; auto: "
+        "mistral where that is the model's only chat format, else its chat template (default: %(default)s)",
     )
     add_rollout_arguments(parser, defaults)
     ledger = parser.add_argument_group("ledger")
@@ -321,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
             data_dir=args.data_dir,
             model_dir=args.model,
             reasoning_parser=args.reasoning_parser,
+            tokenizer_mode=args.tokenizer_mode,
             kafka=config_from_args(args),
             broker_storage=args.broker_storage,
             dataplane_mode=args.dataplane_mode,
@@ -348,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:  # before anything starts: a usage error
         reasoning_parser_for(args.reasoning_parser, "")
+        if args.model is not None:  # the tiny model built otherwise has a template
+            resolve_tokenizer_mode(args.model, args.tokenizer_mode)
     except ValueError as exc:
         print(f"tokentrail run: {exc}", file=sys.stderr)
         return 2

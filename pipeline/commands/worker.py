@@ -26,6 +26,7 @@ from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging, vllm_logging
 from pipeline.worker import add_body_limit_argument
 from pipeline.worker.reasoning import AUTO, reasoning_parser_for
+from pipeline.worker.tokenizer_mode import AUTO_TOOL_PARSER, TOKENIZER_MODES, resolve_tokenizer_mode
 from stages.capture.retain import DEFAULT_BUDGET_BYTES
 from stages.ports import DataPlaneError
 
@@ -110,9 +111,19 @@ def add_parser(subparsers: Any) -> None:
         "records, or 'custom' with --chat-template)",
     )
     parser.add_argument(
+        "--tokenizer-mode",
+        choices=TOKENIZER_MODES,
+        default=AUTO,
+        help="how chat requests become tokens: mistral: with mistral_common, as vLLM serves Mistral models "
+        "(tekken.json); auto: mistral where that is the model's only chat format (a mistral_common tokenizer "
+        "file and no Hugging Face tokenizer, or Mistral's consolidated weights), else the chat template "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--tool-call-parser",
-        default="hermes",
-        help="vLLM tool parser for tool calls in replies; 'none' turns tool parsing off (default: %(default)s)",
+        default=AUTO_TOOL_PARSER,
+        help="vLLM tool parser for tool calls in replies; auto: hermes, or mistral under mistral_common; "
+        "'none' turns tool parsing off (default: %(default)s)",
     )
     parser.add_argument(
         "--reasoning-parser",
@@ -146,6 +157,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     from stages.capture.vllm.client import LogprobPath, SpanPolicy
     from stages.capture.vllm.engine import EngineSettings
 
+    chat_template = None if args.chat_template is None else args.chat_template.read_text()
     return WorkerConfig(
         model_dir=args.model,
         worker_id=args.worker_id or default_worker_id(),
@@ -159,8 +171,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         prefix_wait_s=args.prefix_wait_s,
         max_body_bytes=args.max_body_bytes,
         retain_bytes=args.retain_bytes,
-        chat_template=None if args.chat_template is None else args.chat_template.read_text(),
+        chat_template=chat_template,
         template_family=args.template_family,
+        tokenizer_mode=args.tokenizer_mode,
         tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         credentials=credentials_from_args(args),
@@ -172,17 +185,19 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             max_model_len=args.max_model_len,
             kv_cache_memory_bytes=args.kv_cache_bytes,
             seed=args.seed,
+            tokenizer_mode=resolve_tokenizer_mode(
+                args.model, args.tokenizer_mode, chat_template=chat_template
+            ),
             sampled_logprob_sampler=args.logprob_path == "sampled",
         ),
     )
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, config: WorkerConfig) -> None:
     from pipeline.kafka import KafkaEventSink
     from pipeline.worker.main import run_worker
     from stages.capture.vllm.engine import VllmEngine
 
-    config = worker_config(args)
     check_bind(config.host, config.credentials, insecure_no_auth=config.insecure_no_auth, what="worker")
     kafka = config_from_args(args)
 
@@ -220,12 +235,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:  # before the engine starts: a usage error, not a minute later
         reasoning_parser_for(args.reasoning_parser, "")
+        config = worker_config(args)  # resolves the tokenizer mode: a model it cannot capture is refused
     except ValueError as exc:
         print(f"tokentrail worker: {exc}", file=sys.stderr)
         return 2
     guard_descendants()  # the engine's processes die with the worker
     try:
-        asyncio.run(_serve(args))
+        asyncio.run(_serve(args, config))
     except (ConfigError, DataPlaneError, KafkaError, ValueError, OSError) as exc:
         print(f"tokentrail worker: {exc}", file=sys.stderr)
         return 1

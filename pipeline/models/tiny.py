@@ -36,6 +36,15 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pipeline.models.families import FAMILIES, Family
+from pipeline.models.tekken import (
+    PAD,
+    TEKKEN_FAMILY,
+    TEKKEN_FILE,
+    TEKKEN_TEMPLATE,
+    TEKKEN_VOCAB,
+    save_tekken,
+    tekkenizer,
+)
 
 TemplateName = Literal["chatml", "strip_reasoning", "qwen3", "llama3", "gemma", "deepseek_r1", "mistral"]
 TEMPLATES: tuple[TemplateName, ...] = get_args(TemplateName)
@@ -64,10 +73,10 @@ REQUIRED_FILES: tuple[str, ...] = (
     "config.json",
     "generation_config.json",
     "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
     MANIFEST_NAME,
 )
+HF_TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json")
+"""The tokenizer files of every vocabulary but Tekken, which has its own (``tekken``)."""
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -339,6 +348,9 @@ def _save_tokenizer(out_dir: Path, spec: TinyModelSpec) -> TokenLayout:
     """Save the wrapped tokenizer; return where its chat tokens landed."""
     from tokenizers import AddedToken
 
+    if spec.vocab == TEKKEN_VOCAB:
+        token_ids, size = save_tekken(out_dir)
+        return TokenLayout(token_ids=token_ids, vocab_size=size, family=TEKKEN_FAMILY, pad=PAD)
     if spec.vocab:
         return _save_real_tokenizer(out_dir, spec)
     hf = _transformers()
@@ -528,7 +540,12 @@ def read_manifest(model_dir: Path) -> dict[str, Any] | None:
         manifest = json.loads((model_dir / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict):
+        return None
+    spec = manifest.get("spec")
+    vocab = spec.get(VOCAB_FIELD) if isinstance(spec, dict) else None
+    tokenizer_files = (TEKKEN_FILE,) if vocab == TEKKEN_VOCAB else HF_TOKENIZER_FILES
+    return manifest if all((model_dir / name).is_file() for name in tokenizer_files) else None
 
 
 def _expected_manifest(spec: TinyModelSpec) -> dict[str, Any]:
@@ -568,7 +585,9 @@ def make_tiny_model(
 
     ``experts`` > 0 builds a mixture-of-experts model (Qwen2-MoE, top-2 routing).
     ``vocab`` names a real model's vocabulary (``vocabularies.VOCAB_NAMES``), built with that
-    model's own chat template instead of ``template`` and ``vocab_size``.
+    model's own chat template instead of ``template`` and ``vocab_size``, or Mistral's Tekken
+    (``tekken.TEKKEN_VOCAB``): ``tekken.json`` and no Hugging Face tokenizer, mistral_common
+    rendering its conversations.
 
     ``vocab_size`` is the tokenizer's target; see ``TokenLayout`` for when it falls
     short. The manifest (``tinymodel.json``, see ``read_manifest``) records the chat
@@ -604,6 +623,11 @@ def make_tiny_model(
 
 def _spec(*, seed: int, vocab_size: int, template: str, experts: int, vocab: str) -> TinyModelSpec:
     """The spec of a build, its options checked; a real vocabulary brings its own template and size."""
+    if vocab == TEKKEN_VOCAB:
+        size = int(tekkenizer().n_words)
+        return TinyModelSpec(
+            seed=seed, vocab_size=size, template=TEKKEN_TEMPLATE, vocab=vocab, experts=experts
+        )
     if vocab:
         from pipeline.models.vocabularies import load_tokenizer, vocabulary
 

@@ -64,6 +64,8 @@ class RunConfig:
     """None: the tiny model in ``data_dir/tiny-model``, created there if missing."""
     reasoning_parser: str = AUTO
     """The worker's reasoning parser (``pipeline.worker.reasoning``)."""
+    tokenizer_mode: str = AUTO
+    """The worker's tokenizer mode (``pipeline.worker.tokenizer_mode``): ``auto`` or ``mistral``."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     """``bootstrap_servers=None`` starts the embedded broker in ``data_dir``."""
     broker_storage: StorageMode = "durable"

@@ -85,6 +85,7 @@ from pipeline.trainer.grpo import GrpoTrainer
 from pipeline.trainer.steplog import StepWriter
 from pipeline.trainer.trl import TrlBridge, prompt_key
 from pipeline.trainer.trl import train as train_with_trl
+from pipeline.worker.tokenizer_mode import resolve_tokenizer_mode
 from stages.client import RolloutClient
 from stages.driver import Job, RolloutDriver
 from stages.ledger.stage import LedgerConfig
@@ -277,7 +278,8 @@ class Run:
 
         progress.enter("starting the vLLM engine")
         log.info("starting the vLLM engine on %s", self.model_dir)
-        engine = start_engine(self.model_dir, config.seed)
+        tokenizer_mode = resolve_tokenizer_mode(self.model_dir, config.tokenizer_mode)
+        engine = start_engine(self.model_dir, config.seed, tokenizer_mode)
         stack.callback(engine.shutdown)
         shutdown.check()
 
@@ -296,7 +298,9 @@ class Run:
         progress.enter("starting the worker")
         credentials = self.credentials
         server = await stack.enter_async_context(
-            serving_worker(self.model_dir, engine, plane, sink, credentials, self.config.reasoning_parser)
+            serving_worker(
+                self.model_dir, engine, plane, sink, credentials, self.config.reasoning_parser, tokenizer_mode
+            )
         )
         self.worker_url = server.url
         self._endpoint = await stack.enter_async_context(

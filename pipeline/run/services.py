@@ -109,9 +109,9 @@ def event_log_identity(kafka: KafkaConfig, broker: EmbeddedBroker | None) -> str
     return f"{broker.storage}:{broker.cluster_id}"
 
 
-def start_engine(model_dir: Path, seed: int) -> VllmEngine:
+def start_engine(model_dir: Path, seed: int, tokenizer_mode: str) -> VllmEngine:
     """The vLLM engine (blocks the loop for tens of seconds; start it before any client)."""
-    return VllmEngine.start(EngineSettings(model=str(model_dir), seed=seed))
+    return VllmEngine.start(EngineSettings(model=str(model_dir), seed=seed, tokenizer_mode=tokenizer_mode))
 
 
 @contextlib.asynccontextmanager
@@ -229,6 +229,7 @@ async def serving_worker(
     sink: KafkaEventSink,
     credentials: Credentials,
     reasoning_parser: str,
+    tokenizer_mode: str,
 ) -> AsyncIterator[WorkerServer]:
     """The capture worker on a free loopback port; on exit it finishes in-flight requests
     and drains its staging writer (the engine itself belongs to the caller)."""
@@ -239,6 +240,7 @@ async def serving_worker(
         graceful_timeout_s=30.0,
         credentials=credentials,
         reasoning_parser=reasoning_parser,
+        tokenizer_mode=tokenizer_mode,
     )
     worker = build_worker(config, engine, data_plane, sink)
     server = WorkerServer(build_app(worker, config), host=LOOPBACK, port=0, graceful_timeout_s=30.0)

@@ -28,6 +28,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from vllm.utils.mistral import is_mistral_tokenizer
 
 from pipeline.auth.credentials import Credentials
 from pipeline.auth.transport import TlsFiles, check_bind
@@ -36,7 +37,9 @@ from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.reasoning import AUTO, reasoning_parser_for
 from pipeline.worker.retention import retaining
 from pipeline.worker.server import create_app
-from pipeline.worker.serving import DEFAULT_TOOL_PARSER, ServingOptions, build_serving
+from pipeline.worker.serving import ServingOptions, build_serving
+from pipeline.worker.tokenizer_mode import AUTO as AUTO_TOKENIZER_MODE
+from pipeline.worker.tokenizer_mode import AUTO_TOOL_PARSER, resolve_tokenizer_mode, tool_parser_for
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer, template_family
 from stages.capture.core import AckPolicy, CaptureCore
@@ -44,6 +47,7 @@ from stages.capture.resolve import PrefixResolver
 from stages.capture.retain import DEFAULT_BUDGET_BYTES, RetainedRows
 from stages.capture.vllm.client import CapturingEngineClient, LogprobPath, SpanPolicy
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
+from stages.capture.vllm.mistral import MistralChatRenderer
 from stages.capture.vllm.worker import VllmWorker
 from stages.capture.writer import StagingWriter
 from stages.ports import DataPlane, EventSink
@@ -81,7 +85,10 @@ class WorkerConfig:
     template_family: str | None = None
     """The template's name in splice-failure logs and metrics (default: what the model
     records, or ``custom`` for a ``chat_template`` override)."""
-    tool_parser: str | None = DEFAULT_TOOL_PARSER
+    tokenizer_mode: str = AUTO_TOKENIZER_MODE
+    """``auto`` or ``mistral`` (``pipeline.worker.tokenizer_mode``): how chat becomes tokens."""
+    tool_parser: str | None = AUTO_TOOL_PARSER
+    """A vLLM tool parser; ``auto``: the one that fits the tokenizer mode; None: off."""
     reasoning_parser: str = AUTO
     """``auto`` (the template family's parser, ``FAMILY_REASONING_PARSERS``), ``none``, or a vLLM parser."""
     engine: EngineSettings | None = None
@@ -102,7 +109,10 @@ class WorkerConfig:
         return self.served_model_name or self.model_dir.name
 
     def engine_settings(self) -> EngineSettings:
-        return self.engine if self.engine is not None else EngineSettings(model=str(self.model_dir))
+        if self.engine is not None:
+            return self.engine
+        mode = resolve_tokenizer_mode(self.model_dir, self.tokenizer_mode, chat_template=self.chat_template)
+        return EngineSettings(model=str(self.model_dir), tokenizer_mode=mode)
 
 
 def build_worker(
@@ -134,10 +144,32 @@ def build_worker(
         span_policy=config.span_policy,
         logprob_path=config.logprob_path,
     )
+    return VllmWorker(client, engine, chat_renderer(config, client), core)
+
+
+def chat_renderer(config: WorkerConfig, client: CapturingEngineClient) -> ChatRenderer:
+    """The history renderer for the splice: the one the engine's tokenizer renders with.
+
+    vLLM loaded a mistral_common tokenizer (its mistral mode) or a Hugging Face one; the
+    history goes through the same. A Hugging Face tokenizer without a chat template (and no
+    ``chat_template``) renders no chat request, so the worker is refused here, naming why.
+    """
+    tokenizer = client.renderer.tokenizer
+    if is_mistral_tokenizer(tokenizer):
+        if config.chat_template is not None:
+            raise ValueError(
+                "chat-template: the engine renders this model with mistral_common, not a template"
+            )
+        return MistralChatRenderer.of_engine(tokenizer, config.model_dir, family=config.family)
     renderer = ChatRenderer.from_pretrained(
         config.model_dir, chat_template=config.chat_template, family=config.family
     )
-    return VllmWorker(client, engine, renderer, core)
+    if renderer.template_text is None:
+        raise ValueError(
+            f"model: {config.model_dir} has no chat template and the engine serves it without mistral_common, "
+            "so the worker cannot render chat requests nor capture them; pass --chat-template FILE"
+        )
+    return renderer
 
 
 def build_app(worker: VllmWorker, config: WorkerConfig, *, manage_worker: bool = True) -> FastAPI:
@@ -146,7 +178,7 @@ def build_app(worker: VllmWorker, config: WorkerConfig, *, manage_worker: bool =
         model_name=config.model_name,
         model_path=str(config.model_dir),
         chat_template=config.chat_template,
-        tool_parser=config.tool_parser,
+        tool_parser=tool_parser_for(config.tool_parser, worker.renderer.tokenizer_mode),
         reasoning_parser=reasoning_parser_for(config.reasoning_parser, config.family),
     )
     return create_app(

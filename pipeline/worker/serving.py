@@ -6,7 +6,8 @@ logprobs, structured outputs); capture attaches through the two objects they sha
 the renderer (``CapturingRenderer``: the exact-prefix splice) and the engine client
 (``CapturingEngineClient``: each finished choice becomes a row). Tool calls are parsed
 with the ``hermes`` parser (``<tool_call>{json}</tool_call>``, what the tiny model's
-template writes and most open chat models use). Reasoning is parsed out of replies
+template writes and most open chat models use), or for a model served through
+mistral_common with vLLM's ``mistral`` parser (``[TOOL_CALLS]``). Reasoning is parsed out of replies
 (``reasoning_content``, Responses reasoning items, Messages thinking blocks) with the
 parser that fits the model's template family, or the one ``--reasoning-parser`` names;
 capture is not affected: the row holds every generated token, reasoning included.
@@ -24,10 +25,9 @@ from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
+from pipeline.worker.tokenizer_mode import TOOL_PARSER_OF_MODE
 from stages.capture.vllm.client import CapturingEngineClient
 from stages.capture.vllm.renderer import CapturingRenderer
-
-DEFAULT_TOOL_PARSER = "hermes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class ServingOptions:
     model_name: str
     model_path: str
     chat_template: str | None = None
-    tool_parser: str | None = DEFAULT_TOOL_PARSER
+    tool_parser: str | None = TOOL_PARSER_OF_MODE["hf"]
     reasoning_parser: str | None = None
 
 
@@ -89,4 +89,4 @@ def build_serving(client: CapturingEngineClient, options: ServingOptions) -> Ser
     )
 
 
-__all__ = ["DEFAULT_TOOL_PARSER", "Serving", "ServingOptions", "build_serving"]
+__all__ = ["Serving", "ServingOptions", "build_serving"]

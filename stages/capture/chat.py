@@ -28,6 +28,10 @@ Tool = Mapping[str, Any]
 class ChatRenderer:
     """Renders conversations to ids with a Hugging Face tokenizer's chat template."""
 
+    tokenizer_mode = "hf"
+    """vLLM's tokenizer mode this renders as: ``hf`` renders vLLM's parsed conversation with
+    the template; ``mistral`` (``vllm.mistral``) encodes the request's messages as sent."""
+
     def __init__(
         self,
         tokenizer: Any,

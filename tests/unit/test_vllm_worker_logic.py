@@ -1036,7 +1036,7 @@ def test_cli_verb_builds_the_worker_config(model_dir: Path, tmp_path: Path) -> N
     base = ["worker", "--model", str(model_dir), "--bootstrap", "127.0.0.1:9092"]
     default = worker_config(build_parser().parse_args(base))
     assert default.max_body_bytes == 8 * 2**20
-    assert (default.chat_template, default.tool_parser) == (None, "hermes")
+    assert (default.chat_template, default.tool_parser, default.tokenizer_mode) == (None, "auto", "auto")
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--max-body-bytes", "0"])
     assert config.engine_settings().engine_kwargs()["logprobs_mode"] == "processed_logprobs"

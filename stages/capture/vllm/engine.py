@@ -41,6 +41,8 @@ class EngineSettings:
     kv_cache_memory_bytes: int | None = 64 * 2**20
     enforce_eager: bool = True
     seed: int = 0
+    tokenizer_mode: str = "auto"
+    """vLLM's: ``auto``, ``hf`` (the chat template) or ``mistral`` (mistral_common)."""
     sampled_logprob_sampler: bool = True
     """Run vLLM's worker with capture's sampler hook (``stages.capture.vllm.sampler``):
     the sampled token's logprob without vLLM's general top-k path."""
@@ -53,6 +55,7 @@ class EngineSettings:
             "max_model_len": self.max_model_len,
             "enforce_eager": self.enforce_eager,
             "seed": self.seed,
+            "tokenizer_mode": self.tokenizer_mode,
             "logprobs_mode": LOGPROBS_MODE,
             "disable_log_stats": True,
         }

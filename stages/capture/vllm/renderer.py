@@ -53,8 +53,11 @@ class CapturingRenderer(OnlineRenderer):  # type: ignore[misc]
             params = request.build_chat_params(default_template, default_template_content_format)
             template_kwargs = _as_rendered(scope, params.with_defaults(default_template_kwargs))
             engine_input = _one_token_prompt(engine_inputs)
+            # What vLLM rendered: its parsed conversation through a template, the request's
+            # own messages through mistral_common.
+            rendered = messages if scope.renderer.tokenizer_mode == "mistral" else conversation
             engine_input[PROMPT_IDS] = scope.splice_chat(
-                conversation, tools, list(engine_input[PROMPT_IDS]), template_kwargs
+                rendered, tools, list(engine_input[PROMPT_IDS]), template_kwargs
             )
             tag_engine_input(engine_input, scope)
         return conversation, engine_inputs
