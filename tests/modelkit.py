@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.models.tekken import TEKKEN_VOCAB
 from pipeline.models.vocabularies import vocabulary
+
+
+def describe(vocab: str) -> str:
+    """A row's name: the vocabulary, the package it comes from, and what renders its chats."""
+    if vocab == TEKKEN_VOCAB:
+        return f"{vocab} (`mistral_common`, rendered by mistral_common)"
+    known = vocabulary(vocab)
+    return f"{vocab} (`{known.package}`, template `{known.template}`)"
 
 
 @dataclass
@@ -25,7 +34,6 @@ class ModelReport:
         cells = list(dict.fromkeys(cell for _, cell in self.cells))
         lines = ["| model (package) | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
         for vocab in vocabs:
-            known = vocabulary(vocab)
-            name = f"{vocab} (`{known.package}`, template `{known.template}`)"
+            name = describe(vocab)
             lines.append(f"| {name} | " + " | ".join(self.cells.get((vocab, c), "-") for c in cells) + " |")
         return "\n".join(lines) + "\n"
