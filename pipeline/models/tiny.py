@@ -6,7 +6,9 @@ no model hub. So the model is made here from nothing: a Llama-architecture netwo
 seeded random fp32 weights and a byte-level BPE tokenizer trained on a corpus generated
 in code, with a ChatML chat template, or the template, special tokens and stop tokens of
 another family (``families``: Llama-3, Gemma, DeepSeek-R1, Mistral, Qwen3 style), so the
-prefix splice is exercised on each family's turn format. Everything is deterministic for a given seed, so
+prefix splice is exercised on each family's turn format; or, with ``vocab``, a real model's
+vocabulary and its own template (``vocabularies``; Mistral's Tekken, ``tekken``), where
+re-tokenization drifts as it does for users. Everything is deterministic for a given seed, so
 two machines that build the same model get byte-identical files, and a Hugging Face
 forward can serve as the oracle for the engine's logprobs.
 
