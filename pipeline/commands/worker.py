@@ -111,16 +111,17 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--tool-call-parser",
-        default="hermes",
-        help="vLLM tool parser for tool calls in replies; 'none' turns tool parsing off (default: %(default)s)",
+        default=AUTO,
+        help="vLLM tool parser for tool calls in replies; auto: the one that fits the model's template family "
+        "(openai for gpt-oss's harmony format), else hermes; 'none' turns tool parsing off (default: %(default)s)",
     )
     parser.add_argument(
         "--reasoning-parser",
         default=AUTO,
         metavar="NAME",
         help="vLLM reasoning parser for reasoning in replies (reasoning_content, reasoning items, thinking "
-        "blocks); auto: the one that fits the model's template family (qwen3, deepseek_r1), if it reasons; "
-        "none: off (default: %(default)s)",
+        "blocks); auto: the one that fits the model's template family (qwen3, deepseek_r1, openai_gptoss), "
+        "if it reasons; none: off (default: %(default)s)",
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="float32", help="weights and activations (default: %(default)s)")

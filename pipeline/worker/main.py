@@ -33,10 +33,10 @@ from pipeline.auth.credentials import Credentials
 from pipeline.auth.transport import TlsFiles, check_bind
 from pipeline.kafka.config import KafkaConfig
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
-from pipeline.worker.reasoning import AUTO, reasoning_parser_for
+from pipeline.worker.reasoning import AUTO, reasoning_parser_for, tool_parser_for
 from pipeline.worker.retention import retaining
 from pipeline.worker.server import create_app
-from pipeline.worker.serving import DEFAULT_TOOL_PARSER, ServingOptions, build_serving
+from pipeline.worker.serving import ServingOptions, build_serving
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer, template_family
 from stages.capture.core import AckPolicy, CaptureCore
@@ -81,7 +81,9 @@ class WorkerConfig:
     template_family: str | None = None
     """The template's name in splice-failure logs and metrics (default: what the model
     records, or ``custom`` for a ``chat_template`` override)."""
-    tool_parser: str | None = DEFAULT_TOOL_PARSER
+    tool_parser: str | None = AUTO
+    """``auto`` (the template family's parser, ``FAMILY_TOOL_PARSERS``, else ``hermes``), a
+    vLLM parser, or None: tool calls left in the text."""
     reasoning_parser: str = AUTO
     """``auto`` (the template family's parser, ``FAMILY_REASONING_PARSERS``), ``none``, or a vLLM parser."""
     engine: EngineSettings | None = None
@@ -146,7 +148,7 @@ def build_app(worker: VllmWorker, config: WorkerConfig, *, manage_worker: bool =
         model_name=config.model_name,
         model_path=str(config.model_dir),
         chat_template=config.chat_template,
-        tool_parser=config.tool_parser,
+        tool_parser=tool_parser_for(config.tool_parser, config.family),
         reasoning_parser=reasoning_parser_for(config.reasoning_parser, config.family),
     )
     return create_app(

@@ -5,8 +5,8 @@ vLLM's implementations (templates, tool and reasoning parsers, streaming, ``n``,
 logprobs, structured outputs); capture attaches through the two objects they share:
 the renderer (``CapturingRenderer``: the exact-prefix splice) and the engine client
 (``CapturingEngineClient``: each finished choice becomes a row). Tool calls are parsed
-with the ``hermes`` parser (``<tool_call>{json}</tool_call>``, what the tiny model's
-template writes and most open chat models use). Reasoning is parsed out of replies
+with the parser that fits the model's template family (``hermes`` unless the family has its
+own; ``openai`` for gpt-oss's harmony format), or the one ``--tool-call-parser`` names. Reasoning is parsed out of replies
 (``reasoning_content``, Responses reasoning items, Messages thinking blocks) with the
 parser that fits the model's template family, or the one ``--reasoning-parser`` names;
 capture is not affected: the row holds every generated token, reasoning included.
@@ -27,8 +27,6 @@ from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 from stages.capture.vllm.client import CapturingEngineClient
 from stages.capture.vllm.renderer import CapturingRenderer
 
-DEFAULT_TOOL_PARSER = "hermes"
-
 
 @dataclass(frozen=True, slots=True)
 class ServingOptions:
@@ -37,7 +35,7 @@ class ServingOptions:
     model_name: str
     model_path: str
     chat_template: str | None = None
-    tool_parser: str | None = DEFAULT_TOOL_PARSER
+    tool_parser: str | None = None
     reasoning_parser: str | None = None
 
 
@@ -89,4 +87,4 @@ def build_serving(client: CapturingEngineClient, options: ServingOptions) -> Ser
     )
 
 
-__all__ = ["DEFAULT_TOOL_PARSER", "Serving", "ServingOptions", "build_serving"]
+__all__ = ["Serving", "ServingOptions", "build_serving"]
