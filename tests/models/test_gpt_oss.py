@@ -294,7 +294,7 @@ def gateway_episode(
         with contextlib.contextmanager(serve_gateway)(rig) as served:
             opened = served.session()
             rollout_id = opened["rollout_id"]
-            turns = play(route, stream, agent_of(opened, timeout=300), lambda _: {})
+            turns = play(route, stream, agent_of(opened), lambda _: {})
             for turn in turns:
                 clean(turn.extra)
             calls = served.calls(rollout_id)
