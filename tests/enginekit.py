@@ -85,6 +85,10 @@ class EngineCall:
 
     prompt_ids: list[int]
     choices: dict[int, ChoiceRecord] = field(default_factory=dict)
+    params: Any = None
+    """The sampling parameters it ran with (logit bias, structured outputs), to run it again."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The rest of the request (``reasoning_parser_kwargs``, ...), to run it again."""
 
     @property
     def only(self) -> ChoiceRecord:
@@ -106,7 +110,9 @@ class RecordingLLM:
     async def generate(
         self, prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncIterator[Any]:
-        call = EngineCall([int(t) for t in prompt.get("prompt_token_ids") or ()])
+        call = EngineCall(
+            [int(t) for t in prompt.get("prompt_token_ids") or ()], params=params, options=kwargs
+        )
         self.calls.append(call)
         self.submitted.set()
         delta = str(getattr(params.output_kind, "name", "")) == "DELTA"

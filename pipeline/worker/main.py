@@ -34,12 +34,12 @@ from pipeline.auth.credentials import Credentials
 from pipeline.auth.transport import TlsFiles, check_bind
 from pipeline.kafka.config import KafkaConfig
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
-from pipeline.worker.reasoning import AUTO, reasoning_parser_for
+from pipeline.worker.reasoning import AUTO, reasoning_parser_for, tool_parser_for
 from pipeline.worker.retention import retaining
 from pipeline.worker.server import create_app
 from pipeline.worker.serving import ServingOptions, build_serving
 from pipeline.worker.tokenizer_mode import AUTO as AUTO_TOKENIZER_MODE
-from pipeline.worker.tokenizer_mode import AUTO_TOOL_PARSER, resolve_tokenizer_mode, tool_parser_for
+from pipeline.worker.tokenizer_mode import resolve_tokenizer_mode
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer, template_family
 from stages.capture.core import AckPolicy, CaptureCore
@@ -87,8 +87,9 @@ class WorkerConfig:
     records, or ``custom`` for a ``chat_template`` override)."""
     tokenizer_mode: str = AUTO_TOKENIZER_MODE
     """``auto`` or ``mistral`` (``pipeline.worker.tokenizer_mode``): how chat becomes tokens."""
-    tool_parser: str | None = AUTO_TOOL_PARSER
-    """A vLLM tool parser; ``auto``: the one that fits the tokenizer mode; None: off."""
+    tool_parser: str | None = AUTO
+    """``auto`` (``mistral`` under mistral_common, else the template family's parser,
+    ``FAMILY_TOOL_PARSERS``, else ``hermes``), a vLLM parser, or None: tool calls left in the text."""
     reasoning_parser: str = AUTO
     """``auto`` (the template family's parser, ``FAMILY_REASONING_PARSERS``), ``none``, or a vLLM parser."""
     engine: EngineSettings | None = None
@@ -178,7 +179,7 @@ def build_app(worker: VllmWorker, config: WorkerConfig, *, manage_worker: bool =
         model_name=config.model_name,
         model_path=str(config.model_dir),
         chat_template=config.chat_template,
-        tool_parser=tool_parser_for(config.tool_parser, worker.renderer.tokenizer_mode),
+        tool_parser=tool_parser_for(config.tool_parser, config.family, worker.renderer.tokenizer_mode),
         reasoning_parser=reasoning_parser_for(config.reasoning_parser, config.family),
     )
     return create_app(

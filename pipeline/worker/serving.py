@@ -5,9 +5,10 @@ vLLM's implementations (templates, tool and reasoning parsers, streaming, ``n``,
 logprobs, structured outputs); capture attaches through the two objects they share:
 the renderer (``CapturingRenderer``: the exact-prefix splice) and the engine client
 (``CapturingEngineClient``: each finished choice becomes a row). Tool calls are parsed
-with the ``hermes`` parser (``<tool_call>{json}</tool_call>``, what the tiny model's
-template writes and most open chat models use), or for a model served through
-mistral_common with vLLM's ``mistral`` parser (``[TOOL_CALLS]``). Reasoning is parsed out of replies
+with the parser that fits the model: vLLM's ``mistral`` parser (``[TOOL_CALLS]``) for a model
+served through mistral_common, ``openai`` for gpt-oss's harmony format, else ``hermes``
+(``<tool_call>{json}</tool_call>``, what most open chat models write), or the one
+``--tool-call-parser`` names. Reasoning is parsed out of replies
 (``reasoning_content``, Responses reasoning items, Messages thinking blocks) with the
 parser that fits the model's template family, or the one ``--reasoning-parser`` names;
 capture is not affected: the row holds every generated token, reasoning included.
@@ -25,7 +26,6 @@ from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
-from pipeline.worker.tokenizer_mode import TOOL_PARSER_OF_MODE
 from stages.capture.vllm.client import CapturingEngineClient
 from stages.capture.vllm.renderer import CapturingRenderer
 
@@ -37,7 +37,7 @@ class ServingOptions:
     model_name: str
     model_path: str
     chat_template: str | None = None
-    tool_parser: str | None = TOOL_PARSER_OF_MODE["hf"]
+    tool_parser: str | None = None
     reasoning_parser: str | None = None
 
 

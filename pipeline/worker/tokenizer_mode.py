@@ -30,10 +30,6 @@ MISTRAL_TOKENIZER_PATTERNS = ("tekken.json", "tokenizer.model.v*")
 """The files vLLM's mistral mode loads through mistral_common."""
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MISTRAL_WEIGHTS_PATTERN = "consolidated*.safetensors"
-AUTO_TOOL_PARSER = "auto"
-TOOL_PARSER_OF_MODE = {HF: "hermes", MISTRAL: "mistral"}
-"""``auto``'s tool parser per mode: ``hermes`` (``<tool_call>{json}</tool_call>``) for
-templates, vLLM's ``mistral`` parser (``[TOOL_CALLS]``) for mistral_common."""
 
 
 def resolve_tokenizer_mode(model_dir: Path, choice: str, *, chat_template: str | None = None) -> str:
@@ -63,11 +59,6 @@ def resolve_tokenizer_mode(model_dir: Path, choice: str, *, chat_template: str |
     return HF
 
 
-def tool_parser_for(choice: str | None, tokenizer_mode: str) -> str | None:
-    """The vLLM tool parser to serve with: ``auto`` resolved by tokenizer mode, else as named."""
-    return TOOL_PARSER_OF_MODE[tokenizer_mode] if choice == AUTO_TOOL_PARSER else choice
-
-
 def _mistral_only(model_dir: Path) -> bool:
     """mistral_common is the model's chat format: no HF tokenizer, or Mistral's own weights."""
     no_hf = not any((model_dir / name).is_file() for name in HF_TOKENIZER_FILES)
@@ -89,11 +80,8 @@ def _has_chat_template(model_dir: Path) -> bool:
 
 __all__ = [
     "AUTO",
-    "AUTO_TOOL_PARSER",
     "HF",
     "MISTRAL",
     "TOKENIZER_MODES",
-    "TOOL_PARSER_OF_MODE",
     "resolve_tokenizer_mode",
-    "tool_parser_for",
 ]

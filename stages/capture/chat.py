@@ -106,7 +106,7 @@ class ChatRenderer:
         is the splice's own result: it is sent as it is, without rendering the history, so
         the call costs nothing that grows with the conversation beyond that comparison.
         """
-        if _extends(full, exact_prefix, self.eos_token_ids):
+        if starts_with_exact_prefix(full, exact_prefix, self.eos_token_ids):
             return list(full)
         closed = turns_closed(exact_prefix, self.eos_token_ids) if exact_prefix else 0
         history: list[int] | None = None
@@ -164,7 +164,7 @@ def template_family(model_dir: Path) -> str:
     return "unknown"
 
 
-def _extends(full: Sequence[int], exact_prefix: Sequence[int], eos: Collection[int]) -> bool:
+def starts_with_exact_prefix(full: Sequence[int], exact_prefix: Sequence[int], eos: Collection[int]) -> bool:
     """``full`` begins with the whole exact prefix, which ends on a turn-closing token."""
     size = len(exact_prefix)
     return bool(size) and exact_prefix[-1] in eos and len(full) > size and full[:size] == exact_prefix
@@ -192,4 +192,10 @@ def eos_token_ids_of(model_dir: Path, tokenizer: Any) -> list[int]:
     return found
 
 
-__all__ = ["ChatRenderer", "assistant_indices", "eos_token_ids_of", "template_family"]
+__all__ = [
+    "ChatRenderer",
+    "assistant_indices",
+    "eos_token_ids_of",
+    "starts_with_exact_prefix",
+    "template_family",
+]

@@ -49,6 +49,27 @@ def splice_prefix(
     boundary = _nth_eos_position(template_ids, eos, turns)
     if boundary is None:
         raise SpliceError(f"the full render has fewer than {turns} EOS tokens")
+    return splice_at(exact_prefix_ids, template_ids, boundary, turns, eos)
+
+
+def splice_at(
+    exact_prefix_ids: Sequence[int],
+    template_ids: Sequence[int],
+    boundary: int,
+    turns: int,
+    eos_token_ids: Collection[int],
+) -> list[int]:
+    """The splice once the boundary is known: ``template_ids[boundary]`` closes the parent's
+    turn, the ``turns``-th turn of the render.
+
+    For renders whose history is a literal prefix of the full render (harmony), where the
+    boundary is where that prefix ends rather than the ``turns``-th EOS.
+    """
+    if not exact_prefix_ids:
+        raise SpliceError("the exact prefix is empty")
+    if not 0 <= boundary < len(template_ids):
+        raise SpliceError(f"the boundary {boundary} is outside the render of {len(template_ids)} tokens")
+    eos = frozenset(eos_token_ids)
     closed = turns_closed(exact_prefix_ids, eos)
     if turns != closed:
         raise SpliceError(

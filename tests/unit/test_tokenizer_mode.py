@@ -16,7 +16,8 @@ import pytest
 from pipeline.cli import build_parser
 from pipeline.models.tekken import TEKKEN_FILE, TEKKEN_VOCAB
 from pipeline.models.tiny import make_tiny_model
-from pipeline.worker.tokenizer_mode import HF, MISTRAL, resolve_tokenizer_mode, tool_parser_for
+from pipeline.worker.reasoning import tool_parser_for
+from pipeline.worker.tokenizer_mode import HF, MISTRAL, resolve_tokenizer_mode
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,12 @@ def test_auto_serves_a_tekken_only_directory_through_mistral_common(
     assert resolve_tokenizer_mode(tekken_dir, "auto") == MISTRAL
     assert resolve_tokenizer_mode(tekken_dir, "mistral") == MISTRAL
     assert resolve_tokenizer_mode(model_dir, "auto") == HF
-    assert (tool_parser_for("auto", MISTRAL), tool_parser_for("auto", HF)) == ("mistral", "hermes")
-    assert tool_parser_for("llama3_json", MISTRAL) == "llama3_json" and tool_parser_for(None, HF) is None
+    assert (tool_parser_for("auto", "llama", MISTRAL), tool_parser_for("auto", "llama", HF)) == (
+        "mistral",
+        "hermes",
+    )
+    assert tool_parser_for("llama3_json", "llama", MISTRAL) == "llama3_json"
+    assert tool_parser_for(None, "llama", HF) is None
 
 
 def test_a_hugging_face_tokenizer_beside_tekken_keeps_its_template(

@@ -29,6 +29,7 @@ from pipeline.commands.worker import worker_config
 from pipeline.models.tiny import make_tiny_model, read_manifest
 from pipeline.worker.options import COMMON, RESPONSES, check_content, check_options, field_names
 from pipeline.worker.protocol import capture_admissions
+from pipeline.worker.reasoning import tool_parser_for
 from pipeline.worker.replies import Dialect, attach_coords, stream_with_coords
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer
@@ -1037,6 +1038,11 @@ def test_cli_verb_builds_the_worker_config(model_dir: Path, tmp_path: Path) -> N
     default = worker_config(build_parser().parse_args(base))
     assert default.max_body_bytes == 8 * 2**20
     assert (default.chat_template, default.tool_parser, default.tokenizer_mode) == (None, "auto", "auto")
+    assert [tool_parser_for("auto", family) for family in ("chatml", "gptoss", "gpt_oss")] == [
+        "hermes",
+        "openai",
+        "openai",
+    ]
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--max-body-bytes", "0"])
     assert config.engine_settings().engine_kwargs()["logprobs_mode"] == "processed_logprobs"

@@ -1,8 +1,9 @@
 """vLLM's renderer with the exact-prefix splice: the prompt is fixed before the engine sees it.
 
 Every vLLM serving layer that speaks chat (Chat Completions, Responses, Anthropic
-Messages) renders through ``preprocess_chat``; completions go through
-``preprocess_completion``. This subclass lets vLLM render as usual, then, for a request
+Messages) renders through ``preprocess_chat``, except for harmony-format models (gpt-oss),
+whose Chat Completions and Responses vLLM renders with ``openai_harmony`` in methods of
+their own (hooked here too); completions go through ``preprocess_completion``. This subclass lets vLLM render as usual, then, for a request
 with a capture scope (``CURRENT_SCOPE``, set by the route), replaces the rendered ids by
 the scope's spliced prompt and tags the engine input with the scope so the capturing
 engine client knows whose call it is. Requests without a scope are untouched.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.renderers.hf import resolve_chat_template_kwargs
-from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.renderers.online_renderer import OnlineRenderer, ResponsesRenderResult
 
 from stages.capture.vllm.client import tag_engine_input
 from stages.capture.vllm.scope import CURRENT_SCOPE, CaptureScope
@@ -61,6 +62,29 @@ class CapturingRenderer(OnlineRenderer):  # type: ignore[misc]
             )
             tag_engine_input(engine_input, scope)
         return conversation, engine_inputs
+
+    def _make_request_with_harmony(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        """Chat Completions for gpt-oss: vLLM renders harmony messages itself, not through
+        ``preprocess_chat``."""
+        messages, engine_inputs = super()._make_request_with_harmony(request, *args, **kwargs)
+        self._splice_harmony(messages, engine_inputs)
+        return messages, engine_inputs
+
+    def _render_responses_with_harmony(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        """Responses for gpt-oss: the first engine request's prompt (a built-in tool's next
+        turn is rendered elsewhere and goes to the engine untagged, uncaptured)."""
+        result = super()._render_responses_with_harmony(request, *args, **kwargs)
+        if isinstance(result, ResponsesRenderResult):
+            self._splice_harmony(result.messages, [result.engine_input])
+        return result
+
+    def _splice_harmony(self, messages: list[Any], engine_inputs: list[Any]) -> None:
+        scope = CURRENT_SCOPE.get()
+        if scope is None:
+            return
+        engine_input = _one_token_prompt(engine_inputs)
+        engine_input[PROMPT_IDS] = scope.splice_harmony(messages, list(engine_input[PROMPT_IDS]))
+        tag_engine_input(engine_input, scope)
 
     async def preprocess_completion(
         self, request: Any, prompt_input: Any, prompt_embeds: Any, **kwargs: Any

@@ -23,6 +23,7 @@ from typing import Any
 from stages.capture.chat import ChatRenderer
 from stages.capture.core import CaptureCore, Completion, PreparedCall
 from stages.capture.splice import SpliceError
+from stages.capture.vllm.harmony import harmony_spliced
 from topics.failures import WorkerFailure
 from topics.records import CaptureAdmission, CommitCoords, HistoryPolicy
 
@@ -111,6 +112,18 @@ class CaptureScope:
     ) -> list[int]:
         """The prompt for a chat render: the exact prefix over the history re-rendered with
         the template variables ``full`` was rendered with."""
+        return self._spliced(
+            full, lambda prefix: self.renderer.spliced(prefix, messages, tools, full, template_kwargs)
+        )
+
+    def splice_harmony(self, messages: Sequence[Any], full: list[int]) -> list[int]:
+        """The prompt for vLLM's harmony render (gpt-oss) of ``messages``: the exact prefix
+        over the history's render, which is a literal prefix of ``full``."""
+        stops = self.renderer.eos_token_ids
+        return self._spliced(full, lambda prefix: harmony_spliced(prefix, messages, full, stops))
+
+    def _spliced(self, full: list[int], splice: Callable[[list[int]], list[int]]) -> list[int]:
+        """``splice(exact prefix)`` for a continuation under ``exact`` history, else ``full``."""
         if self.failure is not None:
             self._log_failure(self.failure)
             return full
@@ -120,7 +133,7 @@ class CaptureScope:
         if not prefix:
             return full
         try:
-            return self.renderer.spliced(prefix, messages, tools, full, template_kwargs)
+            return splice(prefix)
         except SpliceError as exc:
             return self._splice_failed(exc, full)
 
