@@ -295,6 +295,35 @@ def test_a_benchmark_prints_its_report_with_the_command_line(capsys: pytest.Capt
     }
 
 
+def test_a_switch_sets_its_field_and_failures_set_the_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    """A switch left out keeps the config's value; a report with failures still prints, then
+    its failures go to stderr with exit status 1."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        tail: bool = False
+
+    def run(config: Toy) -> dict[str, Any]:
+        return {"tail": config.tail}
+
+    toy = Benchmark(
+        "toy-bench",
+        "A toy.",
+        Toy(),
+        Quick("tail", Toy(tail=True)),
+        (Option("--tail", "", switch=True),),
+        run,
+        str,
+        failures=lambda report: ["read the tail"] if report["tail"] else [],
+    )
+    assert toy.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tail"] is False
+    assert toy.main(["--json", "--tail"]) == 1
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["tail"] is True and printed.err == "read the tail\n"
+    assert toy.main(["--quick"]) == 1 and "'tail': True" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name", list(BENCHMARKS))
 def test_every_benchmark_option_lands_somewhere(name: str) -> None:
     """Each option names a field of its benchmark's config or a keyword of its ``run``: a
