@@ -1,4 +1,4 @@
-"""``tokentrail bench engine|pipeline|tq-controller|replay|checkpoint|rebalance|gateway-recovery|long-horizon|main-job|vllm|quotas|inspect|splice|soak``: the benchmarks from the CLI.
+"""``tokentrail bench NAME``: the benchmarks from the CLI, one per entry of ``BENCHMARKS``.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "inspect": "the inspector in chromium: first render of a 100,000-rollout table and a 32K-token view",
     "splice": "the worker's splice CPU per call beside vLLM's own render, at 10, 100 and 1,000 turns",
     "soak": "stage memory slope per 10,000 rollouts, consumer lag and disk per call over a long steady run",
+    "digest": "hashing MB/s of token bytes and staging rows built per second, list vs numpy input",
 }
 
 EXAMPLES = """\
@@ -54,6 +55,7 @@ examples:
   tokentrail bench inspect --quick --json
   tokentrail bench splice --quick --json
   tokentrail bench soak --minutes 30
+  tokentrail bench digest --json
 """
 
 

@@ -465,6 +465,25 @@ def test_splice_bench_smallest_configuration() -> None:
     assert all(row["vllm_render_ms"] > 0 and row["splice_ms"] >= 0 for row in rows.values())
 
 
+def quick_config(name: str, *options: str) -> Any:
+    """The config ``tokentrail bench NAME --quick OPTIONS`` runs."""
+    benchmark = importlib.import_module(f"bench.{name.replace('-', '_')}").BENCHMARK
+    return benchmark.config(cli.build_parser().parse_args(["bench", name, "--quick", *options]))
+
+
+def test_digest_smallest_configuration() -> None:
+    from bench import digest
+
+    config = quick_config("digest")
+    assert config == digest.DigestConfig(sizes=(1_000,))
+    report = digest.run(config)
+    (row,) = report["results"]
+    assert report["benchmark"] == "digest" and row["tokens"] == 1_000
+    figures = ("cumulative_hash_list_MBps", "cumulative_hash_numpy_MBps", "row_records_per_s", "row_us")
+    assert all(row[figure] > 0 for figure in figures)
+    assert "| 1,000 |" in digest.render(report)
+
+
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.dataplane
