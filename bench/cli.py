@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "splice": "the worker's splice CPU per call beside vLLM's own render, at 10, 100 and 1,000 turns",
     "soak": "stage memory slope per 10,000 rollouts, consumer lag and disk per call over a long steady run",
     "digest": "hashing MB/s of token bytes and staging rows built per second, list vs numpy input",
+    "capture-hook": "the capture core's completion hook per call at 1K..32K tokens, hashing apart",
 }
 
 EXAMPLES = """\
@@ -56,6 +57,7 @@ examples:
   tokentrail bench splice --quick --json
   tokentrail bench soak --minutes 30
   tokentrail bench digest --json
+  tokentrail bench capture-hook --quick
 """
 
 

@@ -484,6 +484,19 @@ def test_digest_smallest_configuration() -> None:
     assert "| 1,000 |" in digest.render(report)
 
 
+def test_capture_hook_smallest_configuration() -> None:
+    from bench import capture_hook
+
+    config = quick_config("capture-hook", "--sizes", "64", "--repeats", "3")
+    assert config == capture_hook.CaptureHookConfig(sizes=(64,), repeats=3)
+    report = capture_hook.run(config)
+    (row,) = report["results"]
+    assert report["benchmark"] == "capture_hook" and row["tokens"] == 64
+    assert row["hook_us"] > 0 and row["hashing_us"] > 0
+    assert row["hook_minus_hashing_us"] == round(row["hook_us"] - row["hashing_us"], 1)
+    assert "| 64 |" in capture_hook.render(report)
+
+
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.dataplane
