@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "soak": "stage memory slope per 10,000 rollouts, consumer lag and disk per call over a long steady run",
     "digest": "hashing MB/s of token bytes and staging rows built per second, list vs numpy input",
     "capture-hook": "the capture core's completion hook per call at 1K..32K tokens, hashing apart",
+    "megatron-hooks": "the Megatron capture hooks per call (prepare, stage, read, hashing) at 1K..32K tokens",
 }
 
 EXAMPLES = """\
@@ -58,6 +59,7 @@ examples:
   tokentrail bench soak --minutes 30
   tokentrail bench digest --json
   tokentrail bench capture-hook --quick
+  tokentrail bench megatron-hooks --json
 """
 
 

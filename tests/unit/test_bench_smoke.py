@@ -497,6 +497,21 @@ def test_capture_hook_smallest_configuration() -> None:
     assert "| 64 |" in capture_hook.render(report)
 
 
+def test_megatron_hooks_smallest_configuration() -> None:
+    from bench import megatron_hooks
+
+    config = quick_config("megatron-hooks", "--sizes", "64", "--repeats", "4")
+    assert config == megatron_hooks.MegatronHooksConfig(sizes=(64,), repeats=4)
+    report = megatron_hooks.run(config)
+    (row,) = report["results"]
+    assert report["benchmark"] == "megatron_hooks" and report["repeats"] == 4
+    assert (row["tokens"], row["delta_tokens"]) == (64, 32)
+    for name in megatron_hooks.TIMINGS:
+        assert row[name]["median_us"] >= row[name]["min_us"] > 0
+    assert row["hashing_MBps"] > 0 and row["hashed_MB"] > 0
+    assert len(megatron_hooks.render(report).splitlines()) == 2 + len(megatron_hooks.TIMINGS) + 1
+
+
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.dataplane
