@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "digest": "hashing MB/s of token bytes and staging rows built per second, list vs numpy input",
     "capture-hook": "the capture core's completion hook per call at 1K..32K tokens, hashing apart",
     "megatron-hooks": "the Megatron capture hooks per call (prepare, stage, read, hashing) at 1K..32K tokens",
+    "kafka-events": "produce and consume rates of typical events on an embedded broker, the codec alone beside",
 }
 
 EXAMPLES = """\
@@ -60,6 +61,7 @@ examples:
   tokentrail bench digest --json
   tokentrail bench capture-hook --quick
   tokentrail bench megatron-hooks --json
+  tokentrail bench kafka-events --events 40000 --json
 """
 
 

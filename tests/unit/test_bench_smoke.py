@@ -512,6 +512,21 @@ def test_megatron_hooks_smallest_configuration() -> None:
     assert len(megatron_hooks.render(report).splitlines()) == 2 + len(megatron_hooks.TIMINGS) + 1
 
 
+@pytest.mark.broker
+def test_kafka_events_smallest_configuration() -> None:
+    """Every event produced (the backlog and the ones published alone) is consumed once."""
+    from bench import kafka_events
+
+    config = quick_config("kafka-events", "--events", "60", "--publish-batch", "20", "--partitions", "2")
+    assert config == kafka_events.KafkaEventsConfig(events=60, partitions=2, publish_batch=20)
+    report = kafka_events.run(config)
+    assert (report["events"], report["partitions"], report["consumed"]) == (60, 2, 120)
+    rates = ("encode_events_per_s", "decode_events_per_s", "produce_events_per_s", "consume_events_per_s")
+    assert all(report[rate] > 0 for rate in rates) and report["mean_value_bytes"] > 0
+    assert report["publish_one_p99_ms"] >= report["publish_one_p50_ms"] > 0 and report["group_join_s"] >= 0
+    assert "tansu" in report["versions"] and "consumed: 120" in kafka_events.render(report)
+
+
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.dataplane
