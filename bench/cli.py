@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "capture-hook": "the capture core's completion hook per call at 1K..32K tokens, hashing apart",
     "megatron-hooks": "the Megatron capture hooks per call (prepare, stage, read, hashing) at 1K..32K tokens",
     "kafka-events": "produce and consume rates of typical events on an embedded broker, the codec alone beside",
+    "broker-storage": "small record batches read back from tansu, memory vs durable storage; --tail: a live consumer",
 }
 
 EXAMPLES = """\
@@ -62,6 +63,7 @@ examples:
   tokentrail bench capture-hook --quick
   tokentrail bench megatron-hooks --json
   tokentrail bench kafka-events --events 40000 --json
+  tokentrail bench broker-storage --tail --batches 3000 --json
 """
 
 

@@ -34,6 +34,12 @@ from pipeline import cli
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+def quick_config(name: str, *options: str) -> Any:
+    """The config ``tokentrail bench NAME --quick OPTIONS`` runs."""
+    benchmark = importlib.import_module(f"bench.{name.replace('-', '_')}").BENCHMARK
+    return benchmark.config(cli.build_parser().parse_args(["bench", name, "--quick", *options]))
+
+
 @pytest.fixture(scope="module")
 def engine_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from bench import engine
@@ -168,7 +174,9 @@ def test_broker_storage_tail_reads_a_short_partition_whole() -> None:
     of single-record batches reads every one, and durable storage reports its store's CPU."""
     from bench import broker_storage
 
-    report = broker_storage.run(40, tail=True)
+    config = quick_config("broker-storage", "--tail", "--batches", "40")
+    assert config == broker_storage.BrokerStorageConfig(batches=40, tail=True)
+    report = broker_storage.run(config)
     assert report["tail"] is True and set(report["results"]) == {"memory", "durable"}
     for numbers in report["results"].values():
         assert numbers["read"] == numbers["of"] == 40 and numbers["read_per_s"] > 0
@@ -463,12 +471,6 @@ def test_splice_bench_smallest_configuration() -> None:
     assert rows.keys() == {"chatml", "strip_reasoning"}
     assert all(row["turns"] == 10 and row["prompt_tokens"] > 100 for row in rows.values())
     assert all(row["vllm_render_ms"] > 0 and row["splice_ms"] >= 0 for row in rows.values())
-
-
-def quick_config(name: str, *options: str) -> Any:
-    """The config ``tokentrail bench NAME --quick OPTIONS`` runs."""
-    benchmark = importlib.import_module(f"bench.{name.replace('-', '_')}").BENCHMARK
-    return benchmark.config(cli.build_parser().parse_args(["bench", name, "--quick", *options]))
 
 
 def test_digest_smallest_configuration() -> None:
