@@ -40,6 +40,7 @@ BENCHMARKS: dict[str, str] = {
     "megatron-hooks": "the Megatron capture hooks per call (prepare, stage, read, hashing) at 1K..32K tokens",
     "kafka-events": "produce and consume rates of typical events on an embedded broker, the codec alone beside",
     "broker-storage": "small record batches read back from tansu, memory vs durable storage; --tail: a live consumer",
+    "dataplane": "TransferQueue put and get of staged rows, one and a batch at a time, embedded and separate",
 }
 
 EXAMPLES = """\
@@ -64,6 +65,7 @@ examples:
   tokentrail bench megatron-hooks --json
   tokentrail bench kafka-events --events 40000 --json
   tokentrail bench broker-storage --tail --batches 3000 --json
+  tokentrail bench dataplane --placements separate --tokens 64,1024 --rows 512
 """
 
 

@@ -529,6 +529,32 @@ def test_kafka_events_smallest_configuration() -> None:
     assert "tansu" in report["versions"] and "consumed: 120" in kafka_events.render(report)
 
 
+@pytest.mark.dataplane
+def test_dataplane_smallest_configuration() -> None:
+    from bench import dataplane
+
+    config = quick_config("dataplane", "--tokens", "64", "--rows", "8", "--batch", "4")
+    assert config == dataplane.DataPlaneBenchConfig(placements=("embedded",), tokens=(64,), batch=4, rows=8)
+    report = dataplane.run(config)
+    assert (report["batch"], report["rows_per_case"]) == (4, 8) and list(report["results"]) == ["embedded"]
+    (case,) = report["results"]["embedded"]
+    assert case["tokens"] == 64 and case["bytes_per_row"] > 16 * 64  # 16 bytes a token plus metadata
+    for name in dataplane.CASES:
+        numbers = case[name]
+        assert numbers["calls"] == (8 if "single" in name else 2)
+        assert numbers["rows_per_s"] > 0 and numbers["mb_per_s"] > 0 and numbers["cpu_us_per_row"] >= 0
+        assert numbers["p99_ms"] >= numbers["p50_ms"] > 0
+    assert min(case["codec_rows_per_s"].values()) > 0
+    assert len(dataplane.render(report).splitlines()) == 2 + len(dataplane.CASES)
+
+
+def test_dataplane_refuses_an_unknown_placement() -> None:
+    from bench import dataplane
+
+    with pytest.raises(ValueError, match="placements: \\['remote'\\]; choose from embedded, separate"):
+        dataplane.DataPlaneBenchConfig(placements=("remote",))
+
+
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.dataplane
