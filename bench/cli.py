@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, str] = {
     "kafka-events": "produce and consume rates of typical events on an embedded broker, the codec alone beside",
     "broker-storage": "small record batches read back from tansu, memory vs durable storage; --tail: a live consumer",
     "dataplane": "TransferQueue put and get of staged rows, one and a batch at a time, embedded and separate",
+    "amplification": "rollouts rejected per lost call: fail-closed vs terminal-chain rejection, on the real stages",
 }
 
 EXAMPLES = """\
@@ -66,6 +67,7 @@ examples:
   tokentrail bench kafka-events --events 40000 --json
   tokentrail bench broker-storage --tail --batches 3000 --json
   tokentrail bench dataplane --placements separate --tokens 64,1024 --rows 512
+  tokentrail bench amplification --calls 16,64 --fail 0.006,0.01 --rollouts 2000 --json
 """
 
 

@@ -555,6 +555,47 @@ def test_dataplane_refuses_an_unknown_placement() -> None:
         dataplane.DataPlaneBenchConfig(placements=("remote",))
 
 
+def test_amplification_smallest_configuration() -> None:
+    """A small grid on the real capture path and stages: every verdict agrees with the driver."""
+    from bench import amplification
+
+    config = quick_config("amplification", "--calls", "4", "--fail", "0.2,0.3", "--rollouts", "12")
+    assert config == amplification.AmplificationConfig(calls=(4,), fail=(0.2, 0.3), rollouts=12)
+    report = amplification.run(config)
+    assert [(r["calls_per_rollout"], r["fail"], r["rollouts"]) for r in report["results"]] == [
+        (4, 0.2, 12),
+        (4, 0.3, 12),
+    ]
+    for r in report["results"]:
+        assert r["calls"] >= 12 and 0 < r["fail_closed_expected_share"] < 1 and r["rows_left"] == 0
+        assert r["rejected"] == r["terminal_hit"] and r["survived"] <= r["any_failed"] <= r["rollouts"]
+    assert amplification.disagreements(report) == [] and "| 4 | 20.0% | 12 |" in amplification.render(report)
+
+
+def test_amplification_names_each_wrong_verdict() -> None:
+    from bench import amplification
+
+    result = {
+        "calls_per_rollout": 16,
+        "fail": 0.01,
+        "rollouts": 3,
+        "wrongly_rejected": [],
+        "inexact_samples": [],
+    }
+    report = {"results": [result | {"wrongly_accepted": ["a-1", "a-2"]}]}
+    assert amplification.disagreements(report) == [
+        "16 calls, 1.0% failing: 2 accepted although the terminal chain was hit, e.g. a-1, a-2"
+    ]
+
+
+def test_amplification_refuses_a_loss_probability_of_one() -> None:
+    from bench import amplification
+
+    with pytest.raises(ValueError, match="fail: each must be in"):
+        amplification.AmplificationConfig(fail=(0.5, 1.0))
+    assert len(amplification.AmplificationConfig(rollouts=7).configs()) == len(amplification.DEFAULT_CONFIGS)
+
+
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.dataplane
