@@ -332,6 +332,20 @@ def test_a_switch_sets_its_field_and_failures_set_the_exit_status(capsys: pytest
     assert toy.main(["--quick"]) == 1 and "'tail': True" in capsys.readouterr().out
 
 
+TOOLS = {"loadgen", "plots", "named_threads"}
+"""bench modules that run as programs but measure nothing: processes and charts the benchmarks use."""
+
+
+def test_every_runnable_bench_module_is_a_listed_benchmark() -> None:
+    """A module that runs as ``python -m bench.NAME`` is on the harness under its own name and
+    listed for ``tokentrail bench``, unless it is one of the tools."""
+    folder = Path(__file__).parents[2] / "bench"
+    runnable = {path.stem for path in folder.glob("*.py") if '__name__ == "__main__"' in path.read_text()}
+    assert runnable - TOOLS == {name.replace("-", "_") for name in BENCHMARKS}
+    for name in BENCHMARKS:
+        assert importlib.import_module(f"bench.{name.replace('-', '_')}").BENCHMARK.name == name
+
+
 @pytest.mark.parametrize("name", list(BENCHMARKS))
 def test_every_benchmark_option_lands_somewhere(name: str) -> None:
     """Each option names a field of its benchmark's config or a keyword of its ``run``: a
