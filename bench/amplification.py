@@ -14,14 +14,20 @@ never serves it: ``CaptureCore.fail`` with ``not_served``) independently with
 probability ``fail``. A lost call is retried once with a new admission from the same
 parent; if the retry is lost too the episode ends there and is sealed with its reward
 anyway, so its terminal chain was hit. The driver keeps that ground truth, and the
-exact ids of the chain that survived, to check every outcome against.
+exact ids of the chain that survived, to check every outcome against. A verdict or
+sample that contradicts it is printed on stderr and the command exits 1.
+
+    tokentrail bench amplification [--quick] [--json] [--rollouts N]
+        [--calls 16,64] [--fail 0.006,0.01] [--seed 0]
+
+Without ``--calls`` and ``--fail`` it measures the default configurations (500 / 500 /
+1,000 rollouts, or ``--rollouts`` each); with either, their grid (64 calls and 1% when
+one is left out, 1,000 rollouts unless ``--rollouts``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -30,9 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
+from bench.command import Benchmark, Option, Quick, floats, ints
 from bench.common import machine
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore
@@ -71,6 +75,45 @@ class Config:
 
 DEFAULT_CONFIGS = (Config(64, 0.006, 500), Config(64, 0.01, 500), Config(16, 0.01, 1000))
 """Sized for about a minute on two cores (about 1,300 calls/s end to end); ``--rollouts`` for more."""
+
+
+@dataclass(frozen=True, slots=True)
+class AmplificationConfig:
+    """What one run measures: the default configurations, or the ``calls`` x ``fail`` grid."""
+
+    calls: tuple[int, ...] = ()
+    fail: tuple[float, ...] = ()
+    rollouts: int | None = None
+    """Rollouts per configuration; unset: the defaults' own, 1,000 for a grid."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if any(not 0.0 <= fail < 1.0 for fail in self.fail):
+            raise ValueError(f"fail: each must be in [0, 1), got {self.fail}")
+        if self.rollouts is not None and self.rollouts < 1:
+            raise ValueError(f"rollouts: must be >= 1, got {self.rollouts}")
+
+    def configs(self) -> list[Config]:
+        if not self.calls and not self.fail:
+            if self.rollouts is None:
+                return list(DEFAULT_CONFIGS)
+            return [Config(c.calls, c.fail, self.rollouts) for c in DEFAULT_CONFIGS]
+        return [
+            Config(c, f, self.rollouts or 1000) for c in self.calls or (64,) for f in self.fail or (0.01,)
+        ]
+
+
+QUICK = Quick("100 rollouts per default configuration", AmplificationConfig(rollouts=100))
+OPTIONS = (
+    Option(
+        "--rollouts",
+        "rollouts per configuration (defaults: 500 at 64 calls, 1000 at 16; 1000 for a grid)",
+        int,
+    ),
+    Option("--calls", "turns per rollout, comma separated (default 64)", ints),
+    Option("--fail", "per-attempt loss probabilities, comma separated (default 0.01)", floats),
+    Option("--seed", "seed of the losses and the tokens (default 0)", int),
+)
 
 
 @dataclass(slots=True)
@@ -304,109 +347,57 @@ async def measure(config: Config, seed: int = 0) -> Measurement:
     return Measurement(config, seed, outcomes, time.perf_counter() - started, len(plane.calls))
 
 
-def run(configs: Sequence[Config], seed: int = 0) -> list[Measurement]:
+def run(config: AmplificationConfig = AmplificationConfig()) -> dict[str, Any]:
     """Each configuration on a fresh event loop and data plane, so none sees another's state."""
-    return [asyncio.run(measure(config, seed)) for config in configs]
-
-
-def report(measurements: Sequence[Measurement], command: str) -> dict[str, Any]:
-    """The ``--json`` document: command and machine with the numbers, so they stay comparable."""
+    measurements = [asyncio.run(measure(c, config.seed)) for c in config.configs()]
     return {
         "benchmark": "amplification",
-        "command": command,
         "machine": machine(),
         "results": [m.summary() for m in measurements],
     }
 
 
-def table(measurements: Sequence[Measurement]) -> Table:
+def render(report: dict[str, Any]) -> str:
     """One row per configuration; shares with their counts in brackets."""
-    out = Table(
-        title="Fail-closed amplification",
-        caption=(
-            "fail-closed: rollouts with any lost call (what upstream masks); chain hit: the episode "
-            "ended on a lost call (driver's truth); saved: rightly accepted despite a lost call; "
-            "wrong: verdicts or samples that disagree with the truth"
-        ),
-    )
-    for name in ("L", "p", "rollouts", "calls", "lost", "fail-closed", "chain hit", "rejected", "saved"):
-        out.add_column(name, justify="right")
-    out.add_column("reasons")
-    out.add_column("wrong", justify="right")
-    for m in measurements:
-        wrong = len(m.wrongly_rejected) + len(m.wrongly_accepted) + len(m.inexact)
-        out.add_row(
-            str(m.config.calls),
-            f"{m.config.fail:.1%}",
-            f"{m.rollouts:,}",
-            f"{m.calls:,}",
-            f"{m.failed_calls:,}",
-            f"{m.share(m.any_failed):.1%} ({m.any_failed})",
-            f"{m.share(m.terminal_hit):.2%} ({m.terminal_hit})",
-            f"{m.share(m.rejected):.2%} ({m.rejected})",
-            f"{m.survived:,}",
-            ", ".join(f"{k} {v}" for k, v in sorted(m.reasons.items())) or "-",
-            str(wrong),
+    lines = [
+        "| L | p | rollouts | calls | lost | fail-closed | chain hit | rejected | saved | reasons | wrong |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in report["results"]:
+        wrong = len(r["wrongly_rejected"]) + len(r["wrongly_accepted"]) + len(r["inexact_samples"])
+        reasons = ", ".join(f"{k} {v}" for k, v in r["reasons"].items()) or "-"
+        lines.append(
+            f"| {r['calls_per_rollout']} | {r['fail']:.1%} | {r['rollouts']:,} | {r['calls']:,} "
+            f"| {r['failed_calls']:,} | {r['any_failed_share']:.1%} ({r['any_failed']}) "
+            f"| {r['terminal_hit_share']:.2%} ({r['terminal_hit']}) | {r['rejected_share']:.2%} ({r['rejected']}) "
+            f"| {r['survived']:,} | {reasons} | {wrong} |"
         )
-    return out
-
-
-def _configs(args: argparse.Namespace) -> list[Config]:
-    """The default configurations (``--rollouts`` rescales them), or the ``--calls`` x ``--fail`` grid."""
-    if args.calls is None and args.fail is None:
-        if args.rollouts is None:
-            return list(DEFAULT_CONFIGS)
-        return [Config(c.calls, c.fail, args.rollouts) for c in DEFAULT_CONFIGS]
-    return [Config(c, f, args.rollouts or 1000) for c in args.calls or [64] for f in args.fail or [0.01]]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status 1 when any verdict contradicts the driver's truth, so a script can gate on it."""
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.amplification",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    lines.append(
+        "\nfail-closed: rollouts with any lost call (what upstream masks); chain hit: the episode "
+        "ended on a lost call (driver's truth); saved: rightly accepted despite a lost call; "
+        "wrong: verdicts or samples that disagree with the truth"
     )
-    parser.add_argument(
-        "--rollouts",
-        type=int,
-        help="rollouts per configuration (defaults: 500 at 64 calls, 1000 at 16; 1000 for a grid)",
-    )
-    parser.add_argument("--calls", type=int, nargs="+", help="turns per rollout (default 64)")
-    parser.add_argument("--fail", type=float, nargs="+", help="per-attempt loss probability (default 0.01)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    args = parser.parse_args(argv)
-    for fail in args.fail or []:
-        if not 0.0 <= fail < 1.0:
-            parser.error(f"--fail: must be in [0, 1), got {fail}")
-    if args.rollouts is not None and args.rollouts < 1:
-        parser.error(f"--rollouts: must be >= 1, got {args.rollouts}")
-    measurements = run(_configs(args), args.seed)
-    if args.json:
-        command = " ".join(["python -m bench.amplification", *(sys.argv[1:] if argv is None else argv)])
-        print(json.dumps(report(measurements, command), sort_keys=True))
-    else:
-        console = Console()
-        console.print(table(measurements))
-        for line in _disagreements(measurements):
-            console.print(line)
-    return 1 if any(_disagreements(measurements)) else 0
+    return "\n".join(lines)
 
 
-def _disagreements(measurements: Sequence[Measurement]) -> list[str]:
+def disagreements(report: dict[str, Any]) -> list[str]:
     """One line per kind of verdict that contradicts the driver's truth (none when all agree)."""
     lines: list[str] = []
-    for m in measurements:
+    for r in report["results"]:
+        label = Config(r["calls_per_rollout"], r["fail"], r["rollouts"]).label
         for what, ids in (
-            ("accepted although the terminal chain was hit", m.wrongly_accepted),
-            ("rejected although the terminal chain was intact", m.wrongly_rejected),
-            ("sample is not exactly the served chain", m.inexact),
+            ("accepted although the terminal chain was hit", r["wrongly_accepted"]),
+            ("rejected although the terminal chain was intact", r["wrongly_rejected"]),
+            ("sample is not exactly the served chain", r["inexact_samples"]),
         ):
             if ids:
-                lines.append(f"{m.config.label}: {len(ids)} {what}, e.g. {', '.join(ids[:3])}")
+                lines.append(f"{label}: {len(ids)} {what}, e.g. {', '.join(ids[:3])}")
     return lines
 
 
+BENCHMARK = Benchmark(
+    "amplification", __doc__, AmplificationConfig(), QUICK, OPTIONS, run, render, failures=disagreements
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

@@ -8,7 +8,7 @@ from the beginning. For durable storage the report adds the store server's CPU p
 batch, written and read back: flat in ``--batches`` when listings cost nothing extra as
 the log grows.
 
-    python -m bench.broker_storage --batches 300 --json
+    tokentrail bench broker-storage --batches 300 --json
 
 ``--tail`` measures what a live consumer meets instead: ``--batches`` single-record
 batches in one partition, then a reader placed ``TAIL_BATCHES`` before its end reads
@@ -16,20 +16,21 @@ them with the stages' fetch wait. tansu finds each batch it serves by listing th
 partition from its first batch, within the fetch's wait, so the further the log, the
 fewer batches a fetch returns, and past some length none (DESIGN §3).
 
-    python -m bench.broker_storage --tail --batches 3000 --json
+    tokentrail bench broker-storage --tail --batches 3000 --json
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import TopicPartition
 
+from bench.command import Benchmark, Option, Quick
 from bench.common import machine, process_cpu_s, versions
 from bench.events import rollout_events
 from pipeline.kafka.admin import ensure_topics
@@ -45,6 +46,23 @@ PARTITIONS = 4
 READ_LIMIT_S = 60.0
 TAIL_BATCHES = 300
 TAIL_LIMIT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerStorageConfig:
+    batches: int = 300
+    """Single-record batches written, then read."""
+    tail: bool = False
+    """Read the last ``TAIL_BATCHES`` of one partition, as a live consumer, instead of all from the start."""
+
+
+QUICK = Quick("100 batches", BrokerStorageConfig(batches=100))
+OPTIONS = (
+    Option("--batches", "single-record batches to write and read (default 300)", int),
+    Option(
+        "--tail", f"read the last {TAIL_BATCHES} batches of one partition, as a live consumer", switch=True
+    ),
+)
 
 
 async def _publish_one_per_batch(config: KafkaConfig, batches: int) -> None:
@@ -101,8 +119,8 @@ async def _measure_tail(bootstrap: str, batches: int, store_pid: int | None) -> 
     return numbers
 
 
-def run(batches: int, *, tail: bool = False) -> dict[str, Any]:
-    measure = _measure_tail if tail else _measure
+def run(config: BrokerStorageConfig = BrokerStorageConfig()) -> dict[str, Any]:
+    measure = _measure_tail if config.tail else _measure
     results: dict[str, Any] = {}
     for storage in ("memory", "durable"):
         mode: StorageMode = "durable" if storage == "durable" else "memory"
@@ -110,42 +128,37 @@ def run(batches: int, *, tail: bool = False) -> dict[str, Any]:
             tempfile.TemporaryDirectory() as data_dir,
             EmbeddedBroker(storage=mode, data_dir=data_dir if mode == "durable" else None) as broker,
         ):
-            results[storage] = asyncio.run(measure(broker.bootstrap, batches, broker.bucket_pid))
+            results[storage] = asyncio.run(measure(broker.bootstrap, config.batches, broker.bucket_pid))
     ratio = results["memory"]["read_per_s"] / max(results["durable"]["read_per_s"], 1e-9)
-    return {"batches": batches, "tail": tail, "results": results, "read_ratio_memory_to_durable": ratio}
+    return {
+        "machine": machine(),
+        "versions": versions(),
+        "batches": config.batches,
+        "tail": config.tail,
+        "results": results,
+        "read_ratio_memory_to_durable": ratio,
+    }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--batches", type=int, default=300, help="single-record batches to write and read")
-    parser.add_argument(
-        "--tail",
-        action="store_true",
-        help=f"read the last {TAIL_BATCHES} batches of one partition, as a live consumer",
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args()
-    report = {"machine": machine(), "versions": versions(), **run(args.batches, tail=args.tail)}
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return
+def render(report: dict[str, Any]) -> str:
+    lines = []
     for storage, numbers in report["results"].items():
         produced = (
             f"produce {numbers['produced_per_s']:8.0f} batches/s   " if "produced_per_s" in numbers else ""
         )
-        print(
-            f"{storage:8s} {produced}"
-            f"read {numbers['read_per_s']:8.0f} records/s ({numbers['read']:.0f} read)"
-            + (
-                f"   store CPU {numbers['store_cpu_ms_per_batch']:.2f} ms/batch"
-                if "store_cpu_ms_per_batch" in numbers
-                else ""
-            )
+        store = (
+            f"   store CPU {numbers['store_cpu_ms_per_batch']:.2f} ms/batch"
+            if "store_cpu_ms_per_batch" in numbers
+            else ""
         )
-    print(f"read ratio memory/durable: {report['read_ratio_memory_to_durable']:.0f}x")
+        lines.append(
+            f"{storage:8s} {produced}read {numbers['read_per_s']:8.0f} records/s ({numbers['read']:.0f} read){store}"
+        )
+    lines.append(f"read ratio memory/durable: {report['read_ratio_memory_to_durable']:.0f}x")
+    return "\n".join(lines)
 
+
+BENCHMARK = Benchmark("broker-storage", __doc__, BrokerStorageConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(BENCHMARK.main())

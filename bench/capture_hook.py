@@ -1,21 +1,24 @@
 """Cost of the capture core's completion hook per call, with hashing measured apart.
 
-Run: ``python -m bench.capture_hook [--json]``. The hook is ``CaptureCore.complete``
-for a child call whose prefix (half the tokens) is already resolved; the writer is
-not running, so no I/O is timed, exactly what the engine's completion path pays.
+The hook is ``CaptureCore.complete`` for a child call whose prefix (half the tokens) is
+already resolved; the writer is not running, so no I/O is timed, exactly what the
+engine's completion path pays. Medians over ``--repeats`` calls.
+
+    tokentrail bench capture-hook [--quick] [--json] [--sizes 1000,8000,32000] [--repeats 40]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from bench.command import Benchmark, Option, Quick, ints
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore, PreparedCall
 from stages.capture.resolve import PrefixResolver
@@ -25,7 +28,19 @@ from stages.memory import MemoryDataPlane, RecordingSink
 from topics import digest
 from topics.staging import staging_row
 
-SIZES = (1_000, 8_000, 32_000)
+
+@dataclass(frozen=True, slots=True)
+class CaptureHookConfig:
+    sizes: tuple[int, ...] = (1_000, 8_000, 32_000)
+    """Tokens per call."""
+    repeats: int = 40
+
+
+QUICK = Quick("1,000 tokens, 10 calls", CaptureHookConfig(sizes=(1_000,), repeats=10))
+OPTIONS = (
+    Option("--sizes", "tokens per call (default 1000,8000,32000)", ints),
+    Option("--repeats", "calls timed per size, median kept (default 40)", int),
+)
 
 
 def _median_us(samples: list[float]) -> float:
@@ -78,22 +93,26 @@ async def measure(n: int, repeats: int, rng: np.random.Generator) -> dict[str, A
     }
 
 
-def run(sizes: tuple[int, ...] = SIZES, repeats: int = 40) -> dict[str, Any]:
+def run(config: CaptureHookConfig = CaptureHookConfig()) -> dict[str, Any]:
     rng = np.random.default_rng(0)
 
     async def go() -> list[dict[str, Any]]:
-        return [await measure(n, repeats, rng) for n in sizes]
+        return [await measure(n, config.repeats, rng) for n in config.sizes]
 
     return {"benchmark": "capture_hook", "results": asyncio.run(go())}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    report = run()
-    print(json.dumps(report, indent=None if args.json else 2))
+def render(report: dict[str, Any]) -> str:
+    lines = ["| tokens | hook µs | hashing µs | hook without hashing µs |", "|---:|---:|---:|---:|"]
+    for row in report["results"]:
+        lines.append(
+            f"| {row['tokens']:,} | {row['hook_us']:,.1f} | {row['hashing_us']:,.1f} "
+            f"| {row['hook_minus_hashing_us']:,.1f} |"
+        )
+    return "\n".join(lines)
 
+
+BENCHMARK = Benchmark("capture-hook", __doc__, CaptureHookConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(BENCHMARK.main())

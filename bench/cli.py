@@ -1,4 +1,4 @@
-"""``tokentrail bench engine|pipeline|tq-controller|replay|checkpoint|rebalance|gateway-recovery|long-horizon|main-job|vllm|quotas|inspect|splice|soak``: the benchmarks from the CLI.
+"""``tokentrail bench NAME``: the benchmarks from the CLI, one per entry of ``BENCHMARKS``.
 
 The runtime does not import the benchmarks: this verb is registered as an entry point
 (``tokentrail.verbs`` in ``pyproject.toml``), which ``pipeline.cli`` loads after its own
@@ -35,6 +35,13 @@ BENCHMARKS: dict[str, str] = {
     "inspect": "the inspector in chromium: first render of a 100,000-rollout table and a 32K-token view",
     "splice": "the worker's splice CPU per call beside vLLM's own render, at 10, 100 and 1,000 turns",
     "soak": "stage memory slope per 10,000 rollouts, consumer lag and disk per call over a long steady run",
+    "digest": "hashing MB/s of token bytes and staging rows built per second, list vs numpy input",
+    "capture-hook": "the capture core's completion hook per call at 1K..32K tokens, hashing apart",
+    "megatron-hooks": "the Megatron capture hooks per call (prepare, stage, read, hashing) at 1K..32K tokens",
+    "kafka-events": "produce and consume rates of typical events on an embedded broker, the codec alone beside",
+    "broker-storage": "small record batches read back from tansu, memory vs durable storage; --tail: a live consumer",
+    "dataplane": "TransferQueue put and get of staged rows, one and a batch at a time, embedded and separate",
+    "amplification": "rollouts rejected per lost call: fail-closed vs terminal-chain rejection, on the real stages",
 }
 
 EXAMPLES = """\
@@ -54,6 +61,13 @@ examples:
   tokentrail bench inspect --quick --json
   tokentrail bench splice --quick --json
   tokentrail bench soak --minutes 30
+  tokentrail bench digest --json
+  tokentrail bench capture-hook --quick
+  tokentrail bench megatron-hooks --json
+  tokentrail bench kafka-events --events 40000 --json
+  tokentrail bench broker-storage --tail --batches 3000 --json
+  tokentrail bench dataplane --placements separate --tokens 64,1024 --rows 512
+  tokentrail bench amplification --calls 16,64 --fail 0.006,0.01 --rollouts 2000 --json
 """
 
 

@@ -27,7 +27,8 @@ Config = TypeVar("Config", bound="DataclassInstance")
 class Option:
     """One option of a benchmark's own: when given, its value (read with ``type``) replaces
     ``field`` of the config (by default the option's name), or with ``for_run`` goes to
-    ``run`` as a keyword argument (an output path, say: not part of the measured config)."""
+    ``run`` as a keyword argument (an output path, say: not part of the measured config).
+    A ``switch`` takes no value: given, it sets its field to True (``--tail``)."""
 
     flag: str
     help: str
@@ -35,6 +36,7 @@ class Option:
     choices: Sequence[str] | None = None
     field: str = ""
     for_run: bool = False
+    switch: bool = False
 
     @property
     def dest(self) -> str:
@@ -63,13 +65,19 @@ class Benchmark(Generic[Config]):
     run: Callable[..., dict[str, Any]]
     """``run(config, **for_run options) -> report``; programs call it too, without a command line."""
     render: Callable[[dict[str, Any]], str]
+    failures: Callable[[dict[str, Any]], list[str]] | None = None
+    """What in a finished report contradicts the benchmark's own ground truth, a line each:
+    printed on stderr after the report, with exit status 1, so that a script can gate on it."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """``--quick``, ``--json`` and the benchmark's own options, in that order."""
         parser.add_argument("--quick", action="store_true", help=self.quick.help)
         parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
         for option in self.options:
-            parser.add_argument(option.flag, type=option.type, choices=option.choices, help=option.help)
+            if option.switch:  # absent: None, so the config's own value stays
+                parser.add_argument(option.flag, action="store_const", const=True, help=option.help)
+            else:
+                parser.add_argument(option.flag, type=option.type, choices=option.choices, help=option.help)
 
     def config(self, args: argparse.Namespace) -> Config:
         """The quick or default config with the options given on the command line."""
@@ -82,12 +90,15 @@ class Benchmark(Generic[Config]):
 
     def run_args(self, args: argparse.Namespace, command: str) -> int:
         """Run with the parsed options; the report, with ``command`` in it (a number is comparable
-        only with what produced it), on stdout, as JSON with ``--json``."""
+        only with what produced it), on stdout, as JSON with ``--json``; then any ``failures``."""
         keywords = {option.dest: getattr(args, option.dest) for option in self.options if option.for_run}
         report = self.run(self.config(args), **keywords)
         report["command"] = command
         print(json.dumps(report, sort_keys=True) if args.json else self.render(report))
-        return 0
+        failures = self.failures(report) if self.failures is not None else []
+        for line in failures:
+            print(line, file=sys.stderr)
+        return 1 if failures else 0
 
     def main(self, argv: Sequence[str] | None = None) -> int:
         """``python -m bench.NAME``: the same options and report as ``tokentrail bench NAME``."""

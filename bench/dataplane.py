@@ -12,12 +12,14 @@ Two placements of the data plane:
 - ``separate``: a ``tokentrail dataplane`` child process owns it and this process
   attaches through its address file, as a worker or stage does.
 
-    python -m bench.dataplane --placement embedded --placement separate
+    tokentrail bench dataplane [--quick] [--json] [--placements embedded,separate]
+        [--tokens 1024,8192] [--batch 32] [--rows 256]
+
+torch and TransferQueue are imported when it runs, not when the command line starts.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
@@ -31,21 +33,46 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from tensordict import TensorDict
 
-from pipeline.dataplane import encoding as codec
+from bench.command import Benchmark, Option, Quick, ints, names
 from pipeline.dataplane.addresses import DataPlaneAddresses
-from pipeline.dataplane.embedded import embedded_data_plane
-from pipeline.dataplane.transferqueue import TransferQueueDataPlane
 from topics import digest
 from topics.records import StagedCall
 from topics.staging import staging_row
 
+if TYPE_CHECKING:
+    from pipeline.dataplane.transferqueue import TransferQueueDataPlane
+
 REPO = Path(__file__).resolve().parents[1]
+PLACEMENTS = ("embedded", "separate")
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneBenchConfig:
+    placements: tuple[str, ...] = PLACEMENTS
+    tokens: tuple[int, ...] = (1024, 8192)
+    """Tokens per row, one case each."""
+    batch: int = 32
+    """Rows per batched put or get."""
+    rows: int = 256
+    """Rows per case."""
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.placements if name not in PLACEMENTS]
+        if unknown or not self.placements:
+            raise ValueError(f"placements: {unknown or 'none'}; choose from {', '.join(PLACEMENTS)}")
+
+
+QUICK = Quick("1,024 tokens a row, embedded, 64 rows", DataPlaneBenchConfig(("embedded",), (1024,), rows=64))
+OPTIONS = (
+    Option("--placements", "where the data plane runs, comma separated (default embedded,separate)", names),
+    Option("--tokens", "tokens per row, comma separated (default 1024,8192)", ints),
+    Option("--batch", "rows per batched put or get (default 32)", int),
+    Option("--rows", "rows per case (default 256)", int),
+)
 
 
 def make_rows(count: int, tokens: int, *, tag: str, seed: int = 0) -> list[StagedCall]:
@@ -75,6 +102,8 @@ def make_rows(count: int, tokens: int, *, tag: str, seed: int = 0) -> list[Stage
 
 
 def payload_bytes(rows: Sequence[StagedCall]) -> int:
+    from pipeline.dataplane import encoding as codec
+
     data = codec.encode_calls(rows)
     return sum(part.numel() for part in data.get(codec.ROW_FIELD).tolist())
 
@@ -115,6 +144,8 @@ def summarize(measured: Timed, rows_per_call: int, bytes_per_row: float) -> dict
 
 async def measure(plane: TransferQueueDataPlane, tokens: int, batch: int, rows: int) -> dict[str, Any]:
     """Single-row and ``batch``-row put then get of ``rows`` rows of ``tokens`` tokens."""
+    from pipeline.dataplane import encoding as codec
+
     single = make_rows(rows, tokens, tag=f"single{tokens}", seed=tokens)
     batched = make_rows(rows, tokens, tag=f"batch{tokens}", seed=tokens + 1)
     per_row = payload_bytes(single[:batch]) / min(batch, len(single))
@@ -160,6 +191,9 @@ async def measure_raw(client: Any, tokens: int, batch: int, rows: int, per_row: 
     This is what ``kv_batch_put`` / ``kv_batch_get`` do (metadata call, then data), so the
     gap to the rows above is what typed multi-field rows and the guards cost.
     """
+    import torch
+    from tensordict import TensorDict
+
     width = int(per_row) // 8
     partition = f"raw{tokens}"
 
@@ -210,6 +244,8 @@ def stop_owner(child: subprocess.Popen[str]) -> None:
 @contextlib.asynccontextmanager
 async def separate_data_plane(timeout_s: float) -> AsyncIterator[TransferQueueDataPlane]:
     """A data plane owned by a child process, attached to through its address file."""
+    from pipeline.dataplane.transferqueue import TransferQueueDataPlane
+
     with tempfile.TemporaryDirectory() as data_dir:
         child = start_owner(data_dir)
         try:
@@ -224,9 +260,12 @@ async def separate_data_plane(timeout_s: float) -> AsyncIterator[TransferQueueDa
             await asyncio.to_thread(stop_owner, child)
 
 
-async def run_async(placements: Sequence[str], sizes: Sequence[int], batch: int, rows: int) -> dict[str, Any]:
+async def run_async(config: DataPlaneBenchConfig) -> dict[str, Any]:
     import ray
+    import torch
     import transfer_queue
+
+    from pipeline.dataplane.embedded import embedded_data_plane
 
     report: dict[str, Any] = {
         "machine": {
@@ -240,26 +279,23 @@ async def run_async(placements: Sequence[str], sizes: Sequence[int], batch: int,
             "torch": torch.__version__,
             "ray": ray.__version__,
         },
-        "batch": batch,
-        "rows_per_case": rows,
+        "batch": config.batch,
+        "rows_per_case": config.rows,
         "results": {},
     }
-    for placement in placements:
+    for placement in config.placements:
         opener = embedded_data_plane(timeout_s=60.0) if placement == "embedded" else separate_data_plane(60.0)
         async with opener as plane:
-            report["results"][placement] = [await measure(plane, tokens, batch, rows) for tokens in sizes]
+            report["results"][placement] = [
+                await measure(plane, tokens, config.batch, config.rows) for tokens in config.tokens
+            ]
     return report
 
 
-def run(
-    *,
-    placements: Sequence[str] = ("embedded", "separate"),
-    sizes: Sequence[int] = (1024, 8192),
-    batch: int = 32,
-    rows: int = 256,
-) -> dict[str, Any]:
-    """Run every case and return the report (also what ``__main__`` prints as JSON)."""
-    return asyncio.run(run_async(placements, sizes, batch, rows))
+def run(config: DataPlaneBenchConfig = DataPlaneBenchConfig()) -> dict[str, Any]:
+    """Run every case and return the report; TransferQueue's threads default to the cores, at most 8."""
+    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
+    return asyncio.run(run_async(config))
 
 
 CASES = (
@@ -274,7 +310,7 @@ CASES = (
 )
 
 
-def format_table(report: dict[str, Any]) -> str:
+def render(report: dict[str, Any]) -> str:
     lines = [
         "| placement | tokens/row | case | rows/s | MB/s | p50 ms | p99 ms | CPU µs/row (this process) |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
@@ -291,24 +327,7 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.dataplane", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--placement", action="append", choices=("embedded", "separate"))
-    parser.add_argument("--tokens", action="append", type=int, help="tokens per row (default: 1024 and 8192)")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--rows", type=int, default=256, help="rows per case")
-    parser.add_argument("--json", action="store_true", help="print the full report as JSON")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
-    report = run(
-        placements=args.placement or ("embedded", "separate"),
-        sizes=args.tokens or (1024, 8192),
-        batch=args.batch,
-        rows=args.rows,
-    )
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
-    return 0
-
+BENCHMARK = Benchmark("dataplane", __doc__, DataPlaneBenchConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

@@ -1,23 +1,36 @@
 """Digest throughput: MB/s of token bytes and records/s, for list and numpy inputs.
 
-Run: ``python -m bench.digest [--json]``. Token bytes are counted as the 8-byte
-big-endian encoding the digests hash.
+Token bytes are counted as the 8-byte big-endian encoding the digests hash. "row" is
+``staging_row`` building a complete, digested row from a delta of N/2 tokens on a
+prefix of N/2.
+
+    tokentrail bench digest [--quick] [--json] [--sizes 1000,8000,32000]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 
+from bench.command import Benchmark, Option, Quick, ints
 from bench.common import best_of
 from topics import digest
 from topics.staging import staging_row
 
-SIZES = (1_000, 8_000, 32_000)
+
+@dataclass(frozen=True, slots=True)
+class DigestConfig:
+    sizes: tuple[int, ...] = (1_000, 8_000, 32_000)
+    """Tokens per call."""
+    seed: int = 0
+
+
+QUICK = Quick("1,000 tokens only", DigestConfig(sizes=(1_000,)))
+OPTIONS = (Option("--sizes", "tokens per call (default 1000,8000,32000)", ints),)
 
 
 def _row_for(n: int, rng: np.random.Generator) -> tuple[list[int], digest.Delta]:
@@ -28,10 +41,10 @@ def _row_for(n: int, rng: np.random.Generator) -> tuple[list[int], digest.Delta]
     return prefix, digest.build_delta(prompt, generated, logprobs, len(prefix))
 
 
-def run(sizes: tuple[int, ...] = SIZES, seed: int = 0) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
+def run(config: DigestConfig = DigestConfig()) -> dict[str, Any]:
+    rng = np.random.default_rng(config.seed)
     results: list[dict[str, Any]] = []
-    for n in sizes:
+    for n in config.sizes:
         ids_list = rng.integers(0, 150_000, n).tolist()
         ids_array = np.asarray(ids_list, dtype=np.int64)
         repeats = max(10, 2_000_000 // n)
@@ -65,17 +78,20 @@ def run(sizes: tuple[int, ...] = SIZES, seed: int = 0) -> dict[str, Any]:
     return {"benchmark": "digest", "results": results}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-    args = parser.parse_args()
-    report = run()
-    if args.json:
-        print(json.dumps(report))
-        return
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        "| tokens | cumulative hash, list input, MB/s | cumulative hash, numpy input, MB/s | row µs | rows/s |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     for row in report["results"]:
-        print(row)
+        lines.append(
+            f"| {row['tokens']:,} | {row['cumulative_hash_list_MBps']:,.0f} "
+            f"| {row['cumulative_hash_numpy_MBps']:,.0f} | {row['row_us']:,.0f} | {row['row_records_per_s']:,.0f} |"
+        )
+    return "\n".join(lines)
 
+
+BENCHMARK = Benchmark("digest", __doc__, DigestConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(BENCHMARK.main())

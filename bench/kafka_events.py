@@ -9,25 +9,26 @@ latency of publishing one event alone is measured with ``linger_ms=0``; consume 
 commit) over the backlog, measured from its first batch to its last event so that
 the one-time group join is reported separately.
 
-    python -m bench.kafka_events --events 40000 --json
+    tokentrail bench kafka-events [--quick] [--json] [--events 40000] [--partitions 4]
+        [--publish-batch 500] [--publishers 4] [--linger-ms 5] [--max-records 2000]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
-import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 from typing import Any
 
+from bench.command import Benchmark, Option, Quick
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.broker import EmbeddedBroker, tansu_binary
 from pipeline.kafka.config import KafkaConfig
@@ -38,6 +39,30 @@ from stages.ports import TopicPartition as PortPartition
 from topics.codec import decode, encode_record
 from topics.names import TopicNames
 from topics.records import CallCoords, CaptureAdmission, Record, StagedEvent, staging_key
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaEventsConfig:
+    events: int = 40_000
+    partitions: int = 4
+    publish_batch: int = 500
+    """Events per ``publish``."""
+    publishers: int = 4
+    """Concurrent publishers."""
+    linger_ms: int = 5
+    max_records: int = 2000
+    """Records per fetch of the consumer loop."""
+
+
+QUICK = Quick("4,000 events", KafkaEventsConfig(events=4_000))
+OPTIONS = (
+    Option("--events", "events produced and consumed (default 40000)", int),
+    Option("--partitions", "partitions per topic (default 4)", int),
+    Option("--publish-batch", "events per publish (default 500)", int),
+    Option("--publishers", "concurrent publishers (default 4)", int),
+    Option("--linger-ms", "the producer's linger (default 5)", int),
+    Option("--max-records", "records per fetch of the consumer loop (default 2000)", int),
+)
 
 
 def _hex(*parts: object) -> str:
@@ -140,20 +165,13 @@ class _Counter:
         return None
 
 
-async def _measure(
-    bootstrap: str,
-    events: Sequence[Record],
-    partitions: int,
-    publish_batch: int,
-    publishers: int,
-    linger_ms: int,
-    max_records: int,
-) -> dict[str, float]:
-    names = TopicNames(prefix=f"bench{os.getpid()}x{int(time.time())}", partitions=partitions)
+async def _measure(bootstrap: str, events: Sequence[Record], config: KafkaEventsConfig) -> dict[str, float]:
+    names = TopicNames(prefix=f"bench{os.getpid()}x{int(time.time())}", partitions=config.partitions)
     kafka = KafkaConfig(bootstrap_servers=bootstrap, names=names, client_id="bench")
     await ensure_topics(kafka)
-    async with KafkaEventSink(kafka, linger_ms=linger_ms) as sink:
-        chunks = [events[i : i + publish_batch] for i in range(0, len(events), publish_batch)]
+    async with KafkaEventSink(kafka, linger_ms=config.linger_ms) as sink:
+        step = config.publish_batch
+        chunks = [events[i : i + step] for i in range(0, len(events), step)]
         queue: asyncio.Queue[Sequence[Record]] = asyncio.Queue()
         for chunk in chunks:
             queue.put_nowait(chunk)
@@ -163,7 +181,7 @@ async def _measure(
                 await sink.publish(queue.get_nowait())
 
         start = time.perf_counter()
-        await asyncio.gather(*(publisher() for _ in range(publishers)))
+        await asyncio.gather(*(publisher() for _ in range(config.publishers)))
         produce_s = time.perf_counter() - start
 
         latencies: list[float] = []
@@ -181,7 +199,7 @@ async def _measure(
             handler=counter,
             dead_letters=sink,
             stage="bench",
-            tuning=replace(FAST_GROUPS, max_records=max_records),
+            tuning=replace(FAST_GROUPS, max_records=config.max_records),
         )
         started = time.perf_counter()
         task = asyncio.create_task(loop.run())
@@ -203,29 +221,20 @@ async def _measure(
     }
 
 
-def run(
-    events: int = 40_000,
-    partitions: int = 4,
-    publish_batch: int = 500,
-    publishers: int = 4,
-    linger_ms: int = 5,
-    max_records: int = 2000,
-) -> dict[str, Any]:
-    """Produce and consume ``events`` typical events on a fresh embedded memory broker."""
-    batch = build_events(events)
+def run(config: KafkaEventsConfig = KafkaEventsConfig()) -> dict[str, Any]:
+    """Produce and consume ``config.events`` typical events on a fresh embedded memory broker."""
+    batch = build_events(config.events)
     codec = codec_rates(batch)
     with EmbeddedBroker(storage="memory") as broker:
-        measured = asyncio.run(
-            _measure(broker.bootstrap, batch, partitions, publish_batch, publishers, linger_ms, max_records)
-        )
+        measured = asyncio.run(_measure(broker.bootstrap, batch, config))
     return {
-        "events": events,
+        "events": config.events,
         "event_mix": "CaptureAdmission + StagedEvent per call, 4 calls per rollout",
-        "partitions": partitions,
-        "publish_batch": publish_batch,
-        "publishers": publishers,
-        "linger_ms": linger_ms,
-        "max_records": max_records,
+        "partitions": config.partitions,
+        "publish_batch": config.publish_batch,
+        "publishers": config.publishers,
+        "linger_ms": config.linger_ms,
+        "max_records": config.max_records,
         **codec,
         **measured,
         "machine": {
@@ -242,27 +251,15 @@ def run(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def render(report: dict[str, Any]) -> str:
+    """One ``key: value`` line per figure of the report."""
+    return "\n".join(
+        f"{key:>24}: {value:,.1f}" if isinstance(value, float) else f"{key:>24}: {value}"
+        for key, value in report.items()
     )
-    parser.add_argument("--events", type=int, default=40_000)
-    parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--publish-batch", type=int, default=500)
-    parser.add_argument("--publishers", type=int, default=4)
-    parser.add_argument("--linger-ms", type=int, default=5)
-    parser.add_argument("--max-records", type=int, default=2000)
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-    args = parser.parse_args()
-    result = run(
-        args.events, args.partitions, args.publish_batch, args.publishers, args.linger_ms, args.max_records
-    )
-    if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True))
-        return
-    for key, value in result.items():
-        print(f"{key:>24}: {value:,.1f}" if isinstance(value, float) else f"{key:>24}: {value}")
 
+
+BENCHMARK = Benchmark("kafka-events", __doc__, KafkaEventsConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(BENCHMARK.main())

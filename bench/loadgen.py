@@ -17,6 +17,11 @@ Faults it takes part in:
 It plays rollouts until the stop file exists, then seals what is in flight and exits 0.
 Rollout numbers continue across restarts (``--state``); rollouts in flight when the
 process dies are never sealed.
+
+It is no benchmark (it measures nothing) but a process ``bench.cluster`` starts for the
+fault suite and ``bench soak``, a process of its own so that a fault can kill it alone.
+Its settings can only reach it as arguments, so it keeps its own command line
+(argparse) rather than ``bench.command``'s.
 """
 
 from __future__ import annotations

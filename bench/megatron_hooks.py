@@ -1,10 +1,10 @@
 """Cost of the Megatron capture hooks per call, inside the engine step.
 
-Run: ``python -m bench.megatron_hooks [--json]``. A call of N tokens is a ``token_in``
-turn whose cumulative length is N: an exact prefix of N/2, N/4 new template tokens
-and N/4 generated tokens (the layout of ``bench.digest``). Times are medians in µs over
-``repeats`` calls (``min_us``: the fastest, i.e. the cost without interference from
-other processes), measured around the hook call only (setup is not counted):
+A call of N tokens is a ``token_in`` turn whose cumulative length is N: an exact prefix
+of N/2, N/4 new template tokens and N/4 generated tokens (the layout of ``bench.digest``).
+Times are medians in µs over ``--repeats`` calls (``min_us``: the fastest, i.e. the cost
+without interference from other processes), measured around the hook call only (setup
+is not counted):
 
 - ``prepare_exact``: ``prepare_prompt`` for a token-id prompt that already starts
   with the exact prefix; ``prepare_splice``: the same prompt given as a re-render
@@ -17,21 +17,24 @@ other processes), measured around the hook call only (setup is not counted):
 - ``complete``: ``CaptureCore.complete`` on the same call, for comparison: what
   ``stage`` would cost if it ran the capture core inline; ``complete_root``: the same
   ids as an entirely new (root) call, whose delta is the whole call.
+
+    tokentrail bench megatron-hooks [--quick] [--json] [--sizes 1000,8000,32000] [--repeats 50]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from bench.command import Benchmark, Option, Quick, ints
 from stages.capture.cache import ChainCache
 from stages.capture.core import AckPolicy, CaptureCore, PreparedCall
 from stages.capture.megatron.payload import read_finished_call
@@ -46,10 +49,23 @@ from topics.records import CaptureAdmission
 from topics.staging import build_row
 from topics.wire import CAPTURE_FIELD
 
-SIZES = (1_000, 8_000, 32_000)
 _NO_IDS = np.zeros(0, dtype=np.int64)
 EOS = 2
-COMMAND = ".venv/bin/python -m bench.megatron_hooks --json"
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronHooksConfig:
+    sizes: tuple[int, ...] = (1_000, 8_000, 32_000)
+    """Cumulative tokens per call."""
+    repeats: int = 50
+    seed: int = 0
+
+
+QUICK = Quick("1,000 tokens, 8 calls per measure", MegatronHooksConfig(sizes=(1_000,), repeats=8))
+OPTIONS = (
+    Option("--sizes", "cumulative tokens per call (default 1000,8000,32000)", ints),
+    Option("--repeats", "calls per measure, median kept (default 50)", int),
+)
 
 
 class Timing(dict[str, float]):
@@ -211,33 +227,45 @@ async def _measure(n: int, repeats: int, rng: np.random.Generator) -> dict[str, 
     return result
 
 
-def run(sizes: tuple[int, ...] = SIZES, repeats: int = 50, seed: int = 0) -> dict[str, Any]:
+def run(config: MegatronHooksConfig = MegatronHooksConfig()) -> dict[str, Any]:
     """Median hook costs per call size; see the module docstring for each field."""
-    rng = np.random.default_rng(seed)
-    results = [asyncio.run(_measure(n, repeats, rng)) for n in sizes]
+    rng = np.random.default_rng(config.seed)
+    results = [asyncio.run(_measure(n, config.repeats, rng)) for n in config.sizes]
     return {
         "benchmark": "megatron_hooks",
-        "command": COMMAND,
-        "repeats": repeats,
+        "repeats": config.repeats,
         "python": platform.python_version(),
         "results": results,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument("--repeats", type=int, default=50)
-    args = parser.parse_args()
-    report = run(repeats=args.repeats)
-    if args.json:
-        print(json.dumps(report))
-        return
-    for row in report["results"]:
-        print(row)
+TIMINGS = (
+    "prepare_exact",
+    "prepare_splice",
+    "stage_list",
+    "stage_numpy",
+    "read",
+    "hashing",
+    "complete",
+    "complete_root",
+)
 
+
+def render(report: dict[str, Any]) -> str:
+    """Per measure, median µs and (in brackets) the fastest call, one column per call size."""
+    rows = report["results"]
+    lines = [
+        "| µs, median (fastest) | " + " | ".join(f"{row['tokens']:,} tokens" for row in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
+    for name in TIMINGS:
+        cells = " | ".join(f"{row[name]['median_us']:,.1f} ({row[name]['min_us']:,.1f})" for row in rows)
+        lines.append(f"| {name} | {cells} |")
+    lines.append("| hashing MB/s | " + " | ".join(f"{row['hashing_MBps']:,.0f}" for row in rows) + " |")
+    return "\n".join(lines)
+
+
+BENCHMARK = Benchmark("megatron-hooks", __doc__, MegatronHooksConfig(), QUICK, OPTIONS, run, render)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(BENCHMARK.main())

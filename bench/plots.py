@@ -2,7 +2,10 @@
 capture's CPU per call by process, the pipeline's CPU per call by process across runs.
 
 matplotlib with the Agg backend (no display); imported only when a plot is asked for.
-The pipeline chart compares saved reports (say, two commits measured alternately):
+No benchmark (it measures nothing): ``bench engine``, ``bench pipeline`` and ``bench vllm``
+call its functions for their ``--plot``. The pipeline chart compares reports saved by
+separate runs (say, two commits measured alternately), which no one run of a benchmark
+holds, so it keeps a command line of its own (argparse) to draw them:
 
     python -m bench.plots pipeline-cpu --out FILE.png LABEL=REPORT.json [LABEL=REPORT.json ...]
 """

@@ -34,6 +34,12 @@ from pipeline import cli
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+def quick_config(name: str, *options: str) -> Any:
+    """The config ``tokentrail bench NAME --quick OPTIONS`` runs."""
+    benchmark = importlib.import_module(f"bench.{name.replace('-', '_')}").BENCHMARK
+    return benchmark.config(cli.build_parser().parse_args(["bench", name, "--quick", *options]))
+
+
 @pytest.fixture(scope="module")
 def engine_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from bench import engine
@@ -168,7 +174,9 @@ def test_broker_storage_tail_reads_a_short_partition_whole() -> None:
     of single-record batches reads every one, and durable storage reports its store's CPU."""
     from bench import broker_storage
 
-    report = broker_storage.run(40, tail=True)
+    config = quick_config("broker-storage", "--tail", "--batches", "40")
+    assert config == broker_storage.BrokerStorageConfig(batches=40, tail=True)
+    report = broker_storage.run(config)
     assert report["tail"] is True and set(report["results"]) == {"memory", "durable"}
     for numbers in report["results"].values():
         assert numbers["read"] == numbers["of"] == 40 and numbers["read_per_s"] > 0
@@ -293,6 +301,49 @@ def test_a_benchmark_prints_its_report_with_the_command_line(capsys: pytest.Capt
         "command": "tokentrail bench toy-bench --quick --json --sizes 4,5",
         "config": {"sizes": [4, 5], "rounds": 1},
     }
+
+
+def test_a_switch_sets_its_field_and_failures_set_the_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    """A switch left out keeps the config's value; a report with failures still prints, then
+    its failures go to stderr with exit status 1."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        tail: bool = False
+
+    def run(config: Toy) -> dict[str, Any]:
+        return {"tail": config.tail}
+
+    toy = Benchmark(
+        "toy-bench",
+        "A toy.",
+        Toy(),
+        Quick("tail", Toy(tail=True)),
+        (Option("--tail", "", switch=True),),
+        run,
+        str,
+        failures=lambda report: ["read the tail"] if report["tail"] else [],
+    )
+    assert toy.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tail"] is False
+    assert toy.main(["--json", "--tail"]) == 1
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["tail"] is True and printed.err == "read the tail\n"
+    assert toy.main(["--quick"]) == 1 and "'tail': True" in capsys.readouterr().out
+
+
+TOOLS = {"loadgen", "plots", "named_threads"}
+"""bench modules that run as programs but measure nothing: processes and charts the benchmarks use."""
+
+
+def test_every_runnable_bench_module_is_a_listed_benchmark() -> None:
+    """A module that runs as ``python -m bench.NAME`` is on the harness under its own name and
+    listed for ``tokentrail bench``, unless it is one of the tools."""
+    folder = Path(__file__).parents[2] / "bench"
+    runnable = {path.stem for path in folder.glob("*.py") if '__name__ == "__main__"' in path.read_text()}
+    assert runnable - TOOLS == {name.replace("-", "_") for name in BENCHMARKS}
+    for name in BENCHMARKS:
+        assert importlib.import_module(f"bench.{name.replace('-', '_')}").BENCHMARK.name == name
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
@@ -434,6 +485,129 @@ def test_splice_bench_smallest_configuration() -> None:
     assert rows.keys() == {"chatml", "strip_reasoning"}
     assert all(row["turns"] == 10 and row["prompt_tokens"] > 100 for row in rows.values())
     assert all(row["vllm_render_ms"] > 0 and row["splice_ms"] >= 0 for row in rows.values())
+
+
+def test_digest_smallest_configuration() -> None:
+    from bench import digest
+
+    config = quick_config("digest")
+    assert config == digest.DigestConfig(sizes=(1_000,))
+    report = digest.run(config)
+    (row,) = report["results"]
+    assert report["benchmark"] == "digest" and row["tokens"] == 1_000
+    figures = ("cumulative_hash_list_MBps", "cumulative_hash_numpy_MBps", "row_records_per_s", "row_us")
+    assert all(row[figure] > 0 for figure in figures)
+    assert "| 1,000 |" in digest.render(report)
+
+
+def test_capture_hook_smallest_configuration() -> None:
+    from bench import capture_hook
+
+    config = quick_config("capture-hook", "--sizes", "64", "--repeats", "3")
+    assert config == capture_hook.CaptureHookConfig(sizes=(64,), repeats=3)
+    report = capture_hook.run(config)
+    (row,) = report["results"]
+    assert report["benchmark"] == "capture_hook" and row["tokens"] == 64
+    assert row["hook_us"] > 0 and row["hashing_us"] > 0
+    assert row["hook_minus_hashing_us"] == round(row["hook_us"] - row["hashing_us"], 1)
+    assert "| 64 |" in capture_hook.render(report)
+
+
+def test_megatron_hooks_smallest_configuration() -> None:
+    from bench import megatron_hooks
+
+    config = quick_config("megatron-hooks", "--sizes", "64", "--repeats", "4")
+    assert config == megatron_hooks.MegatronHooksConfig(sizes=(64,), repeats=4)
+    report = megatron_hooks.run(config)
+    (row,) = report["results"]
+    assert report["benchmark"] == "megatron_hooks" and report["repeats"] == 4
+    assert (row["tokens"], row["delta_tokens"]) == (64, 32)
+    for name in megatron_hooks.TIMINGS:
+        assert row[name]["median_us"] >= row[name]["min_us"] > 0
+    assert row["hashing_MBps"] > 0 and row["hashed_MB"] > 0
+    assert len(megatron_hooks.render(report).splitlines()) == 2 + len(megatron_hooks.TIMINGS) + 1
+
+
+@pytest.mark.broker
+def test_kafka_events_smallest_configuration() -> None:
+    """Every event produced (the backlog and the ones published alone) is consumed once."""
+    from bench import kafka_events
+
+    config = quick_config("kafka-events", "--events", "60", "--publish-batch", "20", "--partitions", "2")
+    assert config == kafka_events.KafkaEventsConfig(events=60, partitions=2, publish_batch=20)
+    report = kafka_events.run(config)
+    assert (report["events"], report["partitions"], report["consumed"]) == (60, 2, 120)
+    rates = ("encode_events_per_s", "decode_events_per_s", "produce_events_per_s", "consume_events_per_s")
+    assert all(report[rate] > 0 for rate in rates) and report["mean_value_bytes"] > 0
+    assert report["publish_one_p99_ms"] >= report["publish_one_p50_ms"] > 0 and report["group_join_s"] >= 0
+    assert "tansu" in report["versions"] and "consumed: 120" in kafka_events.render(report)
+
+
+@pytest.mark.dataplane
+def test_dataplane_smallest_configuration() -> None:
+    from bench import dataplane
+
+    config = quick_config("dataplane", "--tokens", "64", "--rows", "8", "--batch", "4")
+    assert config == dataplane.DataPlaneBenchConfig(placements=("embedded",), tokens=(64,), batch=4, rows=8)
+    report = dataplane.run(config)
+    assert (report["batch"], report["rows_per_case"]) == (4, 8) and list(report["results"]) == ["embedded"]
+    (case,) = report["results"]["embedded"]
+    assert case["tokens"] == 64 and case["bytes_per_row"] > 16 * 64  # 16 bytes a token plus metadata
+    for name in dataplane.CASES:
+        numbers = case[name]
+        assert numbers["calls"] == (8 if "single" in name else 2)
+        assert numbers["rows_per_s"] > 0 and numbers["mb_per_s"] > 0 and numbers["cpu_us_per_row"] >= 0
+        assert numbers["p99_ms"] >= numbers["p50_ms"] > 0
+    assert min(case["codec_rows_per_s"].values()) > 0
+    assert len(dataplane.render(report).splitlines()) == 2 + len(dataplane.CASES)
+
+
+def test_dataplane_refuses_an_unknown_placement() -> None:
+    from bench import dataplane
+
+    with pytest.raises(ValueError, match="placements: \\['remote'\\]; choose from embedded, separate"):
+        dataplane.DataPlaneBenchConfig(placements=("remote",))
+
+
+def test_amplification_smallest_configuration() -> None:
+    """A small grid on the real capture path and stages: every verdict agrees with the driver."""
+    from bench import amplification
+
+    config = quick_config("amplification", "--calls", "4", "--fail", "0.2,0.3", "--rollouts", "12")
+    assert config == amplification.AmplificationConfig(calls=(4,), fail=(0.2, 0.3), rollouts=12)
+    report = amplification.run(config)
+    assert [(r["calls_per_rollout"], r["fail"], r["rollouts"]) for r in report["results"]] == [
+        (4, 0.2, 12),
+        (4, 0.3, 12),
+    ]
+    for r in report["results"]:
+        assert r["calls"] >= 12 and 0 < r["fail_closed_expected_share"] < 1 and r["rows_left"] == 0
+        assert r["rejected"] == r["terminal_hit"] and r["survived"] <= r["any_failed"] <= r["rollouts"]
+    assert amplification.disagreements(report) == [] and "| 4 | 20.0% | 12 |" in amplification.render(report)
+
+
+def test_amplification_names_each_wrong_verdict() -> None:
+    from bench import amplification
+
+    result = {
+        "calls_per_rollout": 16,
+        "fail": 0.01,
+        "rollouts": 3,
+        "wrongly_rejected": [],
+        "inexact_samples": [],
+    }
+    report = {"results": [result | {"wrongly_accepted": ["a-1", "a-2"]}]}
+    assert amplification.disagreements(report) == [
+        "16 calls, 1.0% failing: 2 accepted although the terminal chain was hit, e.g. a-1, a-2"
+    ]
+
+
+def test_amplification_refuses_a_loss_probability_of_one() -> None:
+    from bench import amplification
+
+    with pytest.raises(ValueError, match="fail: each must be in"):
+        amplification.AmplificationConfig(fail=(0.5, 1.0))
+    assert len(amplification.AmplificationConfig(rollouts=7).configs()) == len(amplification.DEFAULT_CONFIGS)
 
 
 @pytest.mark.slow
