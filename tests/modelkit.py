@@ -13,6 +13,8 @@ def describe(vocab: str) -> str:
     if vocab == TEKKEN_VOCAB:
         return f"{vocab} (`mistral_common`, rendered by mistral_common)"
     known = vocabulary(vocab)
+    if known.architecture == "gpt_oss":
+        return f"{vocab} (`{known.package}`, rendered by openai_harmony)"
     return f"{vocab} (`{known.package}`, template `{known.template}`)"
 
 
