@@ -14,12 +14,12 @@ mistral_common ships adds an image encoder the tiny text model has no use for.
 
 from __future__ import annotations
 
-import importlib.resources
 import shutil
 from pathlib import Path
 from typing import Any
 
 from pipeline.models.families import Family
+from pipeline.models.vocabularies import package_file
 
 TEKKEN_VOCAB = "mistral_tekken"
 """``make-tiny-model --vocab`` name of this vocabulary."""
@@ -44,16 +44,7 @@ TEKKEN_FAMILY = Family(
 
 def tekken_source() -> Path:
     """The Tekken file inside the installed mistral_common, or a clear error."""
-    try:
-        root = importlib.resources.files("mistral_common")
-    except ModuleNotFoundError as exc:
-        raise ValueError(
-            f"vocab: {TEKKEN_VOCAB} needs mistral_common (installed with tokentrail's 'vllm' extra)"
-        ) from exc
-    path = Path(str(root.joinpath(*_SOURCE)))
-    if not path.is_file():
-        raise ValueError(f"vocab: the installed mistral_common ships no {'/'.join(_SOURCE)}")
-    return path
+    return package_file("mistral_common", *_SOURCE, extra="vllm")
 
 
 def tekkenizer(path: Path | None = None) -> Any:

