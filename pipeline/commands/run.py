@@ -174,7 +174,7 @@ def add_parser(subparsers: Any) -> None:
         default=defaults.max_staleness,
         metavar="VERSIONS",
         help=(
-            "let generation run ahead of the built-in trainer by at most this many weight versions, "
+            "let generation run ahead of the trainer (either) by at most this many weight versions, "
             "pacing new rollouts (and drop samples further behind); default: play each step, then train"
         ),
     )
@@ -195,7 +195,7 @@ def add_parser(subparsers: Any) -> None:
         "--trainer-dtype",
         choices=TRAINER_DTYPES,
         default=defaults.trainer_dtype,
-        help="the built-in trainer's weights; bfloat16 against the fp32 engine shows a precision "
+        help="the trainer's weights (either trainer); bfloat16 against the fp32 engine shows a precision "
         "mismatch in each step's report (default: %(default)s)",
     )
     parser.add_argument(

@@ -109,7 +109,7 @@ class RunConfig:
     trainer: TrainerKind = "builtin"
     """Who takes the train steps: the built-in GRPO step, or TRL's ``GRPOTrainer``."""
     max_staleness: int | None = None
-    """Train steps: generation runs ahead of the built-in trainer by at most this many weight
+    """Train steps: generation runs ahead of the trainer (either) by at most this many weight
     versions (paced, ``stages.trainer.pacing``); samples further behind are dropped.
     None: each step's rollouts are played, then trained on (staleness 0)."""
     staleness_measure: StaleMeasure = "oldest"
@@ -118,7 +118,7 @@ class RunConfig:
     trainer_delay_s: float = 0.0
     """A deliberately slow trainer: each built-in step sleeps this long first (benchmarks, tests)."""
     trainer_dtype: TrainerDtype = "float32"
-    """The built-in trainer's weights (``TRAINER_DTYPES``)."""
+    """The trainer's weights, either trainer's (``TRAINER_DTYPES``)."""
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -148,8 +148,6 @@ class RunConfig:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if self.trainer_dtype not in TRAINER_DTYPES:
             raise ValueError(f"trainer_dtype: must be one of {TRAINER_DTYPES}, got {self.trainer_dtype!r}")
-        if self.trainer_dtype != "float32" and self.trainer != "builtin":
-            raise ValueError("trainer_dtype: sets the built-in trainer's weights only")
         if self.attach is not None and (self.embedded_broker or self.train_steps or self.keep):
             raise ValueError(
                 "attach: driving running services needs --bootstrap, and trains or keeps nothing"
