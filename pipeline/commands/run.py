@@ -25,7 +25,7 @@ from pipeline.process.jsonlog import LogFormat, add_log_format_argument, configu
 from pipeline.run.config import RunConfig, TrainerKind
 from pipeline.worker.reasoning import reasoning_parser_for
 from pipeline.worker.tokenizer_mode import TOKENIZER_MODES, resolve_tokenizer_mode
-from stages.envs.arithmetic import read_tasks
+from stages.envs.arithmetic import RewardKind, read_tasks
 from stages.trainer.settings import TRAINER_DTYPES
 from stages.trainer.staleness import StaleMeasure
 
@@ -221,6 +221,13 @@ def add_rollout_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) 
         ),
     )
     rollouts.add_argument(
+        "--reward",
+        choices=get_args(RewardKind),
+        default=defaults.reward,
+        help="how generated tasks are scored: their final answer, or the share of digits in the "
+        "replies (dense: the learning curves' reward) (default: %(default)s)",
+    )
+    rollouts.add_argument(
         "--rollouts", type=int, default=defaults.rollouts, help="rollouts to play (default: %(default)s)"
     )
     rollouts.add_argument(
@@ -296,6 +303,7 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "rollouts": len(tasks) * args.group_size if tasks else args.rollouts,
         "tasks": tasks,
+        "reward": args.reward,
         "group_size": args.group_size,
         "turns": args.turns,
         "concurrency": args.concurrency,

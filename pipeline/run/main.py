@@ -160,6 +160,7 @@ class Run:
             group_size=config.group_size,
             seed=config.seed,
             tasks=config.tasks,
+            reward=config.reward,
         )
         self.progress = progress if progress is not None else RunProgress()
         self.progress.run_id = self.run_id
