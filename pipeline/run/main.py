@@ -579,16 +579,17 @@ class Run:
 
         async def next_batch(group_ids: list[str]) -> TrainBatch:
             taking = asyncio.ensure_future(feed.next_batch(group_ids))
-            waiting = {taking} if generation is None else {taking, generation}
-            done, _ = await asyncio.wait(
-                waiting, timeout=config.finalize_timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
-            if taking not in done:
-                taking.cancel()
-                if generation is not None and generation in done:
+            if generation is not None and not generation.done():
+                await asyncio.wait({taking, generation}, return_when=asyncio.FIRST_COMPLETED)
+                if generation.done() and not generation.cancelled() and generation.exception():
+                    taking.cancel()
                     generation.result()  # the rollouts failed: so does the step
-                raise TimeoutError(f"rollouts not finalized within {config.finalize_timeout_s:.0f}s")
-            batch = taking.result()
+            try:
+                batch = await asyncio.wait_for(taking, config.finalize_timeout_s)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"rollouts not finalized within {config.finalize_timeout_s:.0f}s"
+                ) from None
             await self._archived(batch)
             return batch
 

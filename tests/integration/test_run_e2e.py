@@ -536,7 +536,7 @@ def test_trl_paced_in_bf16_corrects_what_the_report_shows(tmp_path: Path) -> Non
         data_dir,
         tmp_path / "run.log",
         *("--trainer", "trl", "--train-steps", "3", "--max-staleness", "1", "--trainer-dtype", "bfloat16"),
-        *("--broker-storage", "memory", "--stages", "inline"),
+        *("--learning-rate", "1e-4", "--broker-storage", "memory", "--stages", "inline"),
         *TRUNCATED_FLAGS,
     )
     assert summary["status"] == "completed" and summary["finalized"] == summary["rollouts"] == 12, summary
@@ -545,12 +545,15 @@ def test_trl_paced_in_bf16_corrects_what_the_report_shows(tmp_path: Path) -> Non
     assert all(step["stale_dropped"] == 0 and step["staleness_max"] <= 1 for step in steps), steps
     assert max(step["staleness_max"] for step in steps) == 1, steps  # generation ran ahead
     assert summary["paced_waits"] > 0, summary  # and was held back
-    for step in steps:
+    for step in steps:  # a small learning rate: bf16 Adam at TRL's usual rates diverges the tiny model
         trl, mismatch = step["trl"], check_mismatch(step)
         assert abs(trl["sampling/importance_sampling_ratio/max"] - 1) > 1e-3, trl
         assert mismatch["max_abs_dev"] > 1e-3, mismatch
         worst = abs(mismatch["worst"][0]["delta"])
-        assert trl["sampling/sampling_logp_difference/max"] == pytest.approx(worst, rel=1e-2), (trl, worst)
+        assert trl["sampling/sampling_logp_difference/max"] == pytest.approx(worst, rel=1e-2, abs=1e-4), (
+            trl,
+            worst,
+        )
     assert summary["dataplane_samples_left"] == 0
 
 
