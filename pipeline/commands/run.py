@@ -25,7 +25,7 @@ from pipeline.process.jsonlog import LogFormat, add_log_format_argument, configu
 from pipeline.run.config import RunConfig, TrainerKind
 from pipeline.worker.reasoning import reasoning_parser_for
 from pipeline.worker.tokenizer_mode import TOKENIZER_MODES, resolve_tokenizer_mode
-from stages.envs.arithmetic import read_tasks
+from stages.envs.arithmetic import RewardKind, read_tasks
 from stages.trainer.settings import TRAINER_DTYPES
 from stages.trainer.staleness import StaleMeasure
 
@@ -174,7 +174,7 @@ def add_parser(subparsers: Any) -> None:
         default=defaults.max_staleness,
         metavar="VERSIONS",
         help=(
-            "let generation run ahead of the built-in trainer by at most this many weight versions, "
+            "let generation run ahead of the trainer (either) by at most this many weight versions, "
             "pacing new rollouts (and drop samples further behind); default: play each step, then train"
         ),
     )
@@ -195,7 +195,7 @@ def add_parser(subparsers: Any) -> None:
         "--trainer-dtype",
         choices=TRAINER_DTYPES,
         default=defaults.trainer_dtype,
-        help="the built-in trainer's weights; bfloat16 against the fp32 engine shows a precision "
+        help="the trainer's weights (either trainer); bfloat16 against the fp32 engine shows a precision "
         "mismatch in each step's report (default: %(default)s)",
     )
     parser.add_argument(
@@ -219,6 +219,13 @@ def add_rollout_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) 
             'play these tasks instead of generated ones: JSON lines {"task_id": ..., "expression": ...}, '
             "each played --group-size times (--rollouts is then their number times the group size)"
         ),
+    )
+    rollouts.add_argument(
+        "--reward",
+        choices=get_args(RewardKind),
+        default=defaults.reward,
+        help="how generated tasks are scored: their final answer, or the share of digits in the "
+        "replies (dense: the learning curves' reward) (default: %(default)s)",
     )
     rollouts.add_argument(
         "--rollouts", type=int, default=defaults.rollouts, help="rollouts to play (default: %(default)s)"
@@ -296,6 +303,7 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "rollouts": len(tasks) * args.group_size if tasks else args.rollouts,
         "tasks": tasks,
+        "reward": args.reward,
         "group_size": args.group_size,
         "turns": args.turns,
         "concurrency": args.concurrency,

@@ -20,7 +20,7 @@ from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.worker.reasoning import AUTO
 from stages.driver import Job
-from stages.envs.arithmetic import Task, make_tasks
+from stages.envs.arithmetic import RewardKind, Task, make_tasks
 from stages.ledger.stage import LedgerConfig
 from stages.trainer.settings import TRAINER_DTYPES, TrainerDtype
 from stages.trainer.staleness import StaleMeasure
@@ -103,13 +103,16 @@ class RunConfig:
     tasks: tuple[Task, ...] | None = None
     """Tasks to play (``--tasks FILE``), each ``group_size`` times; ``rollouts`` must be
     their number times the group size. None: ``rollouts // group_size`` generated ones."""
+    reward: RewardKind = "answer"
+    """How the generated tasks are scored (``RewardKind``): ``digits`` is the dense reward the
+    learning curves use."""
     train_steps: int = 0
     """Closed loop: this many steps of ``rollouts`` rollouts, a GRPO step and a refit each."""
     learning_rate: float = 1e-2
     trainer: TrainerKind = "builtin"
     """Who takes the train steps: the built-in GRPO step, or TRL's ``GRPOTrainer``."""
     max_staleness: int | None = None
-    """Train steps: generation runs ahead of the built-in trainer by at most this many weight
+    """Train steps: generation runs ahead of the trainer (either) by at most this many weight
     versions (paced, ``stages.trainer.pacing``); samples further behind are dropped.
     None: each step's rollouts are played, then trained on (staleness 0)."""
     staleness_measure: StaleMeasure = "oldest"
@@ -118,7 +121,7 @@ class RunConfig:
     trainer_delay_s: float = 0.0
     """A deliberately slow trainer: each built-in step sleeps this long first (benchmarks, tests)."""
     trainer_dtype: TrainerDtype = "float32"
-    """The built-in trainer's weights (``TRAINER_DTYPES``)."""
+    """The trainer's weights, either trainer's (``TRAINER_DTYPES``)."""
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -148,8 +151,6 @@ class RunConfig:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if self.trainer_dtype not in TRAINER_DTYPES:
             raise ValueError(f"trainer_dtype: must be one of {TRAINER_DTYPES}, got {self.trainer_dtype!r}")
-        if self.trainer_dtype != "float32" and self.trainer != "builtin":
-            raise ValueError("trainer_dtype: sets the built-in trainer's weights only")
         if self.attach is not None and (self.embedded_broker or self.train_steps or self.keep):
             raise ValueError(
                 "attach: driving running services needs --bootstrap, and trains or keeps nothing"
@@ -158,6 +159,10 @@ class RunConfig:
             self.train_steps or len(self.tasks) * self.group_size != self.rollouts
         ):
             raise ValueError("tasks: play each task group-size times, once (no --train-steps)")
+        if self.reward not in get_args(RewardKind):
+            raise ValueError(f"reward: must be one of {get_args(RewardKind)}, got {self.reward!r}")
+        if self.tasks is not None and self.reward != "answer":
+            raise ValueError("reward: scores generated tasks; a --tasks file is scored by its answers")
         if self.trainer == "trl" and not self.train_steps:
             raise ValueError("trainer: trl trains only with --train-steps N")
         if self.train_steps < 0:
@@ -207,12 +212,18 @@ def new_run_id() -> str:
 
 
 def plan_jobs(
-    run_id: str, *, rollouts: int, group_size: int, seed: int, tasks: Sequence[Task] | None = None
+    run_id: str,
+    *,
+    rollouts: int,
+    group_size: int,
+    seed: int,
+    tasks: Sequence[Task] | None = None,
+    reward: RewardKind = "answer",
 ) -> list[Job]:
-    """``rollouts // group_size`` tasks (``tasks``, or generated from ``seed``), each played
-    ``group_size`` times as one group."""
+    """``rollouts // group_size`` tasks (``tasks``, or generated from ``seed`` and scored by
+    ``reward``), each played ``group_size`` times as one group."""
     jobs: list[Job] = []
-    for task in tasks if tasks is not None else make_tasks(rollouts // group_size, seed):
+    for task in tasks if tasks is not None else make_tasks(rollouts // group_size, seed, reward):
         group_id = f"{run_id}.{task.task_id}"
         jobs.extend(Job(f"{group_id}.{member}", task, group_id) for member in range(group_size))
     return jobs

@@ -95,9 +95,8 @@ class ClosedLoop:
         self.weights_dir = data_dir / WEIGHTS_DIR
         self.trainer_delay_s = trainer_delay_s
         self.steps: list[TrainStep] = []
-        self.paced_waits = 0
-        """Rollouts that waited for the policy version before they started."""
-        self._advanced = asyncio.Condition()
+        self.gate: VersionGate | None = None
+        """Paced: what holds rollouts back until the policy version allows them."""
 
     async def run_step(
         self,
@@ -122,21 +121,10 @@ class ClosedLoop:
         """Train one step per entry of ``steps`` (each its groups' ids) while ``play`` plays
         every step's rollouts, awaiting ``pace(index)`` before the ``index``-th starts."""
 
-        async def pace(index: int) -> None:
-            def allowed() -> bool:
-                version = self.feed.policy_version
-                return admissible(
-                    index, version, max_staleness=max_staleness, rollouts_per_step=rollouts_per_step
-                )
-
-            if allowed():
-                return
-            self.paced_waits += 1
-            self.feed.metrics.paced.inc()
-            async with self._advanced:
-                await self._advanced.wait_for(allowed)
-
-        generation = asyncio.create_task(play(pace), name="paced-generation")
+        self.gate = gate = VersionGate(
+            self.feed, max_staleness=max_staleness, rollouts_per_step=rollouts_per_step
+        )
+        generation = asyncio.create_task(play(gate.pace), name="paced-generation")
         try:
             for step, groups in enumerate(steps, start=1):
                 batch = asyncio.create_task(self._train(step, archived, {}, groups=groups))
@@ -184,9 +172,7 @@ class ClosedLoop:
         marks.append(time.monotonic())
         spans = zip(("wait", "optimizer", "refit"), itertools.pairwise(marks), strict=True)
         seconds.update({name: end - start for name, (start, end) in spans})
-        async with self._advanced:  # the worker serves ``step`` now: held rollouts may start
-            self.feed.policy_version = step
-            self._advanced.notify_all()
+        await advance(self.feed, self.gate, step)  # the worker serves ``step`` now
         await self.feed.ack(batch)
         record = TrainStep(
             step=step,
@@ -215,6 +201,45 @@ class ClosedLoop:
         )
         self.steps.append(record)
         return record
+
+
+class VersionGate:
+    """Paced generation (``stages.trainer.pacing``): ``pace(index)`` returns once the
+    ``index``-th rollout may start at the feed's policy version; ``advance`` wakes it."""
+
+    def __init__(self, feed: TrainerFeed, *, max_staleness: int, rollouts_per_step: int) -> None:
+        self.feed = feed
+        self.max_staleness = max_staleness
+        self.rollouts_per_step = rollouts_per_step
+        self.waits = 0
+        """Rollouts that waited for the policy version before they started."""
+        self.advanced = asyncio.Condition()
+
+    async def pace(self, index: int) -> None:
+        def allowed() -> bool:
+            return admissible(
+                index,
+                self.feed.policy_version,
+                max_staleness=self.max_staleness,
+                rollouts_per_step=self.rollouts_per_step,
+            )
+
+        if allowed():
+            return
+        self.waits += 1
+        self.feed.metrics.paced.inc()
+        async with self.advanced:
+            await self.advanced.wait_for(allowed)
+
+
+async def advance(feed: TrainerFeed, gate: VersionGate | None, version: int) -> None:
+    """Move the feed's policy version (the workers serve ``version`` now), waking held rollouts."""
+    if gate is None:
+        feed.policy_version = version
+        return
+    async with gate.advanced:
+        feed.policy_version = version
+        gate.advanced.notify_all()
 
 
 async def refit(

@@ -35,7 +35,9 @@ import torch
 from pipeline.trainer.recompute import measure
 from pipeline.trainer.shapes import split
 from pipeline.trainer.steplog import StepWriter
-from stages.trainer.batch import TrainBatch, span_end_rewards
+from pipeline.trainer.trl_fields import OPTIONS, SAMPLE_KEY_FIELD, SAMPLING_FIELD
+from stages.trainer.batch import TokenLayout, TrainBatch, span_end_rewards, unreplayable_spans
+from stages.trainer.settings import TrainerDtype
 from topics.records import TrainingSample
 
 log = logging.getLogger(__name__)
@@ -57,14 +59,34 @@ def environment_reward(
     return rewards
 
 
-def rollout_fields(groups: Sequence[Sequence[TrainingSample | None]]) -> tuple[dict[str, list[Any]], int]:
-    """TRL's ``rollout_func`` output for groups of samples (None: a rejected member), and
-    how many rejected members were filled in (see the module's docstring)."""
+@dataclass(frozen=True, slots=True)
+class Rollouts:
+    """TRL's ``rollout_func`` output for groups of samples, and what was done to fit them."""
+
+    fields: dict[str, list[Any]]
+    filled: int
+    """Rejected members filled in with a sibling's tokens (see the module's docstring)."""
+    unreplayable_masked_tokens: int
+    """Generated tokens of calls with options no trainer can replay, masked from TRL's loss."""
+
+
+def rollout_fields(groups: Sequence[Sequence[TrainingSample | None]]) -> Rollouts:
+    """TRL's ``rollout_func`` output for groups of samples (None: a rejected member), each
+    completion with its calls' sampling options per token (``SAMPLING_FIELD``)."""
     out: dict[str, list[Any]] = {
         name: []
-        for name in ("prompt_ids", "completion_ids", "logprobs", "env_mask", REWARD_FIELD, CALL_REWARDS_FIELD)
+        for name in (
+            "prompt_ids",
+            "completion_ids",
+            "logprobs",
+            "env_mask",
+            REWARD_FIELD,
+            CALL_REWARDS_FIELD,
+            SAMPLING_FIELD,
+            SAMPLE_KEY_FIELD,
+        )
     }
-    filled = 0
+    filled = masked = 0
     for group in groups:
         accepted = [s for s in group if s is not None]
         if not accepted:
@@ -72,22 +94,37 @@ def rollout_fields(groups: Sequence[Sequence[TrainingSample | None]]) -> tuple[d
         known = [s.reward for s in accepted if s.reward is not None]
         mean = sum(known) / len(known) if known else 0.0
         for sample in group:
-            part = split(sample or accepted[0])
+            source = sample or accepted[0]
+            part = split(source)
+            cut = len(part.prompt_ids)
             per_token = [0.0] * len(part.response_ids)
             for position, reward in span_end_rewards(sample) if sample is not None else []:
-                per_token[position - len(part.prompt_ids)] = reward
+                per_token[position - cut] = reward
             out[CALL_REWARDS_FIELD].append(per_token)
             out["prompt_ids"].append(part.prompt_ids)
             out["completion_ids"].append(part.response_ids)
             out["logprobs"].append(part.response_logprobs)
+            out[SAMPLING_FIELD].append(completion_sampling(source, cut))
+            out[SAMPLE_KEY_FIELD].append(source.key)
             if sample is None:
                 filled += 1
                 out["env_mask"].append([0] * len(part.response_mask))
                 out[REWARD_FIELD].append(mean)
-            else:
-                out["env_mask"].append(part.response_mask)
-                out[REWARD_FIELD].append(sample.reward if sample.reward is not None else mean)
-    return out, filled
+                continue
+            mask = list(part.response_mask)
+            for begin, end in unreplayable_spans(sample):
+                masked += sum(mask[begin - cut : end - cut])
+                mask[begin - cut : end - cut] = [0] * (end - begin)
+            out["env_mask"].append(mask)
+            out[REWARD_FIELD].append(sample.reward if sample.reward is not None else mean)
+    return Rollouts(out, filled, masked)
+
+
+def completion_sampling(sample: TrainingSample, cut: int) -> dict[str, list[float]]:
+    """The replayed options of each token after ``cut`` (``stages.trainer.batch.TokenLayout``)."""
+    layout = TokenLayout.empty(1, len(sample.token_ids))
+    layout.fill(0, sample)
+    return {name: getattr(layout, name)[0, cut:].tolist() for name in OPTIONS}
 
 
 def prompt_key(prompt: Messages) -> str:
@@ -118,8 +155,18 @@ class TrlStep:
     seconds: dict[str, float]
     """Where the step's time went: ``rollout`` (playing its groups), ``wait`` (until they
     were finalized and archived), ``optimizer`` (TRL's forward, backward and step), ``refit``."""
+    unreplayable_masked_tokens: int = 0
+    """Generated tokens of calls with unreplayable options, masked from TRL's loss."""
+    staleness_max: int | None = None
+    """The most versions any of the step's samples was behind, by the feed's measure."""
+    stale_dropped: int = 0
+    """Samples the feed's staleness policy dropped from the step's batch."""
     loss: float | None = None
     """TRL's own loss of the step, as it logged it."""
+    trl: dict[str, float] | None = None
+    """Everything TRL logged for the step: its loss, its importance ratio against the captured
+    logprobs (``sampling/importance_sampling_ratio/*``, ``sampling/sampling_logp_difference/*``),
+    its clip fractions (``clip_ratio/*``), entropy, reward statistics."""
     mismatch: dict[str, Any] | None = None
     """The batch's mismatch report under TRL's weights before the step (``stages.trainer.mismatch``)."""
 
@@ -130,30 +177,29 @@ class TrlStep:
 class TrlBridge:
     """Everything TRL's thread needs from the run: play groups, take their verified samples,
     refit the worker, acknowledge. ``play`` plays the tasks of the given prompts (one group
-    each) and returns once they are sealed; ``next_batch`` returns their groups, verified;
-    ``refit`` loads a saved checkpoint into the worker as a weight version; ``ack`` forgets
-    a batch; ``policy_version`` is read and set through ``version``."""
+    each; paced, they are already playing) and returns their group ids; ``next_batch``
+    returns those groups, verified and archived; ``refit`` loads a saved checkpoint into the
+    worker as a weight version and only then moves the policy version ``version`` reads;
+    ``ack`` forgets a batch."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         *,
         play: Callable[[list[Messages]], Coroutine[Any, Any, list[str]]],
-        next_batch: Callable[[], Coroutine[Any, Any, TrainBatch]],
+        next_batch: Callable[[list[str]], Coroutine[Any, Any, TrainBatch]],
         refit: Callable[[Path, int], Coroutine[Any, Any, None]],
         ack: Callable[[TrainBatch], Coroutine[Any, Any, None]],
-        version: Callable[[int | None], int],
+        version: Callable[[], int],
         weights_dir: Path,
-        temperature: float,
         step_writer: StepWriter | None = None,
     ) -> None:
         """``step_writer``: where each step's report and logprobs are kept (the inspector's)."""
         self.loop = loop
         self.step_writer = step_writer
         self._play, self._next_batch, self._refit, self._ack = play, next_batch, refit, ack
-        self._version = version
+        self.version = version
         self.weights_dir = weights_dir
-        self.temperature = temperature or 1.0
         self.steps: list[TrlStep] = []
         self._pending: TrainBatch | None = None
         self._seconds: dict[str, float] = {}
@@ -171,10 +217,10 @@ class TrlBridge:
         for group_id in group_ids:
             members = sorted(by_group[group_id].members, key=lambda m: m.event.rollout_id)
             groups.append([m.samples[0] if m.samples else None for m in members])
-        out, filled = rollout_fields(groups)
+        rollouts = rollout_fields(groups)
         samples = [s for group in groups for s in group if s is not None]
         rewards = [s.reward for s in samples if s.reward is not None and not math.isnan(s.reward)]
-        version = self._version(None)
+        version = self.version()
         mismatch, logprobs = measure(trainer.model, batch, policy_version=version)
         if self.step_writer is not None:
             self.step_writer.write(len(self.steps) + 1, version, mismatch, logprobs)
@@ -183,27 +229,31 @@ class TrlBridge:
                 step=len(self.steps) + 1,
                 weight_version=version,
                 samples=len(samples),
-                rejected_filled=filled,
+                rejected_filled=rollouts.filled,
                 reward_mean=sum(rewards) / len(rewards) if rewards else None,
                 ratio_max_abs_dev=mismatch["max_abs_dev"] or 0.0,
                 seconds=self._seconds,
+                unreplayable_masked_tokens=rollouts.unreplayable_masked_tokens,
+                staleness_max=int(batch.staleness.max()) if len(batch) else None,
+                stale_dropped=len(batch.stale),
                 mismatch=mismatch,
             )
         )
         self._pending = batch
         self._handed_over = time.monotonic()
-        return out
+        return rollouts.fields
 
     async def _play_and_collect(self, prompts: list[Messages]) -> tuple[list[str], TrainBatch]:
         began = time.monotonic()
         group_ids = await self._play(prompts)
         played = time.monotonic()
-        batch = await self._next_batch()
+        batch = await self._next_batch(group_ids)
         self._seconds = {"rollout": round(played - began, 3), "wait": round(time.monotonic() - played, 3)}
         return group_ids, batch
 
     def after_step(self, model: Any, step: int) -> None:
-        """Save TRL's weights, refit the worker to them as version ``step``, then acknowledge."""
+        """Save TRL's weights, refit the worker to them as version ``step`` (which moves the
+        policy version), then acknowledge."""
         stepped = time.monotonic()
         path = self.weights_dir / f"step-{step}"
         model.save_pretrained(str(path))
@@ -211,41 +261,48 @@ class TrlBridge:
         if self.steps:
             self.steps[-1].seconds["optimizer"] = round(stepped - self._handed_over, 3)
             self.steps[-1].seconds["refit"] = round(time.monotonic() - stepped, 3)
-        self._version(step)
         if self._pending is not None:
             self._on_loop(self._ack(self._pending))
             self._pending = None
 
     def logged(self, logs: dict[str, Any]) -> None:
-        if "loss" in logs and self.steps and self.steps[-1].loss is None:
+        """TRL's log of a step (``logging_steps`` 1: one per step) goes on that step."""
+        if "loss" in logs and self.steps and self.steps[-1].trl is None:
             self.steps[-1].loss = float(logs["loss"])
+            self.steps[-1].trl = {
+                name: float(value) for name, value in logs.items() if isinstance(value, int | float)
+            }
 
 
-def train(
-    bridge: TrlBridge,
+IMPORTANCE_SAMPLING_MODE = "token_truncate"
+"""TRL's importance correction against the captured logprobs: each token's ratio
+``exp(trainer - behaviour)`` weighs its loss, capped (truncated importance sampling)."""
+IMPORTANCE_SAMPLING_CAP = 2.0
+"""The cap, the mismatch report's ``tis_cap`` (``stages.trainer.mismatch.Bounds``)."""
+
+
+def grpo_trainer(
     model_dir: Path,
     prompts: Sequence[Messages],
     *,
+    rollout_func: Callable[[list[Any], Any], dict[str, Any]],
+    serving: Callable[[], int],
+    callbacks: Sequence[Any] = (),
     group_size: int,
     groups_per_step: int,
     steps: int,
     learning_rate: float,
     output_dir: Path,
     seed: int,
-) -> None:
-    """Run TRL's ``GRPOTrainer`` for ``steps`` optimizer steps over ``prompts`` in order (in
-    TRL's training thread: call it with ``asyncio.to_thread``)."""
+    dtype: TrainerDtype = "float32",
+) -> Any:
+    """TRL's ``GRPOTrainer`` replaying each call's sampling (``trl_replay``) over ``prompts``
+    in order, one generation per optimizer step, ``beta`` 0, its importance correction on."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl.trainer.grpo_config import GRPOConfig
-    from trl.trainer.grpo_trainer import GRPOTrainer
 
-    class Sync(TrainerCallback):
-        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            bridge.after_step(model, state.global_step)
-
-        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
-            bridge.logged(logs or {})
+    from pipeline.trainer.trl_replay import ReplayingGRPOTrainer
 
     config = GRPOConfig(
         output_dir=str(output_dir),
@@ -255,7 +312,6 @@ def train(
         steps_per_generation=1,
         max_steps=steps,
         learning_rate=learning_rate,
-        temperature=bridge.temperature,
         beta=0.0,
         shuffle_dataset=False,
         max_completion_length=None,
@@ -263,33 +319,64 @@ def train(
         save_strategy="no",
         report_to=[],
         use_cpu=True,
-        bf16=False,  # TRL's default; fp32 recomputes exactly the logprobs the worker sampled with
+        bf16=False,  # no autocast: the weights' own dtype is the trainer's precision
         disable_tqdm=True,
         seed=seed,
         dataloader_num_workers=0,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=IMPORTANCE_SAMPLING_MODE,
+        vllm_importance_sampling_clip_max=IMPORTANCE_SAMPLING_CAP,
     )
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    trainer = GRPOTrainer(
+    trainer = ReplayingGRPOTrainer(
         model=model,
         reward_funcs=[environment_reward],
         args=config,
         train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
         processing_class=tokenizer,
-        rollout_func=bridge.rollout_func,
-        callbacks=[Sync()],
+        rollout_func=rollout_func,
+        callbacks=list(callbacks),
+        serving=serving,
     )
     trainer.remove_callback(PrinterCallback)  # the run reports the steps; its stdout is its JSON
+    return trainer
+
+
+def train(bridge: TrlBridge, model_dir: Path, prompts: Sequence[Messages], **settings: Any) -> None:
+    """Run TRL's trainer (``grpo_trainer``, ``settings`` its keywords) for its steps, each
+    step's weights refit to the worker (in TRL's training thread: call it with
+    ``asyncio.to_thread``)."""
+    from transformers import TrainerCallback
+
+    class Sync(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            bridge.after_step(model, state.global_step)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            bridge.logged(logs or {})
+
+    trainer = grpo_trainer(
+        model_dir,
+        prompts,
+        rollout_func=bridge.rollout_func,
+        serving=bridge.version,
+        callbacks=[Sync()],
+        **settings,
+    )
     trainer.train()
 
 
 __all__ = [
     "CALL_REWARDS_FIELD",
     "REWARD_FIELD",
+    "Rollouts",
     "TrlBridge",
     "TrlStep",
+    "completion_sampling",
     "distinct_in_order",
     "environment_reward",
+    "grpo_trainer",
     "rollout_fields",
     "train",
 ]

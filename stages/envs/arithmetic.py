@@ -18,7 +18,9 @@ import random
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from stages.envs.digits import digit_share
 
 PARTIAL_CREDIT = 0.1
 """The most a final answer that states a wrong number earns (less the farther off it is)."""
@@ -37,6 +39,9 @@ CALCULATOR_TOOL: dict[str, Any] = {
     },
 }
 NUDGE = "Please use the calculator tool, then give the final number."
+RewardKind = Literal["answer", "digits"]
+"""How an episode is scored: its final answer (partial credit for a wrong number), or the
+share of digits in its replies (``stages.envs.digits``: dense, for showing that a loop learns)."""
 
 _OPERATORS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -80,6 +85,7 @@ def _eval(node: ast.AST) -> float:
 class Task:
     task_id: str
     expression: str
+    reward: RewardKind = "answer"
 
     @property
     def answer(self) -> float:
@@ -130,13 +136,13 @@ def read_tasks(lines: Iterable[str], source: str = "tasks") -> list[Task]:
     return tasks
 
 
-def make_tasks(count: int, seed: int = 0) -> list[Task]:
+def make_tasks(count: int, seed: int = 0, reward: RewardKind = "answer") -> list[Task]:
     rng = random.Random(seed)
     tasks = []
     for i in range(count):
         a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 9)
         op1, op2 = rng.choice("+-*"), rng.choice("+-*")
-        tasks.append(Task(f"t{seed}-{i}", f"({a} {op1} {b}) {op2} {c}"))
+        tasks.append(Task(f"t{seed}-{i}", f"({a} {op1} {b}) {op2} {c}", reward))
     return tasks
 
 
@@ -165,7 +171,7 @@ class Episode:
                 self.messages.append(
                     {"role": "tool", "tool_call_id": call.get("id", ""), "content": _run_tool(call)}
                 )
-        elif self._correct(assistant.get("content") or ""):
+        elif self.task.reward == "digits" or self._correct(assistant.get("content") or ""):
             self.done = True
         else:
             self.messages.append({"role": "user", "content": NUDGE})
@@ -174,6 +180,8 @@ class Episode:
 
     def reward(self) -> float:
         finals = [m for m in self.messages if m["role"] == "assistant"]
+        if self.task.reward == "digits":
+            return digit_share(m.get("content") or "" for m in finals)
         text = finals[-1].get("content") or "" if finals else ""
         if self._correct(text):
             return 1.0

@@ -244,6 +244,16 @@ def span_end_rewards(sample: TrainingSample) -> list[tuple[int, float]]:
     ]
 
 
+def unreplayable_spans(sample: TrainingSample) -> list[tuple[int, int]]:
+    """``[begin, end)`` of the generated tokens of every call that applied an option no
+    trainer can replay (§4.7): a trainer that masks them trains only what it can correct."""
+    return [
+        (span.start + span.carry_len, span.start + span.carry_len + span.gen_len)
+        for span in sample.spans
+        if span.sampling is not None and span.sampling.unreplayable
+    ]
+
+
 def _reward(sample: TrainingSample) -> float:
     return math.nan if sample.reward is None else sample.reward
 
@@ -258,4 +268,5 @@ __all__ = [  # the policy lives in its torch-free module; importable here as it 
     "audit_batch",
     "build_batch",
     "span_end_rewards",
+    "unreplayable_spans",
 ]

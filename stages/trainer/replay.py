@@ -34,6 +34,8 @@ class Replayed:
     """``[N]``: log of the mass the filtering kept, of the temperature-scaled distribution (0: none)."""
     rank: torch.Tensor
     """``[N]`` int64: 1 + the number of tokens more likely than the taken one (vLLM counts ties too)."""
+    entropy: torch.Tensor
+    """``[N]``: the processed distribution's entropy (TRL's entropy metric and mask read it)."""
 
 
 def replay(
@@ -64,7 +66,8 @@ def replay(
     log_kept = torch.logsumexp(filtered, dim=-1) - torch.logsumexp(scaled, dim=-1)
     with torch.no_grad():
         rank = (processed >= processed.gather(-1, index)).sum(-1)
-    return Replayed(chosen, log_kept.detach(), rank)
+    entropy = -(processed.exp() * processed.masked_fill(~keep, 0.0)).sum(-1)
+    return Replayed(chosen, log_kept.detach(), rank, entropy)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -91,3 +91,12 @@ def test_tasks_are_read_from_json_lines_and_each_bad_line_is_named() -> None:
         read_tasks(['{"task_id": "a", "expression": "1"}', '{"task_id": "a", "expression": "2"}'])
     with pytest.raises(TaskFileError, match="no task"):
         read_tasks([""])
+
+
+def test_the_digits_reward_is_the_share_of_digits_in_the_replies_and_ends_at_the_first() -> None:
+    episode = Episode(Task("t", "1 + 1", reward="digits"), max_turns=3)
+    episode.step({"role": "assistant", "content": "ab 12"})
+    assert episode.done  # no nudge: every reply is scored as it stands
+    assert episode.reward() == pytest.approx(0.5)  # blanks do not count
+    assert Episode(Task("t", "1 + 1", reward="digits"), max_turns=1).reward() == 0.0
+    assert {task.reward for task in make_tasks(3, seed=0, reward="digits")} == {"digits"}

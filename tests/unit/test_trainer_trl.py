@@ -16,8 +16,9 @@ from pipeline.trainer.trl import (
 
 
 def test_each_member_is_one_completion_with_its_mask_logprobs_and_reward() -> None:
-    out, filled = rollout_fields([[two_calls("r1", 1.0), two_calls("r2", 0.0)]])
-    assert filled == 0
+    rollouts = rollout_fields([[two_calls("r1", 1.0), two_calls("r2", 0.0)]])
+    out = rollouts.fields
+    assert rollouts.filled == 0 and rollouts.unreplayable_masked_tokens == 0
     assert out["prompt_ids"] == [PROMPT, PROMPT]
     assert out["completion_ids"] == [FIRST + TOOL + SECOND] * 2
     assert out["env_mask"] == [[1, 1, 0, 0, 1, 1]] * 2
@@ -26,8 +27,9 @@ def test_each_member_is_one_completion_with_its_mask_logprobs_and_reward() -> No
 
 
 def test_a_rejected_member_trains_nothing_and_leaves_the_group_mean() -> None:
-    out, filled = rollout_fields([[two_calls("r1", 1.0), None, two_calls("r3", 0.5)]])
-    assert filled == 1
+    rollouts = rollout_fields([[two_calls("r1", 1.0), None, two_calls("r3", 0.5)]])
+    out = rollouts.fields
+    assert rollouts.filled == 1
     assert out["env_mask"][1] == [0] * 6  # no gradient from it
     assert out[REWARD_FIELD] == [1.0, 0.75, 0.5]  # its reward is the accepted members' mean
     with pytest.raises(ValueError, match="no member"):
@@ -48,5 +50,5 @@ def test_per_call_rewards_sit_on_the_last_token_of_each_call_in_the_completion()
     rewarded = sample.model_copy(
         update={"spans": [sample.spans[0].model_copy(update={"reward": 0.2}), sample.spans[1]]}
     )
-    out, _ = rollout_fields([[rewarded, two_calls("r2", 0.0)]])
+    out = rollout_fields([[rewarded, two_calls("r2", 0.0)]]).fields
     assert out[CALL_REWARDS_FIELD] == [[0.0, 0.2, 0.0, 0.0, 0.0, 0.0], [0.0] * 6]
