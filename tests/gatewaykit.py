@@ -6,10 +6,11 @@ rollout session hands out, as an unmodified agent would.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -18,7 +19,10 @@ from enginekit import Rig
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.gateway.main import Gateway, GatewayConfig, gateway
 from pipeline.worker.main import WorkerServer
+from topics.records import FinalizedEvent, TrainingSample
 from topics.wire import COORDS_FIELD
+
+Played = TypeVar("Played")
 
 CREDENTIALS = Credentials(
     {role: secrets.token_urlsafe(32) for role in (Role.ENVIRONMENT, Role.OPERATOR)},
@@ -96,3 +100,21 @@ def serve_gateway(rig: Rig, **config: Any) -> Iterator[Served]:
 def clean(extra: dict[str, Any] | None) -> None:
     """Nothing of the capture reached the agent."""
     assert not extra or COORDS_FIELD not in extra, extra
+
+
+def sealed_session(
+    rig: Rig, agent: Callable[[dict[str, Any]], Played], *, one_chain: bool = True, **session: Any
+) -> tuple[Played, FinalizedEvent, TrainingSample | None]:
+    """One rollout through a gateway: a session opened (``session``: its body), ``agent``
+    given only what it hands out, the calls checked to form one chain (``one_chain``), the
+    session sealed with reward 1 by the environment, then the ledger and the finalizer run.
+    Returns what the agent returned, the outcome and the rollout's first sample."""
+    with contextlib.contextmanager(serve_gateway)(rig) as served:
+        opened = served.session(**session)
+        played = agent(opened)
+        calls = served.calls(opened["rollout_id"])
+        if one_chain:
+            assert [c["parent_call_id"] for c in calls] == [None, *(c["call_id"] for c in calls[:-1])]
+        assert served.seal(opened["rollout_id"], {"reward": 1.0}).status_code == 200
+        event, sample = rig.finalize(opened["rollout_id"], sealed=True)
+    return played, event, sample

@@ -76,7 +76,7 @@ from pipeline.run.services import (
     stage_children,
     start_engine,
 )
-from pipeline.run.training import WEIGHTS_DIR, ClosedLoop, VersionGate, advance, refit
+from pipeline.run.training import WEIGHTS_DIR, ClosedLoop, advance, refit
 from pipeline.samples.archive import SampleArchive, archive_path, read_archive
 from pipeline.samples.drift import Drift, drift_of, model_tokenizer
 from pipeline.stagehost.lag import StageLagProbe
@@ -185,8 +185,6 @@ class Run:
         self.journal: RunJournal | None = None
         self.training: ClosedLoop | None = None
         self.trl: TrlBridge | None = None
-        self.trl_gate: VersionGate | None = None
-        """``--trainer trl --max-staleness``: what holds rollouts back."""
         self._feed: TrainerFeed | None = None
         self._archived_expected = 0
         self.samples_left: int | None = None
@@ -546,8 +544,7 @@ class Run:
 
     async def _train_trl(self, player: Player, client: SealTrackingClient) -> None:
         """``--trainer trl``: TRL's GRPOTrainer asks for each step's groups by prompt; each is
-        played (or, with ``--max-staleness``, already playing, paced), verified and archived,
-        and TRL's weights refit the worker after every step."""
+        played, verified and archived, and TRL's weights refit the worker after every step."""
         assert self._feed is not None and self._plane is not None and self.worker_url is not None
         config, feed, worker_url = self.config, self._feed, self.worker_url
         size = config.group_size
@@ -556,36 +553,18 @@ class Run:
         for group in planned:
             unplayed[prompt_key(group[0].task.prompt())].append(group)
         operator = self.credentials.authorization(Role.OPERATOR)
-        generation: asyncio.Task[None] | None = None
-        if config.max_staleness is not None:
-            self.trl_gate = VersionGate(
-                feed, max_staleness=config.max_staleness, rollouts_per_step=config.rollouts
-            )
-            generation = asyncio.create_task(
-                play_jobs(player, client, self.jobs, config.concurrency, pace=self.trl_gate.pace),
-                name="paced-generation",
-            )
 
         async def play(prompts: list[list[dict[str, Any]]]) -> list[str]:
             groups = [unplayed[prompt_key(prompt)].popleft() for prompt in prompts]
             self.progress.enter(
                 f"train step {len(self.trl.steps) + 1 if self.trl else 1}/{config.train_steps}"
             )
-            if generation is None:
-                await play_jobs(
-                    player, client, [job for group in groups for job in group], config.concurrency
-                )
+            await play_jobs(player, client, [job for group in groups for job in group], config.concurrency)
             return [group[0].group_id for group in groups]
 
         async def next_batch(group_ids: list[str]) -> TrainBatch:
-            taking = asyncio.ensure_future(feed.next_batch(group_ids))
-            if generation is not None and not generation.done():
-                await asyncio.wait({taking, generation}, return_when=asyncio.FIRST_COMPLETED)
-                if generation.done() and not generation.cancelled() and generation.exception():
-                    taking.cancel()
-                    generation.result()  # the rollouts failed: so does the step
             try:
-                batch = await asyncio.wait_for(taking, config.finalize_timeout_s)
+                batch = await asyncio.wait_for(feed.next_batch(group_ids), config.finalize_timeout_s)
             except TimeoutError:
                 raise TimeoutError(
                     f"rollouts not finalized within {config.finalize_timeout_s:.0f}s"
@@ -595,7 +574,7 @@ class Run:
 
         async def refit_to(path: Path, version: int) -> None:
             await refit(worker_url, path, version=version, headers=operator)
-            await advance(feed, self.trl_gate, version)
+            await advance(feed, None, version)
 
         self.trl = TrlBridge(
             asyncio.get_running_loop(),
@@ -607,27 +586,19 @@ class Run:
             weights_dir=config.data_dir / WEIGHTS_DIR,
             step_writer=StepWriter(config.data_dir, self.run_id, "trl"),
         )
-        try:
-            await asyncio.to_thread(
-                train_with_trl,
-                self.trl,
-                self.model_dir,
-                [group[0].task.prompt() for group in planned],
-                group_size=size,
-                groups_per_step=config.rollouts // size,
-                steps=config.train_steps,
-                learning_rate=config.learning_rate,
-                output_dir=config.data_dir / TRL_DIR,
-                seed=config.seed,
-                dtype=config.trainer_dtype,
-            )
-            if generation is not None:
-                await generation
-        finally:
-            if generation is not None and not generation.done():
-                generation.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await generation
+        await asyncio.to_thread(
+            train_with_trl,
+            self.trl,
+            self.model_dir,
+            [group[0].task.prompt() for group in planned],
+            group_size=size,
+            groups_per_step=config.rollouts // size,
+            steps=config.train_steps,
+            learning_rate=config.learning_rate,
+            output_dir=config.data_dir / TRL_DIR,
+            seed=config.seed,
+            dtype=config.trainer_dtype,
+        )
         self.samples_left = len(await self._plane.list_keys(SAMPLES_PARTITION))
 
     async def _keep_serving(self) -> None:
@@ -677,7 +648,7 @@ class Run:
     def _paced_waits(self) -> int | None:
         """Rollouts held back by the paced loop or a paced gateway; None when nothing paced."""
         paced = self.progress.driver.paced
-        gate = self.training.gate if self.training is not None else self.trl_gate
+        gate = self.training.gate if self.training is not None else None
         if gate is not None:
             paced += gate.waits
         elif not paced:

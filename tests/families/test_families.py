@@ -41,7 +41,7 @@ from familykit import (
     play,
     send,
 )
-from gatewaykit import agent_of, clean, serve_gateway
+from gatewaykit import agent_of, clean, sealed_session, serve_gateway
 
 from pipeline.models.tiny import family
 from topics.records import FinalizedEvent, StagedEvent, TrainingSample
@@ -113,23 +113,20 @@ def gateway_episode(
     engine: FamilyEngine, route: str, stream: bool, extra: dict[str, Any]
 ) -> tuple[Rig, FinalizedEvent, TrainingSample | None]:
     """Five calls from an unmodified SDK agent through the gateway (``extra`` in each body)."""
+
+    def agent(opened: dict[str, Any]) -> None:
+        messages = anthropic.Anthropic(
+            base_url=opened["anthropic_base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
+        )
+        replies = play(
+            route, stream, lambda _: dict(extra), openai_client=agent_of(opened), anthropic_client=messages
+        )
+        for reply in replies:
+            clean(reply.extra)
+
     rig = start_rig(engine.host, engine.model_dir)
     try:
-        with contextlib.contextmanager(serve_gateway)(rig) as served:
-            opened = served.session()
-            rollout_id = opened["rollout_id"]
-            agent = anthropic.Anthropic(
-                base_url=opened["anthropic_base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
-            )
-            replies = play(
-                route, stream, lambda _: dict(extra), openai_client=agent_of(opened), anthropic_client=agent
-            )
-            for reply in replies:
-                clean(reply.extra)
-            calls = served.calls(rollout_id)
-            assert [c["parent_call_id"] for c in calls] == [None, *(c["call_id"] for c in calls[:-1])]
-            assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
-            event, sample = rig.finalize(rollout_id, sealed=True)
+        _, event, sample = sealed_session(rig, agent)
     finally:
         rig.close()
     return rig, event, sample

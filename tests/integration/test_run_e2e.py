@@ -526,25 +526,21 @@ def test_trl_grpo_trainer_trains_on_the_samples(tmp_path: Path, agent: str) -> N
 
 
 @pytest.mark.timeout(500)
-def test_trl_paced_in_bf16_corrects_what_the_report_shows(tmp_path: Path) -> None:
-    """``--trainer trl --max-staleness 1 --trainer-dtype bfloat16``: TRL's generation runs one
-    version ahead and no further, paced (none dropped), and TRL's own importance ratio
-    against the captured logprobs is off 1 where tokentrail's report is: the largest
-    log-ratio TRL logs is about the report's worst token's (the unit test pins the token)."""
+def test_trl_in_bf16_corrects_what_the_report_shows(tmp_path: Path) -> None:
+    """``--trainer trl --trainer-dtype bfloat16``: TRL's own importance ratio against the
+    captured logprobs is off 1 where tokentrail's report is: the largest log-ratio TRL logs
+    is about the report's worst token's (the unit test pins the token)."""
     data_dir = tmp_path / "tt"
     summary = run_small(
         data_dir,
         tmp_path / "run.log",
-        *("--trainer", "trl", "--train-steps", "3", "--max-staleness", "1", "--trainer-dtype", "bfloat16"),
+        *("--trainer", "trl", "--train-steps", "2", "--trainer-dtype", "bfloat16"),
         *("--learning-rate", "1e-4", "--broker-storage", "memory", "--stages", "inline"),
         *TRUNCATED_FLAGS,
     )
-    assert summary["status"] == "completed" and summary["finalized"] == summary["rollouts"] == 12, summary
+    assert summary["status"] == "completed" and summary["finalized"] == summary["rollouts"] > 0, summary
     steps = summary["train_steps"]
-    assert [step["weight_version"] for step in steps] == [0, 1, 2]
-    assert all(step["stale_dropped"] == 0 and step["staleness_max"] <= 1 for step in steps), steps
-    assert max(step["staleness_max"] for step in steps) == 1, steps  # generation ran ahead
-    assert summary["paced_waits"] > 0, summary  # and was held back
+    assert [step["weight_version"] for step in steps] == [0, 1]
     for step in steps:  # a small learning rate: bf16 Adam at TRL's usual rates diverges the tiny model
         trl, mismatch = step["trl"], check_mismatch(step)
         assert abs(trl["sampling/importance_sampling_ratio/max"] - 1) > 1e-3, trl

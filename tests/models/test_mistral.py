@@ -8,7 +8,6 @@ Hugging Face forward (which needs only ids) to be usable as the oracle.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from enginekit import (
     start_rig,
 )
 from familykit import ADD_SCHEMA, ROUTES, TOOL_REQUEST, TOOL_RESULTS, Extra, Message, Reply, send
-from gatewaykit import agent_of, serve_gateway
+from gatewaykit import agent_of, sealed_session
 from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 from modelkit import ModelReport
 from vocabkit import diverse_strings
@@ -154,7 +153,6 @@ def test_the_splice_counts_closed_assistant_turns(served: Any, tekken_dir: Path)
 TOOL_CALL_ID = "a1b2c3d4e"
 """mistral_common's tool call ids are nine letters or digits."""
 CALLS = 3
-STREAMING = pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 
 
 @pytest.fixture(scope="module")
@@ -273,21 +271,16 @@ def gateway_episode(
     host: EngineHost, tekken_dir: Path, route: str, stream: bool
 ) -> tuple[Rig, list[list[Message]], Any, Any]:
     """The three calls from an unmodified SDK agent through the gateway."""
+
+    def agent(opened: dict[str, Any]) -> list[list[Message]]:
+        messages = anthropic.Anthropic(
+            base_url=opened["anthropic_base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
+        )
+        return episode(route, stream, lambda _: {}, openai_client=agent_of(opened), anthropic_client=messages)
+
     rig = start_rig(host, tekken_dir)
     try:
-        with contextlib.contextmanager(serve_gateway)(rig) as served:
-            opened = served.session()
-            rollout_id = opened["rollout_id"]
-            agent = anthropic.Anthropic(
-                base_url=opened["anthropic_base_url"], api_key=opened["api_key"], max_retries=0, timeout=120
-            )
-            sent = episode(
-                route, stream, lambda _: {}, openai_client=agent_of(opened), anthropic_client=agent
-            )
-            calls = served.calls(rollout_id)
-            assert [c["parent_call_id"] for c in calls] == [None, *(c["call_id"] for c in calls[:-1])]
-            assert served.seal(rollout_id, {"reward": 1.0}).status_code == 200
-            event, sample = rig.finalize(rollout_id, sealed=True)
+        sent, event, sample = sealed_session(rig, agent)
     finally:
         rig.close()
     return rig, sent, event, sample
@@ -298,9 +291,18 @@ EPISODES = {"worker": worker_episode, "gateway": gateway_episode}
 
 @pytest.mark.slow
 @pytest.mark.engine
-@STREAMING
-@pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("where", list(EPISODES))
+@pytest.mark.parametrize(
+    ("where", "route", "stream"),
+    [
+        *((where, route, stream) for where in ("worker",) for route in ROUTES for stream in (False, True)),
+        # Through the gateway: the SDK agents' own clients, plain chat and a streamed protocol.
+        ("gateway", "chat", False),
+        ("gateway", "messages", True),
+    ],
+    ids=lambda value: (
+        {False: "plain", True: "stream"}.get(value, value) if isinstance(value, bool) else value
+    ),
+)
 def test_three_calls_with_a_tool_call_are_one_exact_chain(
     tekken_host: EngineHost,
     tekken_dir: Path,
