@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import pytest
 
 from pipeline.models.tekken import TEKKEN_VOCAB
 from pipeline.models.vocabularies import vocabulary
@@ -39,3 +42,15 @@ class ModelReport:
             name = describe(vocab)
             lines.append(f"| {name} | " + " | ".join(self.cells.get((vocab, c), "-") for c in cells) + " |")
         return "\n".join(lines) + "\n"
+
+
+def played_cells(routes: Sequence[str], gateway: Sequence[tuple[str, bool]]) -> pytest.MarkDecorator:
+    """The cells a model with a test of its own plays: every route at the worker, plain and
+    streamed, and through the gateway the (route, streamed) pairs named."""
+    cells = [("worker", route, stream) for route in routes for stream in (False, True)]
+    cells += [("gateway", route, stream) for route, stream in gateway]
+    return pytest.mark.parametrize(
+        ("where", "route", "stream"),
+        cells,
+        ids=[f"{where}-{route}-{'stream' if stream else 'plain'}" for where, route, stream in cells],
+    )

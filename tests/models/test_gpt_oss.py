@@ -27,7 +27,7 @@ from enginekit import (
 )
 from familykit import as_responses
 from gatewaykit import agent_of, clean, sealed_session
-from modelkit import ModelReport
+from modelkit import ModelReport, played_cells
 
 from pipeline.models.tiny import make_tiny_model
 from pipeline.models.vocabularies import load_tokenizer, vocabulary
@@ -309,18 +309,8 @@ EPISODES = {"worker": worker_episode, "gateway": gateway_episode}
 
 @pytest.mark.slow
 @pytest.mark.engine
-@pytest.mark.parametrize(
-    ("where", "route", "stream"),
-    [
-        *((where, route, stream) for where in ("worker",) for route in ROUTES for stream in (False, True)),
-        # Through the gateway: the SDK agent's own client, plain chat and streamed Responses.
-        ("gateway", "chat", False),
-        ("gateway", "responses", True),
-    ],
-    ids=lambda value: (
-        {False: "plain", True: "stream"}.get(value, value) if isinstance(value, bool) else value
-    ),
-)
+# Through the gateway: the SDK agent's own client, plain chat and streamed Responses.
+@played_cells(ROUTES, [("chat", False), ("responses", True)])
 def test_a_harmony_episode_with_a_tool_call_is_one_exact_chain(
     gpt_oss: GptOssEngine, where: str, route: str, stream: bool, oracle: HFOracle, model_report: ModelReport
 ) -> None:

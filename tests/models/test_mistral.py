@@ -27,7 +27,7 @@ from enginekit import (
 from familykit import ADD_SCHEMA, ROUTES, TOOL_REQUEST, TOOL_RESULTS, Extra, Message, Reply, send
 from gatewaykit import agent_of, sealed_session
 from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
-from modelkit import ModelReport
+from modelkit import ModelReport, played_cells
 from vocabkit import diverse_strings
 
 from pipeline.models.tekken import TEKKEN_FILE, TEKKEN_VOCAB, tekken_source, tekkenizer
@@ -291,18 +291,8 @@ EPISODES = {"worker": worker_episode, "gateway": gateway_episode}
 
 @pytest.mark.slow
 @pytest.mark.engine
-@pytest.mark.parametrize(
-    ("where", "route", "stream"),
-    [
-        *((where, route, stream) for where in ("worker",) for route in ROUTES for stream in (False, True)),
-        # Through the gateway: the SDK agents' own clients, plain chat and a streamed protocol.
-        ("gateway", "chat", False),
-        ("gateway", "messages", True),
-    ],
-    ids=lambda value: (
-        {False: "plain", True: "stream"}.get(value, value) if isinstance(value, bool) else value
-    ),
-)
+# Through the gateway: the SDK agents' own clients, plain chat and a streamed protocol.
+@played_cells(ROUTES, [("chat", False), ("messages", True)])
 def test_three_calls_with_a_tool_call_are_one_exact_chain(
     tekken_host: EngineHost,
     tekken_dir: Path,
