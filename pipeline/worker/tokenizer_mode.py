@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from pipeline.models.tiny import HF_TOKENIZER_FILES
+
 AUTO = "auto"
 MISTRAL = "mistral"
 HF = "hf"
@@ -28,7 +30,6 @@ TOKENIZER_MODES: tuple[str, ...] = (AUTO, MISTRAL)
 """What ``--tokenizer-mode`` accepts."""
 MISTRAL_TOKENIZER_PATTERNS = ("tekken.json", "tokenizer.model.v*")
 """The files vLLM's mistral mode loads through mistral_common."""
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MISTRAL_WEIGHTS_PATTERN = "consolidated*.safetensors"
 
 
