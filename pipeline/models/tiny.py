@@ -460,7 +460,6 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
         else _moe_config(hf, spec, layout)
         if spec.experts
         else hf.LlamaConfig(
-            vocab_size=layout.vocab_size,
             hidden_size=spec.hidden_size,
             intermediate_size=spec.intermediate_size,
             num_hidden_layers=spec.num_hidden_layers,
@@ -469,11 +468,7 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
             head_dim=spec.hidden_size // spec.num_attention_heads,
             max_position_embeddings=spec.max_position_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            tie_word_embeddings=False,
-            bos_token_id=None if layout.family.bos is None else layout.token_ids[layout.family.bos],
-            eos_token_id=layout.token_ids[layout.family.eos],
-            pad_token_id=layout.token_ids[layout.pad],
-            dtype="float32",
+            **_token_fields(layout),
             architectures=["LlamaForCausalLM"],
         )
     )
@@ -498,12 +493,23 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, layout: TokenLayout) -> None
         _drop_empty_tensors(out_dir / "model.safetensors")
 
 
+def _token_fields(layout: TokenLayout) -> dict[str, Any]:
+    """What every network's config takes from the tokenizer: its size and chat token ids, fp32."""
+    return {
+        "vocab_size": layout.vocab_size,
+        "tie_word_embeddings": False,
+        "bos_token_id": None if layout.family.bos is None else layout.token_ids[layout.family.bos],
+        "eos_token_id": layout.token_ids[layout.family.eos],
+        "pad_token_id": layout.token_ids[layout.pad],
+        "dtype": "float32",
+    }
+
+
 def _moe_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
     """Qwen2-MoE (served by vLLM and transformers alike), every layer sparse, no shared expert."""
     if not 1 <= spec.experts_per_token <= spec.experts:
         raise ValueError(f"experts_per_token: must be in 1..{spec.experts}, got {spec.experts_per_token}")
     return hf.Qwen2MoeConfig(
-        vocab_size=layout.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         moe_intermediate_size=spec.moe_intermediate_size,
@@ -519,11 +525,7 @@ def _moe_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
         max_position_embeddings=spec.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         use_sliding_window=False,
-        tie_word_embeddings=False,
-        bos_token_id=None if layout.family.bos is None else layout.token_ids[layout.family.bos],
-        eos_token_id=layout.token_ids[layout.family.eos],
-        pad_token_id=layout.token_ids[layout.pad],
-        dtype="float32",
+        **_token_fields(layout),
         architectures=["Qwen2MoeForCausalLM"],
     )
 
@@ -537,7 +539,6 @@ def _gpt_oss_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
     layers and YaRN rotary as the released models have them (vLLM's gpt-oss reads YaRN's
     parameters unconditionally)."""
     return hf.GptOssConfig(
-        vocab_size=layout.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.moe_intermediate_size,
         num_local_experts=spec.experts,
@@ -557,11 +558,7 @@ def _gpt_oss_config(hf: Any, spec: TinyModelSpec, layout: TokenLayout) -> Any:
             "truncate": False,
             "original_max_position_embeddings": _YARN_ORIGINAL_POSITIONS,
         },
-        tie_word_embeddings=False,
-        bos_token_id=None if layout.family.bos is None else layout.token_ids[layout.family.bos],
-        eos_token_id=layout.token_ids[layout.family.eos],
-        pad_token_id=layout.token_ids[layout.pad],
-        dtype="float32",
+        **_token_fields(layout),
         architectures=["GptOssForCausalLM"],
     )
 
