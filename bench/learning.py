@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import plots
 from bench.command import Benchmark, Option, Quick, names
 from bench.common import machine, versions
 
@@ -92,29 +93,8 @@ def run(config: LearningConfig, plot: str | None = None) -> dict[str, Any]:
         "curves": curves,
     }
     if plot:
-        report["plot"] = str(draw(curves, Path(plot)))
+        report["plot"] = str(plots.learning_curves(curves, plot))
     return report
-
-
-def draw(curves: list[dict[str, Any]], path: Path) -> Path:
-    """Mean reward per step, one line per trainer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for row in curves:
-        ax.plot(range(1, len(row["rewards"]) + 1), row["rewards"], marker="o", label=row["trainer"])
-    ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward (share of digits)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def render(report: dict[str, Any]) -> str:

@@ -1,9 +1,10 @@
 """Plots for ``bench/RESULTS.md``: engine throughput vs data-plane delay, latency CDFs,
-capture's CPU per call by process, the pipeline's CPU per call by process across runs.
+capture's CPU per call by process, the pipeline's CPU per call by process across runs,
+the learning curves.
 
 matplotlib with the Agg backend (no display); imported only when a plot is asked for.
-No benchmark (it measures nothing): ``bench engine``, ``bench pipeline`` and ``bench vllm``
-call its functions for their ``--plot``. The pipeline chart compares reports saved by
+No benchmark (it measures nothing): ``bench engine``, ``bench pipeline``, ``bench vllm`` and
+``bench learning`` call its functions for their ``--plot``. The pipeline chart compares reports saved by
 separate runs (say, two commits measured alternately), which no one run of a benchmark
 holds, so it keeps a command line of its own (argparse) to draw them:
 
@@ -163,6 +164,21 @@ def pipeline_cpu_per_call(reports: Mapping[str, Sequence[dict[str, Any]]], path:
     ax.set_title("Pipeline CPU per call by process")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize="small")
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def learning_curves(curves: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """``bench learning``: mean reward per training step, one line per trainer."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for row in curves:
+        ax.plot(range(1, len(row["rewards"]) + 1), row["rewards"], marker="o", label=row["trainer"])
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward (share of digits)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
     fig.tight_layout()
     return _save(fig, plt, path)
 
