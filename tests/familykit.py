@@ -19,12 +19,12 @@ from typing import Any
 
 import anthropic
 import openai
-from enginekit import EngineHost
+from enginekit import EngineHost, Rig
 
 from pipeline.models.tiny import make_tiny_model
 from stages.capture.vllm.engine import EngineSettings
 from topics.records import CommitCoords
-from topics.wire import COORDS_FIELD
+from topics.wire import CAPTURE_FIELD, COORDS_FIELD
 
 ROUTES = ("chat", "responses", "messages")
 MAX_TOKENS = 6
@@ -93,6 +93,25 @@ def family_engine_in(root: Path, family: str) -> Iterator[FamilyEngine]:
         yield FamilyEngine(family, model_dir, host)
     finally:
         host.close()
+
+
+def admitting(rig: Rig, rollout_id: str, **extra: Any) -> Extra:
+    """What a driver adds to each call's body: the admission continuing the reply before it
+    (a root for the first), and ``extra``."""
+
+    def admit(previous: Reply | None) -> dict[str, Any]:
+        admission = rig.admit(rollout_id, None if previous is None else previous.coords())
+        return {CAPTURE_FIELD: admission.model_dump(mode="json"), **extra}
+
+    return admit
+
+
+def worker_clients(url: str) -> dict[str, Any]:
+    """The official SDKs pointed straight at a worker, as a driver speaks to it."""
+    return {
+        "openai_client": openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120),
+        "anthropic_client": anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120),
+    }
 
 
 # ------------------------------------------------------------------ route shapes

@@ -38,8 +38,10 @@ from familykit import (
     FamilyEngine,
     FamilyReport,
     Reply,
+    admitting,
     play,
     send,
+    worker_clients,
 )
 from gatewaykit import agent_of, clean, sealed_session, serve_gateway
 
@@ -86,22 +88,7 @@ def worker_episode(
     rig = start_rig(engine.host, engine.model_dir)
     rollout_id = f"r-{route}-{stream}"
     try:
-
-        def admit(previous: Reply | None) -> dict[str, Any]:
-            admission = rig.admit(rollout_id, None if previous is None else previous.coords())
-            return {CAPTURE_FIELD: admission.model_dump(mode="json"), **extra}
-
-        replies = play(
-            route,
-            stream,
-            admit,
-            openai_client=openai.OpenAI(
-                base_url=f"{rig.url}/v1", api_key="unused", max_retries=0, timeout=120
-            ),
-            anthropic_client=anthropic.Anthropic(
-                base_url=rig.url, api_key="unused", max_retries=0, timeout=120
-            ),
-        )
+        replies = play(route, stream, admitting(rig, rollout_id, **extra), **worker_clients(rig.url))
         assert [reply.coords().disposition for reply in replies] == ["staged"] * CALLS
         event, sample = rig.finalize(rollout_id)
     finally:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import openai
 import pytest
 from enginekit import (
     EngineHost,
@@ -24,7 +23,18 @@ from enginekit import (
     assert_sample_is_what_the_engine_saw,
     start_rig,
 )
-from familykit import ADD_SCHEMA, ROUTES, TOOL_REQUEST, TOOL_RESULTS, Extra, Message, Reply, send
+from familykit import (
+    ADD_SCHEMA,
+    ROUTES,
+    TOOL_REQUEST,
+    TOOL_RESULTS,
+    Extra,
+    Message,
+    Reply,
+    admitting,
+    send,
+    worker_clients,
+)
 from gatewaykit import agent_of, sealed_session
 from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 from modelkit import ModelReport, played_cells
@@ -32,7 +42,6 @@ from vocabkit import diverse_strings
 
 from pipeline.models.tekken import TEKKEN_FILE, TEKKEN_VOCAB, tekken_source, tekkenizer
 from pipeline.models.tiny import make_tiny_model, read_manifest
-from topics.wire import CAPTURE_FIELD
 
 USER = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD_SCHEMA}}]
@@ -245,22 +254,7 @@ def worker_episode(
     rig = start_rig(host, tekken_dir)
     rollout_id = f"r-{route}-{stream}"
     try:
-
-        def admit(previous: Reply | None) -> dict[str, Any]:
-            admission = rig.admit(rollout_id, None if previous is None else previous.coords())
-            return {CAPTURE_FIELD: admission.model_dump(mode="json")}
-
-        sent = episode(
-            route,
-            stream,
-            admit,
-            openai_client=openai.OpenAI(
-                base_url=f"{rig.url}/v1", api_key="unused", max_retries=0, timeout=120
-            ),
-            anthropic_client=anthropic.Anthropic(
-                base_url=rig.url, api_key="unused", max_retries=0, timeout=120
-            ),
-        )
+        sent = episode(route, stream, admitting(rig, rollout_id), **worker_clients(rig.url))
         event, sample = rig.finalize(rollout_id)
     finally:
         rig.close()

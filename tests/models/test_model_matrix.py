@@ -33,7 +33,7 @@ from enginekit import (
     assert_sample_is_what_the_engine_saw,
     start_rig,
 )
-from familykit import CALLS, TOOL_RESULTS, FamilyEngine, Reply, play
+from familykit import CALLS, TOOL_RESULTS, FamilyEngine, Reply, admitting, play, worker_clients
 from frameworkkit import CASES, TOOL_RESULT, Tap, chain_ending
 from gatewaykit import agent_of, clean, sealed_session, serve_gateway
 from modelkit import ModelReport
@@ -89,14 +89,12 @@ def driver_episode(engine: FamilyEngine) -> tuple[Rig, FinalizedEvent]:
     """Five calls spoken to the worker with ``ng_capture``, each continuing the last reply."""
     rig = start_rig(engine.host, engine.model_dir)
     try:
-
-        def admit(previous: Reply | None) -> dict[str, Any]:
-            admission = rig.admit("r-driver", None if previous is None else previous.coords())
-            return {CAPTURE_FIELD: admission.model_dump(mode="json")}
-
-        client = openai.OpenAI(base_url=f"{rig.url}/v1", api_key="unused", max_retries=0, timeout=120)
         replies = play(
-            "chat", False, admit, tool_calls=renders_tool_calls(engine.model_dir), openai_client=client
+            "chat",
+            False,
+            admitting(rig, "r-driver"),
+            tool_calls=renders_tool_calls(engine.model_dir),
+            openai_client=worker_clients(rig.url)["openai_client"],
         )
         assert [reply.coords().disposition for reply in replies] == ["staged"] * CALLS
         event, _ = rig.finalize("r-driver", reward=1.0)
