@@ -1,5 +1,5 @@
 """HTTP shapes every server of the runtime shares: a request error naming its field, and
-error replies in the shape of the API the client speaks.
+OpenAI's error body (each API's own error reply is its protocol's, ``pipeline.api.protocols``).
 
 The worker, the gateway and the route gate all answer in these shapes, so they live
 below all three.
@@ -10,10 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, TypeVar
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
-
-from topics.wire import Dialect
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -56,31 +53,3 @@ def error_body(
 ) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def anthropic_error_body(message: str, *, kind: str = "invalid_request_error") -> dict[str, Any]:
-    """Anthropic's error shape (it has no ``param``: the message names the field)."""
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-_KINDS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "conflict",
-    413: "request_too_large",
-    429: "rate_limit_error",
-}
-
-
-def api_error(
-    dialect: Dialect, status: int, message: str, *, param: str | None = None, kind: str | None = None
-) -> JSONResponse:
-    """An error reply in the shape of the API the client speaks (Anthropic's for Messages)."""
-    if dialect == "messages":
-        return JSONResponse(
-            anthropic_error_body(message, kind=_KINDS.get(status, "api_error")), status_code=status
-        )
-    body = error_body(message, param=param, kind=kind or _KINDS.get(status, "server_error"))
-    return JSONResponse(body, status_code=status)

@@ -20,11 +20,10 @@ from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipeline.api.errors import api_error
+from pipeline.api.protocols import CHAT, Protocol
 from pipeline.auth.audit import Audit
 from pipeline.auth.capability import AgentCapabilities
 from pipeline.auth.credentials import ANONYMOUS, Credentials, Principal, Role
-from topics.wire import Dialect
 
 ROLLOUT_PARAM = "rollout_id"
 OPEN_MODE_ROLES = frozenset({Role.ENVIRONMENT, Role.SERVICE, Role.OPERATOR, Role.CLIENT})
@@ -36,13 +35,13 @@ class Access:
 
     ``Role.AGENT`` means the capability of the rollout named by the route's
     ``rollout_id``. ``action`` names a control action, audited with its outcome;
-    ``dialect`` is the API shape of the route's errors.
+    ``protocol`` is the API whose shape the route's errors take.
     """
 
     roles: frozenset[Role] = frozenset()
     public: bool = False
     action: str | None = None
-    dialect: Dialect = "chat"
+    protocol: Protocol = CHAT
 
 
 PUBLIC = Access(public=True)
@@ -56,10 +55,10 @@ class Refusal:
     message: str
 
 
-def needs(*roles: Role, action: str | None = None, dialect: Dialect = "chat") -> Access:
+def needs(*roles: Role, action: str | None = None, protocol: Protocol = CHAT) -> Access:
     if not roles:
         raise ValueError("roles: a guarded route needs at least one role (or PUBLIC)")
-    return Access(frozenset(roles), action=action, dialect=dialect)
+    return Access(frozenset(roles), action=action, protocol=protocol)
 
 
 def principal_of(request: Request) -> Principal:
@@ -121,13 +120,13 @@ class AuthGate:
         method, url_path = scope["method"], scope["path"]
         if access is None:
             self.audit.refused("no_policy", "-", method, url_path)
-            await api_error("chat", 403, f"{path}: this route has no access policy")(scope, receive, send)
+            await CHAT.error(403, f"{path}: this route has no access policy")(scope, receive, send)
             return
         secret = presented_secret(Headers(scope=scope))
         principal = self._admit(access, secret, params)
         if isinstance(principal, Refusal):
             self.audit.refused(principal.reason, "-" if secret is None else "unknown", method, url_path)
-            await api_error(access.dialect, principal.status, principal.message)(scope, receive, send)
+            await access.protocol.error(principal.status, principal.message)(scope, receive, send)
             return
         scope.setdefault("state", {})["principal"] = principal
         if access.action is None:

@@ -26,14 +26,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.api.errors import InvalidRequest, api_error, parse_body
+from pipeline.api.errors import InvalidRequest, parse_body
+from pipeline.api.protocols import CHAT, PROTOCOLS, Protocol
+from pipeline.api.protocols.turns import MalformedHistory
 from pipeline.auth.audit import Audit
 from pipeline.auth.capability import AgentCapabilities
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs, presented_secret, principal_of
 from pipeline.gateway.calls import Forwarder
+from pipeline.gateway.history import history_of
 from pipeline.gateway.metrics import gateway_registry
-from pipeline.gateway.normalize import MalformedHistory, history_of
 from pipeline.gateway.opening import Opening, opening_of, terms_of
 from pipeline.gateway.pacing import AdmissionPacer, Paced
 from pipeline.gateway.previous import PREVIOUS
@@ -43,20 +45,12 @@ from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render
 from topics.records import IDENT_PATTERN, FiniteFloat, HistoryPolicy, SamplePolicy
-from topics.wire import CAPTURE_FIELD, Dialect
+from topics.wire import CAPTURE_FIELD
 
 log = logging.getLogger(__name__)
 
-SESSION_ERRORS: Dialect = "chat"
+SESSION_ERRORS: Protocol = CHAT
 """The session endpoints answer errors in OpenAI's shape."""
-
-ROUTES: dict[str, Dialect] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/messages": "messages",
-}
-
 
 MODELS = "/v1/models"
 """Model discovery for both SDKs: ``{base_url}/models`` and ``{anthropic_base_url}/v1/models``."""
@@ -72,8 +66,8 @@ def gateway_policy() -> dict[str, Access]:
         "/health": PUBLIC,
         "/metrics": PUBLIC,
     }
-    for path, dialect in ROUTES.items():
-        policy[f"/rollouts/{{rollout_id}}{path}"] = needs(Role.AGENT, dialect=dialect)
+    for protocol in PROTOCOLS.values():
+        policy[f"/rollouts/{{rollout_id}}{protocol.path}"] = needs(Role.AGENT, protocol=protocol)
     policy[f"/rollouts/{{rollout_id}}{MODELS}"] = needs(Role.AGENT)
     return policy
 
@@ -162,11 +156,11 @@ def create_gateway_app(
 
     @app.exception_handler(SessionError)
     async def session_error(_: Request, exc: SessionError) -> JSONResponse:
-        return api_error(SESSION_ERRORS, exc.status, exc.message)
+        return SESSION_ERRORS.error(exc.status, exc.message)
 
     @app.exception_handler(InvalidRequest)
     async def invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return api_error(SESSION_ERRORS, 400, exc.message, param=exc.param)
+        return SESSION_ERRORS.error(400, exc.message, param=exc.param)
 
     @app.post("/rollouts")
     async def open_rollout(request: Request) -> JSONResponse:
@@ -175,7 +169,7 @@ def create_gateway_app(
             try:
                 await pacer.check()
             except Paced as exc:
-                refused = api_error(SESSION_ERRORS, 429, exc.message, param="max_staleness")
+                refused = SESSION_ERRORS.error(429, exc.message, param="max_staleness")
                 refused.headers["Retry-After"] = pacer.pacing.retry_after
                 return refused
         session = sessions.open(body.rollout_id, body.group_id, body.history)
@@ -221,9 +215,9 @@ def create_gateway_app(
             return None
         return opening_of(capabilities.terms(secret))
 
-    for path, dialect in ROUTES.items():
-        app.post(f"/rollouts/{{rollout_id}}{path}")(
-            _agent_route(sessions, forwarder, guard, path, dialect, opening)
+    for protocol in PROTOCOLS.values():
+        app.post(f"/rollouts/{{rollout_id}}{protocol.path}")(
+            _agent_route(sessions, forwarder, guard, protocol, opening)
         )
 
     @app.get(f"/rollouts/{{rollout_id}}{MODELS}")
@@ -250,8 +244,7 @@ def _agent_route(
     sessions: Sessions,
     forwarder: Forwarder,
     guard: QuotaGuard,
-    path: str,
-    dialect: Dialect,
+    protocol: Protocol,
     opening: Callable[[Request], Opening | None],
 ) -> Any:
     async def serve(rollout_id: str, request: Request) -> Response:
@@ -266,23 +259,23 @@ def _agent_route(
             session = await sessions.held(rollout_id, opening(request))
             guard.check(session, len(raw))
             forwarded = body
-            if dialect == "responses" and PREVIOUS in body:  # the conversation the worker does not keep
+            if protocol.stores_responses and PREVIOUS in body:  # the conversation the worker does not keep
                 forwarded = session.responses.expand(body)
-            history = history_of(dialect, forwarded)
+            history = history_of(protocol, forwarded)
         except (InvalidRequest, MalformedHistory) as exc:
-            return api_error(dialect, 400, exc.message, param=exc.param)
+            return protocol.error(400, exc.message, param=exc.param)
         except SessionError as exc:
-            return api_error(dialect, exc.status, exc.message)
+            return protocol.error(exc.status, exc.message)
         except QuotaExceeded as exc:
-            return api_error(dialect, 429, exc.message, param=exc.limit)
+            return protocol.error(429, exc.message, param=exc.limit)
         guard.charge(session, len(raw))
         session.last_seen = sessions.clock()
 
         def remember(reply: Mapping[str, Any]) -> None:
             session.responses.remember(body, reply)
 
-        on_reply = remember if dialect == "responses" else None
-        return await forwarder.call(session, dialect, path, forwarded, history, on_reply=on_reply)
+        on_reply = remember if protocol.stores_responses else None
+        return await forwarder.call(session, protocol, forwarded, history, on_reply=on_reply)
 
     return serve
 
@@ -301,4 +294,4 @@ def _parsed(raw: bytes) -> Any:
         raise InvalidRequest(None, f"body: not valid JSON ({exc})") from None
 
 
-__all__ = ["ROUTES", "create_gateway_app", "gateway_policy"]
+__all__ = ["create_gateway_app", "gateway_policy"]

@@ -25,7 +25,9 @@ import httpx
 import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pipeline.api.errors import api_error
+from pipeline.api.protocols import CHAT, MESSAGES, Protocol
+from pipeline.api.protocols.turns import MalformedHistory, Turn
+from pipeline.gateway.history import History, extended
 from pipeline.gateway.leftout import restore_left_out
 from pipeline.gateway.lineage import (
     GatewayCall,
@@ -34,21 +36,13 @@ from pipeline.gateway.lineage import (
     reasoning_rewrite,
     resolve,
 )
-from pipeline.gateway.normalize import (
-    History,
-    MalformedHistory,
-    StreamedReply,
-    Turn,
-    extended,
-    reply_turns,
-)
-from pipeline.gateway.replies import hidden_fields, strip_event, take_coords
+from pipeline.gateway.replies import hidden_fields, strip_event
 from pipeline.gateway.sessions import Session
 from pipeline.gateway.upstream import NoWorker, Workers
 from stages.client import RolloutClient
 from topics.choices import choice_admissions
 from topics.records import CaptureAdmission, CommitCoords
-from topics.wire import CAPTURE_FIELD, Dialect, strip_token_fields
+from topics.wire import CAPTURE_FIELD, strip_token_fields
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +81,14 @@ class Forwarder:
     async def call(
         self,
         session: Session,
-        dialect: Dialect,
-        path: str,
+        protocol: Protocol,
         body: dict[str, Any],
         history: History,
         *,
         on_reply: OnReply | None = None,
     ) -> Response:
         """Serve one agent call; ``on_reply`` sees the worker's whole reply (or final response) once."""
-        n = int(body.get("n") or 1) if dialect in ("chat", "completions") else 1
+        n = protocol.choice_count(body)
         resolution = resolve(session.calls, history, session.by_id)
         logical = resolution.retry_of.logical_call_id if resolution.retry_of else logical_call_id(history)
         left_out = left_out_replies(resolution.parent, history, session.by_id)
@@ -112,14 +105,14 @@ class Forwarder:
                 try:
                     url = self.workers.choose(session.worker if resolution.parent else None, avoid=tried)
                 except NoWorker as exc:
-                    return api_error(dialect, 503, str(exc))
+                    return protocol.error(503, str(exc))
                 calls = await self._admit(session, resolution.parent, logical, history, n)
                 request = {
-                    **restore_left_out(dialect, body, history, left_out),
+                    **restore_left_out(protocol, body, history, left_out),
                     CAPTURE_FIELD: calls[0][1].model_dump(mode="json"),
                 }
                 attempt = _Attempt(
-                    session, dialect, url, f"{url}{path}", request, calls, hidden, history, on_reply
+                    session, protocol, url, f"{url}{protocol.path}", request, calls, hidden, history, on_reply
                 )
                 try:
                     return await (self._stream(attempt) if body.get("stream") else self._whole(attempt))
@@ -135,17 +128,18 @@ class Forwarder:
         """The workers' served models, as an SDK asks before its first call: OpenAI's list, or
         Anthropic's when the request says it speaks it. Only names and limits go out (vLLM's
         entries also carry the model's path on the worker's disk)."""
+        asking = MESSAGES if anthropic else CHAT
         try:
             url = self.workers.choose()
         except NoWorker as exc:
-            return api_error("messages" if anthropic else "chat", 503, str(exc))
+            return asking.error(503, str(exc))
         try:
             response = await self.http.get(f"{url}/v1/models")
         except httpx.HTTPError as exc:
             self.workers.failed(url)
-            return api_error("messages" if anthropic else "chat", 503, f"the worker is unreachable: {exc!r}")
+            return asking.error(503, f"the worker is unreachable: {exc!r}")
         if response.status_code != 200:
-            return api_error("chat", 502, f"the worker answered {response.status_code} for its models")
+            return CHAT.error(502, f"the worker answered {response.status_code} for its models")
         served = orjson.loads(response.content)["data"]
         if anthropic:
             listed = [
@@ -225,10 +219,10 @@ class Forwarder:
         if response.status_code != 200:
             return JSONResponse(strip_token_fields(reply, attempt.hidden), status_code=response.status_code)
         try:
-            turns = reply_turns(attempt.dialect, reply)
+            turns = attempt.protocol.reply_turns(reply)
         except MalformedHistory:  # a reply it cannot normalize: delivered, but nothing continues it
             turns = {}
-        attempt.answered(take_coords(reply), turns, reply)
+        attempt.answered(attempt.protocol.coords_in(reply), turns, reply)
         return JSONResponse(strip_token_fields(reply, attempt.hidden))
 
     async def _stream(self, attempt: _Attempt) -> Response:
@@ -259,16 +253,16 @@ class Forwarder:
             await slot.aclose()
 
         async def events() -> AsyncIterator[str]:
-            reply = StreamedReply(attempt.dialect)
+            reply = attempt.protocol.streamed_reply()
             coords: dict[int, CommitCoords] = {}
             attempt.session.in_flight += 1
             try:
                 async for event in _sse_events(upstream):
                     reply.feed(event)
-                    clean, found = strip_event(event, attempt.hidden)
+                    clean, found = strip_event(attempt.protocol, event, attempt.hidden)
                     coords.update(found)
                     yield clean
-                attempt.answered(coords, reply.turns(), reply.final)
+                attempt.answered(coords, reply.turns(), reply.reply())
             finally:
                 attempt.session.in_flight -= 1
                 await close()
@@ -285,7 +279,7 @@ class _Attempt:
     """One try of a call on one worker, and what its reply must update."""
 
     session: Session
-    dialect: Dialect
+    protocol: Protocol
     url: str
     target: str
     request: dict[str, Any]

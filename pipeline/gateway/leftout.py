@@ -14,27 +14,28 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pipeline.gateway.normalize import History
-from topics.wire import Dialect
+from pipeline.api.protocols import Protocol
+from pipeline.gateway.history import History
 
-_LISTS: dict[str, str] = {"chat": "messages", "responses": "input", "messages": "messages"}
 _EMPTY_REPLY = {"role": "assistant", "content": ""}
 """The empty assistant turn: one shape the Chat, Responses and Messages requests all accept."""
 
 
 def restore_left_out(
-    dialect: Dialect, body: Mapping[str, Any], history: History, positions: Sequence[int]
+    protocol: Protocol, body: Mapping[str, Any], history: History, positions: Sequence[int]
 ) -> Mapping[str, Any]:
     """``body`` with an empty assistant turn before the list element of each turn at
     ``positions`` (turn indices of ``history``); ``body`` itself when there are none."""
     if not positions:
         return body
-    items = list(body[_LISTS[dialect]])
+    if protocol.turn_list is None:
+        raise ValueError(f"{protocol.name} histories are text: they have no turn to put back")
+    items = list(body[protocol.turn_list])
     for position in sorted(positions, reverse=True):
         source = history.sources[position]
         if source >= 0:  # a turn outside the list (instructions) never follows a reply
             items.insert(source, dict(_EMPTY_REPLY))
-    return {**body, _LISTS[dialect]: items}
+    return {**body, protocol.turn_list: items}
 
 
 __all__ = ["restore_left_out"]

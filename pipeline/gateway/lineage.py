@@ -2,7 +2,7 @@
 
 Each call of a session remembers the digest of its normalized request history and,
 once the gateway has returned its reply, of that history plus the reply
-(``pipeline.gateway.normalize``). A call rebuilt from the log after a restart
+(``pipeline.gateway.history``). A call rebuilt from the log after a restart
 (``recovery``) knows only its request digest: it continues into a history that has it
 as a prefix followed by an assistant turn (the reply, as the agent sends it back). A new request's parent is the call whose extended
 history is the longest prefix of the new history (the most recent on a tie): a
@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipeline.gateway.normalize import History
+from pipeline.gateway.history import History
 from topics.records import CommitCoords
 
 

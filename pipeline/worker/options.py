@@ -10,13 +10,14 @@ when the request carries ``ng_capture``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from pipeline.api.errors import InvalidRequest
+from pipeline.api.protocols import Protocol
 from topics.wire import CAPTURE_FIELD
 
 
@@ -72,15 +73,6 @@ RESPONSES: dict[str, Refusal] = {
     "max_tool_calls": Refusal(f"built-in tools are {_NOT_HERE}"),
 }
 
-TEXT_PARTS = {
-    "chat": frozenset({"text", "refusal"}),
-    # reasoning_text and summary_text: a reply's own reasoning item, sent back as it came.
-    "responses": frozenset(
-        {"input_text", "output_text", "refusal", "text", "reasoning_text", "summary_text"}
-    ),
-    "messages": frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}),
-}
-
 
 def field_names(model: type[BaseModel]) -> frozenset[str]:
     names: set[str] = set()
@@ -110,43 +102,11 @@ def check_options(
             raise InvalidRequest(name, f"{name}: not supported{when}: {refusal.reason}")
 
 
-def check_content(body: Mapping[str, Any], dialect: str) -> None:
+def check_content(body: Mapping[str, Any], protocol: Protocol) -> None:
     """Non-text content (images, audio, files) is refused, naming the part's ``type``."""
-    allowed = TEXT_PARTS[dialect]
-    for path, kind in _part_types(body, dialect):
-        if kind not in allowed:
+    for path, kind in protocol.content_part_types(body):
+        if kind not in protocol.text_parts:
             raise InvalidRequest(path, f"{path}: {kind!r} content is not supported: {_TEXT_ONLY}")
-
-
-def _part_types(body: Mapping[str, Any], dialect: str) -> Iterator[tuple[str, Any]]:
-    if dialect == "responses":
-        items = body.get("input")
-        if isinstance(items, list):
-            yield from _parts_of(items, "input", "content")
-        return
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        yield from _parts_of(messages, "messages", "content")
-    if dialect == "messages" and isinstance(body.get("system"), list):
-        for j, part in enumerate(body["system"]):
-            if isinstance(part, Mapping):
-                yield f"system[{j}].type", part.get("type")
-
-
-def _parts_of(items: list[Any], root: str, key: str) -> Iterator[tuple[str, Any]]:
-    for i, item in enumerate(items):
-        content = item.get(key) if isinstance(item, Mapping) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping):
-                continue
-            yield f"{root}[{i}].{key}[{j}].type", part.get("type")
-            nested = part.get("content")
-            if part.get("type") == "tool_result" and isinstance(nested, list):
-                for k, inner in enumerate(nested):
-                    if isinstance(inner, Mapping):
-                        yield f"{root}[{i}].{key}[{j}].content[{k}].type", inner.get("type")
 
 
 __all__ = ["COMMON", "RESPONSES", "Refusal", "check_content", "check_options", "field_names"]

@@ -1,12 +1,8 @@
 """Commit coordinates in vLLM's replies, where each protocol's client finds them.
 
-- Chat and Completions: each choice carries its own ``ng_commit_coords``; with one
-  choice the reply carries it at the top level too. Streaming: the chunk that carries a
-  choice's ``finish_reason`` carries that choice's coords the same way.
-- Responses: the response object carries them; streaming: the ``response`` object of
-  the ``response.completed`` event.
-- Messages (Anthropic): the message carries them; streaming: the ``message_delta``
-  event (the one that carries ``stop_reason``).
+Each protocol says where (``pipeline.api.protocols``): on each choice and, with one
+choice, at the top level (Chat, Completions); on the response or message object
+(Responses, Messages); streaming, on the event that ends each choice.
 
 Under ack policy ``staged`` the coords are those of a staged row, so the reply (or the
 final event) waits for staging; the engine never does.
@@ -15,28 +11,21 @@ final event) waits for staging; the engine never does.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
-from pipeline.api import sse
+from pipeline.api.protocols import Protocol
 from stages.capture.vllm.scope import CaptureScope
 from topics.failures import WorkerFailure
-from topics.wire import COORDS_FIELD, Dialect
-
-CHOICE_DIALECTS = ("chat", "completions")
 
 
-async def attach_coords(body: dict[str, Any], dialect: Dialect, scope: CaptureScope) -> dict[str, Any]:
+async def attach_coords(body: dict[str, Any], protocol: Protocol, scope: CaptureScope) -> dict[str, Any]:
     """A non-streaming reply with its choices' coords."""
-    if dialect in CHOICE_DIALECTS:
-        for choice in body.get("choices") or ():
-            choice[COORDS_FIELD] = await _coords_json(scope, int(choice.get("index", 0)))
-    if scope.n == 1:
-        body[COORDS_FIELD] = await _coords_json(scope, 0)
-    return body
+    return await protocol.attach_coords(body, partial(_coords_json, scope), single=scope.n == 1)
 
 
 async def stream_with_coords(
-    events: AsyncIterator[str], dialect: Dialect, scope: CaptureScope, weight_version: int
+    events: AsyncIterator[str], protocol: Protocol, scope: CaptureScope, weight_version: int
 ) -> AsyncIterator[str]:
     """vLLM's SSE stream, each choice's final event carrying its coords.
 
@@ -44,40 +33,13 @@ async def stream_with_coords(
     with ``client_disconnected``: nothing is staged half-way.
     """
     outcome = WorkerFailure.CLIENT_DISCONNECTED
+    coords = partial(_coords_json, scope)
     try:
         async for event in events:
-            yield await _with_coords(event, dialect, scope)
+            yield await protocol.event_with_coords(event, coords, single=scope.n == 1)
         outcome = WorkerFailure.NOT_SERVED
     finally:
         scope.abandon(outcome, weight_version)
-
-
-async def _with_coords(event: str, dialect: Dialect, scope: CaptureScope) -> str:
-    if dialect in CHOICE_DIALECTS:
-        if '"finish_reason":"' not in event:
-            return event
-        message = sse.message(event)
-        data = message.json()
-        if not isinstance(data, dict):
-            return event
-        for choice in data.get("choices") or ():
-            if choice.get("finish_reason") is not None:
-                coords = await _coords_json(scope, int(choice.get("index", 0)))
-                choice[COORDS_FIELD] = coords
-                if scope.n == 1:
-                    data[COORDS_FIELD] = coords
-        return message.with_data(data)
-    final = "response.completed" if dialect == "responses" else "message_delta"
-    if final not in event:
-        return event
-    message = sse.message(event)
-    data = message.json()
-    if message.event != final or not isinstance(data, dict):
-        return event
-    target = data.get("response") if dialect == "responses" else data
-    if isinstance(target, dict):
-        target[COORDS_FIELD] = await _coords_json(scope, 0)
-    return message.with_data(data)
 
 
 async def _coords_json(scope: CaptureScope, index: int) -> dict[str, Any] | None:
@@ -86,4 +48,4 @@ async def _coords_json(scope: CaptureScope, index: int) -> dict[str, Any] | None
     return (await scope.coords(index)).model_dump(mode="json")
 
 
-__all__ = ["CHOICE_DIALECTS", "Dialect", "attach_coords", "stream_with_coords"]
+__all__ = ["attach_coords", "stream_with_coords"]

@@ -28,7 +28,8 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.exceptions import VLLMClientError
 
-from pipeline.api.errors import InvalidRequest, api_error, invalid_request
+from pipeline.api.errors import InvalidRequest, invalid_request
+from pipeline.api.protocols import PROTOCOLS, Protocol
 from pipeline.auth.audit import Audit
 from pipeline.auth.credentials import Role
 from pipeline.auth.gate import principal_of
@@ -40,21 +41,23 @@ from stages.capture.vllm.renderer import CaptureRefused
 from stages.capture.vllm.scope import CURRENT_SCOPE, CaptureScope
 from stages.capture.vllm.worker import VllmWorker
 from topics.failures import WorkerFailure
-from topics.wire import CAPTURE_FIELD, Dialect
+from topics.wire import CAPTURE_FIELD
 
 Handler = Callable[[Any, Request], Awaitable[Any]]
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationRoute:
-    """One protocol: where it is served, vLLM's request model and handler, what it refuses."""
+    """One protocol served by vLLM: its request model and handler, what it refuses."""
 
-    path: str
-    dialect: Dialect
+    protocol: Protocol
     request_model: type[BaseModel]
     handler: Handler
     refusals: Mapping[str, Refusal]
+
+    @property
+    def path(self) -> str:
+        return self.protocol.path
 
     @property
     def known_fields(self) -> frozenset[str]:
@@ -64,20 +67,19 @@ class GenerationRoute:
 def generation_routes(serving: Serving) -> list[GenerationRoute]:
     return [
         GenerationRoute(
-            "/v1/chat/completions", "chat", ChatCompletionRequest, serving.chat.create_chat_completion, COMMON
+            PROTOCOLS["chat"], ChatCompletionRequest, serving.chat.create_chat_completion, COMMON
         ),
         GenerationRoute(
-            "/v1/completions", "completions", CompletionRequest, serving.completion.create_completion, COMMON
+            PROTOCOLS["completions"], CompletionRequest, serving.completion.create_completion, COMMON
         ),
         GenerationRoute(
-            "/v1/responses",
-            "responses",
+            PROTOCOLS["responses"],
             ResponsesRequest,
             serving.responses.create_responses,
             {**COMMON, **RESPONSES},
         ),
         GenerationRoute(
-            "/v1/messages", "messages", AnthropicMessagesRequest, serving.messages.create_messages, COMMON
+            PROTOCOLS["messages"], AnthropicMessagesRequest, serving.messages.create_messages, COMMON
         ),
     ]
 
@@ -112,15 +114,15 @@ def _endpoint(
                 # before anything is reported: nobody with the right admitted this capture
                 audit.refused("wrong_role", str(principal), request.method, request.url.path)
                 message = f"{CAPTURE_FIELD}: capture needs the service credential"
-                return api_error(route.dialect, 403, message, param=CAPTURE_FIELD)
+                return route.protocol.error(403, message, param=CAPTURE_FIELD)
             check_options(body, known, route.refusals, captured=raw_capture is not None)
-            check_content(body, "chat" if route.dialect == "completions" else route.dialect)
+            check_content(body, route.protocol)
             parsed = _validated(route.request_model, body)
             admissions = capture_admissions(raw_capture, int(getattr(parsed, "n", None) or 1))
         except InvalidRequest as exc:
             worker.requests.rejected_requests += 1
             _report_refused(worker, raw_capture, body)
-            return api_error(route.dialect, 400, exc.message, param=exc.param)
+            return route.protocol.error(400, exc.message, param=exc.param)
         if not admissions:
             return await _reply(route, await _handled(route, parsed, request), None, worker)
         scope = await worker.open_scope(admissions, response_id=f"req-{uuid.uuid4().hex}")
@@ -130,7 +132,7 @@ def _endpoint(
         except CaptureRefused as exc:
             scope.abandon(WorkerFailure.NOT_SERVED, worker.weight_version)
             worker.requests.rejected_requests += 1
-            return api_error(route.dialect, 400, f"{CAPTURE_FIELD}: {exc}", param=CAPTURE_FIELD)
+            return route.protocol.error(400, f"{CAPTURE_FIELD}: {exc}", param=CAPTURE_FIELD)
         except BaseException:
             scope.abandon(WorkerFailure.NOT_SERVED, worker.weight_version)
             raise
@@ -172,28 +174,19 @@ async def _reply(
         if result.error.code == 400:
             worker.requests.rejected_requests += 1
         error = result.error
-        return api_error(route.dialect, error.code, error.message, param=error.param, kind=error.type)
+        return route.protocol.error(error.code, error.message, param=error.param, kind=error.type)
     if isinstance(result, BaseModel):
-        body = _dump(result, route.dialect)
+        body = route.protocol.dump(result)
         if scope is not None:
-            body = await attach_coords(body, route.dialect, scope)
+            body = await attach_coords(body, route.protocol, scope)
         return JSONResponse(body)
-    events = _sse(result, route.dialect)
+    events = _sse(result)
     if scope is not None:
-        events = stream_with_coords(events, route.dialect, scope, worker.weight_version)
+        events = stream_with_coords(events, route.protocol, scope, worker.weight_version)
     return StreamingResponse(events, media_type="text/event-stream")
 
 
-def _dump(result: BaseModel, dialect: Dialect) -> dict[str, Any]:
-    """The reply as vLLM's own routers serialize it."""
-    if dialect == "messages":
-        return result.model_dump(exclude_none=True)
-    if dialect == "responses":
-        return result.model_dump(mode="json", by_alias=True)
-    return result.model_dump(mode="json")
-
-
-async def _sse(stream: AsyncIterator[Any], dialect: Dialect) -> AsyncIterator[str]:
+async def _sse(stream: AsyncIterator[Any]) -> AsyncIterator[str]:
     """vLLM's stream as SSE text (its Responses handler yields event objects, the rest text)."""
     async for event in stream:
         if isinstance(event, str):

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from vllm.entrypoints.rl.online.api_router import router as rl_router
 
 from pipeline.api.errors import InvalidRequest, error_body, parse_body
+from pipeline.api.protocols import PROTOCOLS
 from pipeline.auth.audit import Audit
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs
@@ -34,7 +35,7 @@ from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.limits import BodyLimit
 from pipeline.worker.metrics import CONTENT_TYPE, render, worker_registry
 from pipeline.worker.protocol import ReloadWeights, SetWeightVersion
-from pipeline.worker.routes import GENERATION_PATHS, add_generation_routes
+from pipeline.worker.routes import add_generation_routes
 from pipeline.worker.serving import Serving
 from stages.capture.vllm.client import InvalidWeightVersion
 from stages.capture.vllm.engine import EngineUnavailable
@@ -68,10 +69,11 @@ ADMIN_ACTIONS = {
 
 def worker_policy() -> dict[str, Access]:
     """Who may call each route of the worker; a route missing here is refused (fail closed)."""
-    caller = needs(Role.CLIENT, Role.SERVICE, Role.OPERATOR)
-    policy: dict[str, Access] = {path: caller for path in GENERATION_PATHS}
-    policy["/v1/messages"] = needs(Role.CLIENT, Role.SERVICE, Role.OPERATOR, dialect="messages")
-    policy["/v1/models"] = caller
+    callers = (Role.CLIENT, Role.SERVICE, Role.OPERATOR)
+    policy: dict[str, Access] = {
+        protocol.path: needs(*callers, protocol=protocol) for protocol in PROTOCOLS.values()
+    }
+    policy["/v1/models"] = needs(*callers)
     policy.update({path: needs(Role.OPERATOR, action=name) for path, name in ADMIN_ACTIONS.items()})
     for route in rl_router.routes:  # vLLM's RL routes, whichever it has
         path = getattr(route, "path", "")

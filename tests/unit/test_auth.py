@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.api.protocols import MESSAGES
 from pipeline.auth.audit import Audit
 from pipeline.auth.capability import AgentCapabilities
 from pipeline.auth.credentials import CredentialError, Credentials, Role
@@ -26,7 +27,7 @@ from stages.memory import RecordingSink
 TOKENS = {role: secrets.token_urlsafe(32) for role in (Role.ENVIRONMENT, Role.OPERATOR)}
 POLICY = {
     "/seal/{rollout_id}": needs(Role.ENVIRONMENT, Role.OPERATOR, action="seal"),
-    "/rollouts/{rollout_id}/call": needs(Role.AGENT, dialect="messages"),
+    "/rollouts/{rollout_id}/call": needs(Role.AGENT, protocol=MESSAGES),
     "/health": PUBLIC,
 }
 

@@ -10,26 +10,15 @@ from typing import Any
 import orjson
 import pytest
 
+from pipeline.api.protocols import CHAT, COMPLETIONS, MESSAGES, PROTOCOLS, RESPONSES
+from pipeline.api.protocols.turns import MalformedHistory, Turn, without_reasoning
+from pipeline.gateway.history import History, extend, extended, history_of, text_digest, turn_digests
 from pipeline.gateway.lineage import reasoning_rewrite
-from pipeline.gateway.normalize import (
-    Dialect,
-    History,
-    MalformedHistory,
-    StreamedReply,
-    Turn,
-    extend,
-    extended,
-    history_of,
-    reply_turns,
-    request_turns,
-    text_digest,
-    turn_digests,
-    without_reasoning,
-)
+from topics.wire import Dialect
 
 
 def digest_of(dialect: Dialect, body: dict[str, Any]) -> bytes:
-    return history_of(dialect, body).digest
+    return history_of(PROTOCOLS[dialect], body).digest
 
 
 def sse(data: Any, event: str | None = None) -> str:
@@ -179,7 +168,7 @@ def test_consecutive_assistant_pieces_merge() -> None:
             {"type": "function_call", "call_id": "b", "name": "calc", "arguments": '{"x": 2}'},
         ]
     }
-    assert request_turns("responses", body) == [
+    assert RESPONSES.history(body) == [
         Turn("user", "go"),
         Turn("assistant", "Let me see.", (("calc", '{"x":1}'), ("calc", '{"x":2}'))),
     ]
@@ -208,7 +197,7 @@ def test_anthropic_tool_results_come_before_the_rest_of_the_message() -> None:
             },
         ],
     }
-    assert request_turns("messages", body) == [
+    assert MESSAGES.history(body) == [
         Turn("system", "s"),
         Turn("user", "go"),
         Turn("assistant", "", (("calc", '{"x":1}'), ("calc", '{"x":2}'))),
@@ -231,7 +220,7 @@ def test_anthropic_tool_results_come_before_the_rest_of_the_message() -> None:
         {"role": "tool", "tool_call_id": "b", "content": "2"},
         {"role": "user", "content": "now add them"},
     )
-    assert request_turns("chat", same_in_chat) == request_turns("messages", body)
+    assert CHAT.history(same_in_chat) == MESSAGES.history(body)
 
 
 # --- round trips: the reply, sent back by the SDK, extends the history ------------------
@@ -269,8 +258,8 @@ CHAT_REPLY: dict[str, Any] = {
 
 def test_chat_reply_round_trip() -> None:
     body = chat({"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 2 + 3?"})
-    history = history_of("chat", body)
-    reply = reply_turns("chat", CHAT_REPLY)[0]
+    history = history_of(CHAT, body)
+    reply = CHAT.reply_turns(CHAT_REPLY)[0]
     assert reply == Turn("assistant", "", (("calculator", '{"expression":"2 + 3","precision":2}'),))
     sent_back = {
         "role": "assistant",
@@ -288,10 +277,10 @@ def test_chat_reply_round_trip() -> None:
     )
     length, digest = extended(history, reply)
     assert length == history.length + 1 == 3
-    assert history_of("chat", follow_up).prefix_digest(length) == digest
+    assert history_of(CHAT, follow_up).prefix_digest(length) == digest
     # A different call sent back does not continue this reply.
     sent_back["tool_calls"][0]["function"]["arguments"] = '{"expression":"2 + 4","precision":2}'
-    assert history_of("chat", follow_up).prefix_digest(length) != digest
+    assert history_of(CHAT, follow_up).prefix_digest(length) != digest
 
 
 RESPONSES_REPLY: dict[str, Any] = {
@@ -337,8 +326,8 @@ RESPONSES_REPLY: dict[str, Any] = {
 
 def test_responses_reply_round_trip() -> None:
     body = {"model": "m", "instructions": "Use tools.", "input": "What is 2 + 3 and 4 * 5?"}
-    history = history_of("responses", body)
-    reply = reply_turns("responses", RESPONSES_REPLY)
+    history = history_of(RESPONSES, body)
+    reply = RESPONSES.reply_turns(RESPONSES_REPLY)
     assert reply == {
         0: Turn(
             "assistant",
@@ -361,7 +350,7 @@ def test_responses_reply_round_trip() -> None:
         ],
     }
     length, digest = extended(history, reply[0])
-    followed = history_of("responses", follow_up)
+    followed = history_of(RESPONSES, follow_up)
     assert (length, followed.length) == (3, 5)
     assert followed.prefix_digest(length) == digest
     assert followed.prefix_digest(length + 1) != digest
@@ -395,8 +384,8 @@ def test_anthropic_reply_round_trip() -> None:
         "max_tokens": 64,
         "messages": [{"role": "user", "content": "2+3?"}],
     }
-    history = history_of("messages", body)
-    reply = reply_turns("messages", ANTHROPIC_REPLY)[0]
+    history = history_of(MESSAGES, body)
+    reply = MESSAGES.reply_turns(ANTHROPIC_REPLY)[0]
     assert reply == Turn("assistant", "Computing.", (("calculator", '{"expression":"2 + 3","precision":2}'),))
     blocks = copy.deepcopy(ANTHROPIC_REPLY["content"])
     blocks[2]["input"] = {"precision": 2, "expression": "2 + 3"}
@@ -410,7 +399,7 @@ def test_anthropic_reply_round_trip() -> None:
         ],
     }
     length, digest = extended(history, reply)
-    followed = history_of("messages", follow_up)
+    followed = history_of(MESSAGES, follow_up)
     assert length == 3 and followed.length == 4
     assert followed.prefix_digest(length) == digest
 
@@ -451,7 +440,7 @@ def test_chat_stream_equals_whole_reply() -> None:
         ),
         "data: [DONE]\n\n",
     ]
-    stream = StreamedReply("chat")
+    stream = CHAT.streamed_reply()
     for event in events:
         stream.feed(event)
     whole = copy.deepcopy(CHAT_REPLY)
@@ -465,7 +454,7 @@ def test_chat_stream_equals_whole_reply() -> None:
         }
     )
     whole["choices"].append({"index": 1, "message": {"role": "assistant", "content": "The answer is 5."}})
-    assert stream.turns() == reply_turns("chat", whole)
+    assert stream.turns() == CHAT.reply_turns(whole)
     assert stream.turns()[0].tool_calls == (
         ("calculator", '{"expression":"2 + 3","precision":2}'),
         ("calculator", '{"expression":"4 * 5"}'),
@@ -474,7 +463,7 @@ def test_chat_stream_equals_whole_reply() -> None:
 
 
 def test_completions_stream_equals_whole_reply() -> None:
-    stream = StreamedReply("completions")
+    stream = COMPLETIONS.streamed_reply()
     for index, text in [(0, " 5"), (1, " fi"), (0, "\nQ:"), (1, "ve")]:
         stream.feed(
             sse({"id": "cmpl-1", "object": "text_completion", "choices": [{"index": index, "text": text}]})
@@ -483,7 +472,7 @@ def test_completions_stream_equals_whole_reply() -> None:
     whole = {"choices": [{"index": 0, "text": " 5\nQ:"}, {"index": 1, "text": " five"}]}
     assert (
         stream.turns()
-        == reply_turns("completions", whole)
+        == COMPLETIONS.reply_turns(whole)
         == {
             0: Turn("assistant", " 5\nQ:"),
             1: Turn("assistant", " five"),
@@ -492,14 +481,14 @@ def test_completions_stream_equals_whole_reply() -> None:
 
 
 def test_responses_stream_equals_whole_reply() -> None:
-    stream = StreamedReply("responses")
+    stream = RESPONSES.streamed_reply()
     in_progress = {**RESPONSES_REPLY, "status": "in_progress", "output": []}
     stream.feed(sse({"type": "response.created", "response": in_progress}, "response.created"))
     stream.feed(sse({"type": "response.output_text.delta", "delta": "Let me"}, "response.output_text.delta"))
     assert stream.turns() == {}
     completed = {"type": "response.completed", "sequence_number": 9, "response": RESPONSES_REPLY}
     stream.feed(f"event: response.completed\ndata: {orjson.dumps(completed).decode()}\n\n")
-    assert stream.turns() == reply_turns("responses", RESPONSES_REPLY)
+    assert stream.turns() == RESPONSES.reply_turns(RESPONSES_REPLY)
     assert stream.turns()[0].text == "Let me compute."
 
 
@@ -545,20 +534,20 @@ def test_anthropic_stream_equals_whole_reply() -> None:
             ),
         ]
     )
-    stream = StreamedReply("messages")
+    stream = MESSAGES.streamed_reply()
     for event in events:
         stream.feed(event)
-    assert stream.turns() == reply_turns("messages", ANTHROPIC_REPLY)
+    assert stream.turns() == MESSAGES.reply_turns(ANTHROPIC_REPLY)
 
 
 @pytest.mark.parametrize("deltas", [[], [{"type": "input_json_delta", "partial_json": ""}]])
 def test_anthropic_stream_tool_without_input_matches_empty_input(deltas: list[dict[str, Any]]) -> None:
     events = anthropic_events([({"type": "tool_use", "id": "t", "name": "now", "input": {}}, deltas)])
-    stream = StreamedReply("messages")
+    stream = MESSAGES.streamed_reply()
     for event in events:
         stream.feed(event)
     whole = {"content": [{"type": "tool_use", "id": "t", "name": "now", "input": {}}]}
-    assert stream.turns() == reply_turns("messages", whole) == {0: Turn("assistant", "", (("now", "{}"),))}
+    assert stream.turns() == MESSAGES.reply_turns(whole) == {0: Turn("assistant", "", (("now", "{}"),))}
 
 
 # --- completions: text histories --------------------------------------------------------
@@ -566,22 +555,19 @@ def test_anthropic_stream_tool_without_input_matches_empty_input(deltas: list[di
 
 def test_completions_text_prefix_digests() -> None:
     prompt = "Q: 2 + 3?\nA:"
-    history = history_of("completions", {"model": "m", "prompt": prompt})
+    history = history_of(COMPLETIONS, {"model": "m", "prompt": prompt})
     assert (history.kind, history.length, history.text, history.digests) == ("text", len(prompt), prompt, ())
     assert history.digest == text_digest(prompt) == history.prefix_digest(len(prompt))
-    reply = reply_turns("completions", {"choices": [{"index": 0, "text": " 5 ✓", "finish_reason": "stop"}]})[
-        0
-    ]
+    reply = COMPLETIONS.reply_turns({"choices": [{"index": 0, "text": " 5 ✓", "finish_reason": "stop"}]})[0]
     length, digest = extended(history, reply)
     assert length == len(prompt + " 5 ✓")
-    follow_up = history_of("completions", {"prompt": prompt + " 5 ✓\nQ: 4 * 5?\nA:"})
+    follow_up = history_of(COMPLETIONS, {"prompt": prompt + " 5 ✓\nQ: 4 * 5?\nA:"})
     assert follow_up.prefix_digest(length) == digest
     assert follow_up.prefix_digest(length + 1) != digest
     assert follow_up.prefix_digest(follow_up.length + 1) is None
     assert follow_up.prefix_digest(-1) is None
-    assert history_of("completions", {"prompt": "Q: 2 + 3?\nA: 6"}).prefix_digest(length) != digest
-    with pytest.raises(ValueError, match="history_of"):
-        request_turns("completions", {"prompt": prompt})
+    assert history_of(COMPLETIONS, {"prompt": "Q: 2 + 3?\nA: 6"}).prefix_digest(length) != digest
+    assert COMPLETIONS.history({"prompt": prompt}) == prompt  # text, compared by character prefix
 
 
 def test_text_and_turn_digests_never_collide() -> None:
@@ -614,9 +600,9 @@ def test_history_prefix_identifies_each_turn_count() -> None:
         {"role": "assistant", "content": "a1"},
         {"role": "user", "content": "u2"},
     )
-    full = history_of("chat", body)
+    full = history_of(CHAT, body)
     for k in range(5):
-        prefix = history_of("chat", chat(*body["messages"][:k]))
+        prefix = history_of(CHAT, chat(*body["messages"][:k]))
         assert full.prefix_digest(k) == prefix.digest
 
 
@@ -624,16 +610,16 @@ def test_template_kwargs_give_a_history_of_its_own() -> None:
     """A history rendered with other template variables shares no prefix with this one, so
     lineage makes a call that changes them a new root; none, null or {} read alike."""
     body = chat({"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"})
-    plain = history_of("chat", body)
-    assert history_of("chat", {**body, "chat_template_kwargs": None}) == plain
-    assert history_of("chat", {**body, "chat_template_kwargs": {}}) == plain
-    off = history_of("chat", {**body, "chat_template_kwargs": {"enable_thinking": False, "x": 1}})
-    same = history_of("chat", {**body, "chat_template_kwargs": {"x": 1, "enable_thinking": False}})
-    on = history_of("chat", {**body, "chat_template_kwargs": {"enable_thinking": True, "x": 1}})
+    plain = history_of(CHAT, body)
+    assert history_of(CHAT, {**body, "chat_template_kwargs": None}) == plain
+    assert history_of(CHAT, {**body, "chat_template_kwargs": {}}) == plain
+    off = history_of(CHAT, {**body, "chat_template_kwargs": {"enable_thinking": False, "x": 1}})
+    same = history_of(CHAT, {**body, "chat_template_kwargs": {"x": 1, "enable_thinking": False}})
+    on = history_of(CHAT, {**body, "chat_template_kwargs": {"enable_thinking": True, "x": 1}})
     assert off == same  # key order is not a difference
     assert len({plain.start, off.start, on.start}) == 3
     assert not {plain.prefix_digest(k) for k in range(3)} & {off.prefix_digest(k) for k in range(3)}
-    assert history_of("completions", {"prompt": "p", "chat_template_kwargs": {"a": 1}}).start is None
+    assert history_of(COMPLETIONS, {"prompt": "p", "chat_template_kwargs": {"a": 1}}).start is None
 
 
 # --- malformed histories ----------------------------------------------------------------
@@ -697,7 +683,7 @@ def test_template_kwargs_give_a_history_of_its_own() -> None:
 )
 def test_malformed_history_names_the_field(dialect: Dialect, body: dict[str, Any], param: str) -> None:
     with pytest.raises(MalformedHistory) as caught:
-        history_of(dialect, body)
+        history_of(PROTOCOLS[dialect], body)
     assert caught.value.param == param
     assert caught.value.message.startswith(f"{param}: ")
     assert isinstance(caught.value, ValueError)
@@ -705,13 +691,13 @@ def test_malformed_history_names_the_field(dialect: Dialect, body: dict[str, Any
 
 def test_malformed_replies_name_the_field() -> None:
     with pytest.raises(MalformedHistory) as caught:
-        reply_turns("chat", {"choices": [{"index": 0}]})
+        CHAT.reply_turns({"choices": [{"index": 0}]})
     assert caught.value.param == "choices[0].message"
     with pytest.raises(MalformedHistory) as caught:
-        reply_turns("responses", {"output": [{"type": "function_call_output", "output": "x"}]})
+        RESPONSES.reply_turns({"output": [{"type": "function_call_output", "output": "x"}]})
     assert caught.value.param == "output"
     # A stream whose blocks cannot be normalized has no turns rather than failing the agent's stream.
-    stream = StreamedReply("messages")
+    stream = MESSAGES.streamed_reply()
     for event in anthropic_events([({"type": "server_tool_use", "id": "s", "name": "web"}, [])]):
         stream.feed(event)
     assert stream.turns() == {}
@@ -742,7 +728,7 @@ def test_a_reply_continues_however_its_reasoning_comes_back() -> None:
     it back (dropped, moved into tags, the opening tag replaced by a blank line) are one
     history; the way it travelled is kept beside the turn to count the rewrite."""
     question = {"role": "user", "content": "What is 2 + 3?"}
-    history = history_of("chat", chat(question))
+    history = history_of(CHAT, chat(question))
     served = {
         "choices": [
             {
@@ -753,7 +739,7 @@ def test_a_reply_continues_however_its_reasoning_comes_back() -> None:
     }
     inline = {"choices": [{"index": 0, "message": {"role": "assistant", "content": REASONED}}]}
     for reply in (served, inline):
-        turn = reply_turns("chat", reply)[0]
+        turn = CHAT.reply_turns(reply)[0]
         length, digest = extended(history, turn)
         for sent_back, kind in [
             ({"role": "assistant", "content": "The answer is 5."}, ""),
@@ -761,28 +747,28 @@ def test_a_reply_continues_however_its_reasoning_comes_back() -> None:
             ({"role": "assistant", "content": "\n\nAdd them.\n</think>\n\nThe answer is 5."}, "closing"),
             ({"role": "assistant", "content": "The answer is 5.", "reasoning_content": "Add them."}, "field"),
         ]:
-            follow_up = history_of("chat", chat(question, sent_back, {"role": "user", "content": "And 4?"}))
+            follow_up = history_of(CHAT, chat(question, sent_back, {"role": "user", "content": "And 4?"}))
             assert follow_up.prefix_digest(length) == digest, (reply, sent_back)
             assert follow_up.reasoning[length - 1] == kind
-    assert reply_turns("chat", served)[0].reasoning == "field"
-    assert reply_turns("chat", inline)[0].reasoning == "tags"
+    assert CHAT.reply_turns(served)[0].reasoning == "field"
+    assert CHAT.reply_turns(inline)[0].reasoning == "tags"
     edited = chat(
         question, {"role": "assistant", "content": "The answer is 6."}, {"role": "user", "content": "?"}
     )
-    assert history_of("chat", edited).prefix_digest(length) != digest  # a real rewrite is not reasoning
+    assert history_of(CHAT, edited).prefix_digest(length) != digest  # a real rewrite is not reasoning
 
 
 def test_reasoning_in_each_api_s_own_place_is_a_field() -> None:
-    responses = reply_turns("responses", RESPONSES_REPLY)[0]
+    responses = RESPONSES.reply_turns(RESPONSES_REPLY)[0]
     assert responses.reasoning == "field" and responses.text == "Let me compute."
     thinking = {
         "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}, {"type": "text", "text": "5"}]
     }
     assert (
-        reply_turns("messages", thinking)[0] == Turn("assistant", "5")
-        and reply_turns("messages", thinking)[0].reasoning == "field"
+        MESSAGES.reply_turns(thinking)[0] == Turn("assistant", "5")
+        and MESSAGES.reply_turns(thinking)[0].reasoning == "field"
     )
-    stream = StreamedReply("chat")
+    stream = CHAT.streamed_reply()
     stream.feed(sse({"choices": [{"index": 0, "delta": {"reasoning": "hm"}}]}))
     stream.feed(sse({"choices": [{"index": 0, "delta": {"content": "5"}}]}))
     assert stream.turns()[0] == Turn("assistant", "5") and stream.turns()[0].reasoning == "field"

@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
+from pipeline.api.protocols import CHAT, COMPLETIONS
+from pipeline.api.protocols.turns import Turn
+from pipeline.gateway.history import extended, history_of
 from pipeline.gateway.lineage import GatewayCall, episode_end, logical_call_id, parse_logical_call_id, resolve
-from pipeline.gateway.normalize import Turn, extended, history_of
 from pipeline.gateway.recovery import _recovered
 from pipeline.gateway.sessions import ABANDONED, Session, SessionError, Sessions
 from pipeline.gateway.upstream import NoWorker, Workers
@@ -23,7 +25,7 @@ def chat(*texts: str) -> dict[str, Any]:
 
 
 def answered(call_id: str, body: dict[str, Any], reply: str, parent: str | None = None) -> GatewayCall:
-    history = history_of("chat", body)
+    history = history_of(CHAT, body)
     call = GatewayCall(
         call_id, logical_call_id(history), parent, history.kind, history.length, history.digest
     )
@@ -39,17 +41,16 @@ def test_child_retry_and_root() -> None:
     by_id = {c.call_id: c for c in calls}
     # The longest extended prefix wins: a continuation of c2 is its child, not c1's.
     assert (
-        resolve(calls, history_of("chat", chat("hi", "hello", "more", "sure", "again")), by_id).parent
-        is second
+        resolve(calls, history_of(CHAT, chat("hi", "hello", "more", "sure", "again")), by_id).parent is second
     )
-    assert resolve(calls, history_of("chat", chat("hi", "hello", "other")), by_id).parent is first
+    assert resolve(calls, history_of(CHAT, chat("hi", "hello", "other")), by_id).parent is first
     # The same history again: a retry, under the retried call's parent, same logical id.
-    retry = resolve(calls, history_of("chat", chat("hi", "hello", "more")), by_id)
+    retry = resolve(calls, history_of(CHAT, chat("hi", "hello", "more")), by_id)
     assert retry.retry_of is second and retry.parent is first
     # A reply the agent rewrote is not the reply the gateway returned: a new root.
-    assert resolve(calls, history_of("chat", chat("hi", "HELLO", "more")), by_id).parent is None
-    assert resolve(calls, history_of("chat", chat("summary")), by_id) == resolve(
-        [], history_of("chat", chat("x")), {}
+    assert resolve(calls, history_of(CHAT, chat("hi", "HELLO", "more")), by_id).parent is None
+    assert resolve(calls, history_of(CHAT, chat("summary")), by_id) == resolve(
+        [], history_of(CHAT, chat("x")), {}
     )
 
 
@@ -57,19 +58,18 @@ def test_a_call_with_other_template_kwargs_is_a_new_root() -> None:
     thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
     first = answered("c1", {**chat("hi"), **thinking_off}, "hello")
     by_id = {"c1": first}
-    same = history_of("chat", {**chat("hi", "hello", "more"), **thinking_off})
+    same = history_of(CHAT, {**chat("hi", "hello", "more"), **thinking_off})
     assert resolve([first], same, by_id).parent is first
     for other in ({}, {"chat_template_kwargs": {"enable_thinking": True}}):
         assert (
-            resolve([first], history_of("chat", {**chat("hi", "hello", "more"), **other}), by_id).parent
-            is None
+            resolve([first], history_of(CHAT, {**chat("hi", "hello", "more"), **other}), by_id).parent is None
         )
 
 
 def test_unanswered_calls_are_never_parents() -> None:
-    history = history_of("chat", chat("hi"))
+    history = history_of(CHAT, chat("hi"))
     pending = GatewayCall("c1", logical_call_id(history), None, history.kind, history.length, history.digest)
-    assert resolve([pending], history_of("chat", chat("hi", "hello", "more")), {"c1": pending}).parent is None
+    assert resolve([pending], history_of(CHAT, chat("hi", "hello", "more")), {"c1": pending}).parent is None
 
 
 def test_sessions_seal_once_and_abandon_idle_ones() -> None:
@@ -162,24 +162,20 @@ def test_workers_prefer_the_sessions_worker_then_the_least_loaded() -> None:
 
 def test_logical_ids_carry_the_request_and_recovered_calls_continue_by_role() -> None:
     body = chat("hi")
-    history = history_of("chat", body)
+    history = history_of(CHAT, body)
     logical = logical_call_id(history)
     assert parse_logical_call_id(logical) == ("turns", 1, history.digest)
     assert parse_logical_call_id(f"{logical}.3") == ("turns", 1, history.digest)  # a choice's
     assert parse_logical_call_id("c7-run-1") is None  # not the gateway's: not recovered
-    text = history_of("completions", {"prompt": "2 + 3 ="})
+    text = history_of(COMPLETIONS, {"prompt": "2 + 3 ="})
     assert parse_logical_call_id(logical_call_id(text)) == ("text", 7, text.digest)
     recovered = GatewayCall("c1", logical, None, "turns", 1, history.digest, recovered=True)
     recovered.coords = object()  # type: ignore[assignment]  # any coords: it was staged
     calls, by_id = [recovered], {"c1": recovered}
     # Its reply is unknown: any assistant turn after its request continues it.
+    assert resolve(calls, history_of(CHAT, chat("hi", "whatever it said", "more")), by_id).parent is recovered
     assert (
-        resolve(calls, history_of("chat", chat("hi", "whatever it said", "more")), by_id).parent is recovered
-    )
-    assert (
-        resolve(
-            calls, history_of("chat", {"messages": [{"role": "user", "content": "hi"}] * 2}), by_id
-        ).parent
+        resolve(calls, history_of(CHAT, {"messages": [{"role": "user", "content": "hi"}] * 2}), by_id).parent
         is None
     )
 
@@ -188,7 +184,7 @@ def test_a_recovered_segment_root_continues_from_its_own_key_alone() -> None:
     """After a restart, a call the worker staged as a new segment's root (``history:
     render``) anchors its children with a chain of its own key, as its reply's coords did."""
     client = RolloutClient(RecordingSink())
-    root = client.admit("r1", call_id="c1", logical_call_id=logical_call_id(history_of("chat", chat("hi"))))
+    root = client.admit("r1", call_id="c1", logical_call_id=logical_call_id(history_of(CHAT, chat("hi"))))
     parent = CommitCoords.model_validate({**_coords("r1", "c1", None, 0), "staging_chain": ["r1/c1"]})
     admitted = client.admit(
         "r1", parent, call_id="c2", history="render", logical_call_id=root.logical_call_id

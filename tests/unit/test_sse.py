@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 
 from pipeline.api import sse
-from pipeline.gateway.normalize import StreamedReply
+from pipeline.api.protocols import CHAT
 from pipeline.gateway.replies import hidden_fields, strip_event
 from topics.wire import COORDS_FIELD
 
@@ -47,13 +47,13 @@ def test_a_message_is_rewritten_with_its_other_lines_as_sent() -> None:
 
 def test_the_gateway_strips_coords_from_data_sent_without_a_space() -> None:
     chunk = {"choices": [{"index": 0, "finish_reason": "stop", COORDS_FIELD: COORDS}]}
-    stripped, coords = strip_event(f"data:{orjson.dumps(chunk).decode()}\n\n", hidden_fields(False))
+    stripped, coords = strip_event(CHAT, f"data:{orjson.dumps(chunk).decode()}\n\n", hidden_fields(False))
     assert COORDS_FIELD not in stripped and coords[0].call_id == "c"
     assert sse.message(stripped).json() == {"choices": [{"index": 0, "finish_reason": "stop"}]}
 
 
 def test_a_streamed_reply_reads_multi_line_data() -> None:
-    reply = StreamedReply("chat")
+    reply = CHAT.streamed_reply()
     reply.feed(
         'data: {"choices": [{"index": 0,\ndata:  "delta": {"role": "assistant", "content": "hi"}}]}\n\n'
     )

@@ -24,13 +24,14 @@ import pytest
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from pipeline.api.errors import InvalidRequest
+from pipeline.api.protocols import PROTOCOLS
 from pipeline.cli import build_parser
 from pipeline.commands.worker import worker_config
 from pipeline.models.tiny import make_tiny_model, read_manifest
 from pipeline.worker.options import COMMON, RESPONSES, check_content, check_options, field_names
 from pipeline.worker.protocol import capture_admissions
 from pipeline.worker.reasoning import tool_parser_for
-from pipeline.worker.replies import Dialect, attach_coords, stream_with_coords
+from pipeline.worker.replies import attach_coords, stream_with_coords
 from stages.capture.cache import ChainCache
 from stages.capture.chat import ChatRenderer
 from stages.capture.core import AckPolicy, CaptureCore
@@ -52,7 +53,7 @@ from topics.choices import choice_admissions
 from topics.failures import WorkerFailure
 from topics.records import EXTRAS_WEIGHT_SPANS, CaptureAdmission, CommitCoords, StagedCall, StagedEvent
 from topics.sampling import EXTRAS_SAMPLING
-from topics.wire import CAPTURE_FIELD, COORDS_FIELD
+from topics.wire import CAPTURE_FIELD, COORDS_FIELD, Dialect
 
 T = TypeVar("T")
 
@@ -731,17 +732,20 @@ IMAGE_IN_TOOL_RESULT = {
 )
 def test_non_text_content_is_refused(body: dict[str, Any], dialect: str, param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
-        check_content(body, dialect)
+        check_content(body, PROTOCOLS[dialect])
     assert caught.value.param == param and caught.value.message.startswith(f"{param}: ")
 
 
 def test_text_content_passes() -> None:
-    check_content({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "chat")
     check_content(
-        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}, "responses"
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, PROTOCOLS["chat"]
+    )
+    check_content(
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]},
+        PROTOCOLS["responses"],
     )
     tool_result = {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "4"}]}
-    check_content({"messages": [{"role": "user", "content": [tool_result]}]}, "messages")
+    check_content({"messages": [{"role": "user", "content": [tool_result]}]}, PROTOCOLS["messages"])
 
 
 # ------------------------------------------------------------------ ng_capture
@@ -844,18 +848,20 @@ def test_reply_carries_each_choices_coords(renderer: ChatRenderer) -> None:
             "id": "x",
             "choices": [{"index": 0, "message": {}}, {"index": 1, "message": {}}],
         }
-        reply = await attach_coords(reply, "chat", two)
+        reply = await attach_coords(reply, PROTOCOLS["chat"], two)
         assert COORDS_FIELD not in reply
         assert [c[COORDS_FIELD]["call_id"] for c in reply["choices"]] == ["c1.0", "c1.1"]
         assert all(c[COORDS_FIELD]["disposition"] == "staged" for c in reply["choices"])
 
         one = await captured_scope(rig, 1, capture=[0])
-        reply = await attach_coords({"id": "y", "choices": [{"index": 0, "text": "a"}]}, "completions", one)
+        reply = await attach_coords(
+            {"id": "y", "choices": [{"index": 0, "text": "a"}]}, PROTOCOLS["completions"], one
+        )
         assert reply[COORDS_FIELD] == reply["choices"][0][COORDS_FIELD]
         coords = RolloutClient.coords_from_reply(reply)
         assert coords is not None and coords.call_id == "c1" and coords.disposition == "staged"
 
-        message = await attach_coords({"type": "message", "content": []}, "messages", one)
+        message = await attach_coords({"type": "message", "content": []}, PROTOCOLS["messages"], one)
         assert message[COORDS_FIELD]["call_id"] == "c1"
 
     run(renderer, body)
@@ -872,7 +878,7 @@ def test_chat_stream_puts_coords_on_each_finishing_chunk(renderer: ChatRenderer)
             yield sse(chunk(0, "length"))
             yield "data: [DONE]\n\n"
 
-        out = await listed(stream_with_coords(events(), "chat", scope, 0))
+        out = await listed(stream_with_coords(events(), PROTOCOLS["chat"], scope, 0))
         assert out[0] == sse(chunk(0, None)) and out[3] == "data: [DONE]\n\n"
         second, first = data_of(out[1]), data_of(out[2])
         assert second["choices"][0][COORDS_FIELD]["call_id"] == "c1.1" and COORDS_FIELD not in second
@@ -884,7 +890,7 @@ def test_chat_stream_puts_coords_on_each_finishing_chunk(renderer: ChatRenderer)
         async def one() -> AsyncIterator[str]:
             yield sse(chunk(0, "stop"))
 
-        [last] = await listed(stream_with_coords(one(), "chat", single, 0))
+        [last] = await listed(stream_with_coords(one(), PROTOCOLS["chat"], single, 0))
         assert data_of(last)[COORDS_FIELD] == data_of(last)["choices"][0][COORDS_FIELD]
 
     run(renderer, body)
@@ -930,7 +936,7 @@ def test_final_event_carries_the_coords(
             for event in events:
                 yield event
 
-        out = await listed(stream_with_coords(stream(), dialect, scope, 0))
+        out = await listed(stream_with_coords(stream(), PROTOCOLS[dialect], scope, 0))
         assert [m for i, m in enumerate(out) if i != final] == [e for i, e in enumerate(events) if i != final]
         kind = events[final].split("\n", 1)[0]
         assert out[final].startswith(f"{kind}\ndata: ") and out[final].endswith("\n\n")
@@ -950,13 +956,13 @@ def test_abandoned_or_unfinished_stream_fails_its_calls(renderer: ChatRenderer) 
             yield sse(chunk(0, None))
             yield sse(chunk(0, None))
 
-        stream = cast(AsyncGenerator[str, None], stream_with_coords(events(), "chat", scope, 0))
+        stream = cast(AsyncGenerator[str, None], stream_with_coords(events(), PROTOCOLS["chat"], scope, 0))
         await stream.__anext__()
         await stream.aclose()  # the client went away
         assert failed(await scope.coords(0), WorkerFailure.CLIENT_DISCONNECTED)
 
         unfinished = await captured_scope(rig, 1)
-        await listed(stream_with_coords(events(), "chat", unfinished, 0))
+        await listed(stream_with_coords(events(), PROTOCOLS["chat"], unfinished, 0))
         assert failed(await unfinished.coords(0), WorkerFailure.NOT_SERVED)
 
     run(renderer, body)
@@ -980,7 +986,9 @@ def test_engine_client_and_stream_compose(renderer: ChatRenderer) -> None:
             Output(None, [choice(0, [IM_END], [-0.5], "stop")]),
         ]
         engine = rig.generate(scope, [1, 2], sampling(RequestOutputKind.DELTA))
-        out = await asyncio.wait_for(listed(stream_with_coords(chat_stream(engine), "chat", scope, 0)), 5)
+        out = await asyncio.wait_for(
+            listed(stream_with_coords(chat_stream(engine), PROTOCOLS["chat"], scope, 0)), 5
+        )
         coords = data_of(out[1])[COORDS_FIELD]
         assert coords["disposition"] == "staged" and coords["delta_len"] == 4
 
@@ -994,7 +1002,7 @@ def test_aborted_choice_does_not_hang_the_stream(renderer: ChatRenderer) -> None
         scope = await captured_scope(rig, 1)
         rig.engine.script = [Output([1, 2], [choice(0, [300], [-0.5], "abort")])]
         engine = rig.generate(scope, [1, 2], sampling(RequestOutputKind.DELTA))
-        events = stream_with_coords(chat_stream(engine), "chat", scope, 0)
+        events = stream_with_coords(chat_stream(engine), PROTOCOLS["chat"], scope, 0)
         try:
             out = await asyncio.wait_for(listed(events), 2)
         except TimeoutError:
