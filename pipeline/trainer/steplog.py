@@ -21,12 +21,15 @@ STEPS_DIR = "steps"
 
 @dataclass(frozen=True, slots=True)
 class StepLog:
-    """One step as written: who trained, on which version, its report, its logprobs."""
+    """One step as written: who trained, on which version, its reward, its report, its logprobs."""
 
     run_id: str
     step: int
     trainer: str
     weight_version: int
+    reward_mean: float | None
+    """The mean reward of the samples the step trained on (None: none had one; or a step
+    file written before steps recorded it)."""
     mismatch: Mapping[str, Any]
     trainer_logprobs: Mapping[str, Sequence[float]]
     """Per sample key, the trainer's logprob at every position (0 where the mask is 0)."""
@@ -50,8 +53,12 @@ class StepWriter:
         weight_version: int,
         mismatch: Mapping[str, Any],
         trainer_logprobs: Mapping[str, Sequence[float]],
+        *,
+        reward_mean: float | None,
     ) -> Path:
-        log = StepLog(self.run_id, step, self.trainer, weight_version, mismatch, trainer_logprobs)
+        log = StepLog(
+            self.run_id, step, self.trainer, weight_version, reward_mean, mismatch, trainer_logprobs
+        )
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{log.name}.json"
         partial = path.with_suffix(".json.partial")
@@ -62,6 +69,7 @@ class StepWriter:
                     "step": log.step,
                     "trainer": log.trainer,
                     "weight_version": log.weight_version,
+                    "reward_mean": log.reward_mean,
                     "mismatch": log.mismatch,
                     "trainer_logprobs": log.trainer_logprobs,
                 }
@@ -84,6 +92,7 @@ def read_steps(data_dir: Path) -> tuple[list[StepLog], int]:
                     step=int(document["step"]),
                     trainer=str(document["trainer"]),
                     weight_version=int(document["weight_version"]),
+                    reward_mean=_optional_float(document.get("reward_mean")),
                     mismatch=dict(document["mismatch"]),
                     trainer_logprobs=dict(document["trainer_logprobs"]),
                 )
@@ -92,6 +101,10 @@ def read_steps(data_dir: Path) -> tuple[list[StepLog], int]:
             unreadable += 1
     steps.sort(key=lambda log: (log.run_id, log.step))
     return steps, unreadable
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 __all__ = ["STEPS_DIR", "StepLog", "StepWriter", "read_steps"]

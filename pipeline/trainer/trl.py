@@ -221,16 +221,17 @@ class TrlBridge:
         samples = [s for group in groups for s in group if s is not None]
         rewards = [s.reward for s in samples if s.reward is not None and not math.isnan(s.reward)]
         version = self.version()
+        reward_mean = sum(rewards) / len(rewards) if rewards else None
         mismatch, logprobs = measure(trainer.model, batch, policy_version=version)
         if self.step_writer is not None:
-            self.step_writer.write(len(self.steps) + 1, version, mismatch, logprobs)
+            self.step_writer.write(len(self.steps) + 1, version, mismatch, logprobs, reward_mean=reward_mean)
         self.steps.append(
             TrlStep(
                 step=len(self.steps) + 1,
                 weight_version=version,
                 samples=len(samples),
                 rejected_filled=rollouts.filled,
-                reward_mean=sum(rewards) / len(rewards) if rewards else None,
+                reward_mean=reward_mean,
                 ratio_max_abs_dev=mismatch["max_abs_dev"] or 0.0,
                 seconds=self._seconds,
                 unreplayable_masked_tokens=rollouts.unreplayable_masked_tokens,
