@@ -170,6 +170,11 @@ class ClosedLoop:
                 report.mismatch,
                 report.trainer_logprobs or {},
                 reward_mean=_mean([s.reward for s in batch.samples]),
+                trainer_metrics={
+                    "loss": report.loss,
+                    "update_norm": report.update_norm,
+                    "policy_shift": report.policy_shift,
+                },
             )
         path = await asyncio.to_thread(self.trainer.save, self.weights_dir / f"step-{step}")
         marks.append(time.monotonic())

@@ -312,12 +312,14 @@ class TrlBridge:
             self._pending = None
 
     def logged(self, logs: dict[str, Any]) -> None:
-        """TRL's log of a step (``logging_steps`` 1: one per step) goes on that step."""
+        """TRL's log of a step (``logging_steps`` 1: one per step) goes on that step, and into
+        its step file beside the mismatch report."""
         if "loss" in logs and self.steps and self.steps[-1].trl is None:
-            self.steps[-1].loss = float(logs["loss"])
-            self.steps[-1].trl = {
-                name: float(value) for name, value in logs.items() if isinstance(value, int | float)
-            }
+            step = self.steps[-1]
+            step.loss = float(logs["loss"])
+            step.trl = {name: float(value) for name, value in logs.items() if isinstance(value, int | float)}
+            if self.step_writer is not None and step.mismatch is not None:  # its file was written
+                self.step_writer.add_trainer_metrics(step.step, step.trl)
 
 
 IMPORTANCE_SAMPLING_MODE = "token_truncate"

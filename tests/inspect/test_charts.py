@@ -46,7 +46,7 @@ def lag_report(
 
 
 def step(n: int, reward: float | None, report: dict[str, Any], run_id: str = "run-a") -> StepLog:
-    return StepLog(run_id, n, "builtin", n - 1, reward, report, {})
+    return StepLog(run_id, n, "builtin", n - 1, reward, report, trainer_logprobs={}, trainer_metrics={})
 
 
 def inverse_y(chart: Chart, y: float) -> float:

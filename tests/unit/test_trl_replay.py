@@ -305,7 +305,11 @@ def test_a_group_with_every_member_rejected_is_skipped_and_named_in_the_step(
     }
     assert step.samples == 2 and step.mismatch is not None and step.mismatch["tokens"] == 22
     (log,), _ = read_steps(tmp_path)
-    assert log.reward_mean == pytest.approx(step.reward_mean)
+    assert log.reward_mean == pytest.approx(step.reward_mean) and log.trainer_metrics == {}
+    bridge.logged({"loss": 0.25, "sampling/importance_sampling_ratio/max": 1.0, "epoch": 1, "note": "x"})
+    (log,), _ = read_steps(tmp_path)
+    assert log.trainer_metrics == {"loss": 0.25, "sampling/importance_sampling_ratio/max": 1.0, "epoch": 1.0}
+    assert log.mismatch == step.mismatch  # the report stays as written
 
 
 def test_trl_trains_a_step_with_a_skipped_group_and_a_step_with_nothing_to_train(
