@@ -11,7 +11,8 @@ training-inference ratio deviation (the trainer scoring the distribution that sa
 to the trainer at temperature ``T`` (``pipeline.trainer.shift``): the captured logprobs are
 then of a wrong temperature to it, and the report shows per step what the mismatch report
 measures (k3, the largest ratio), what the importance corrections would clip or mask, what
-TRL's own correction logged, and the reward curve beside the unshifted one.
+each trainer's own correction did (its step files' ``trainer_metrics``: the built-in step's
+clip fraction, TRL's importance-sampling ratio), and the reward curve beside the unshifted one.
 
 Run: ``tokentrail bench learning [--quick] [--json] [--plot FILE.png]
 [--shift-behaviour-temperature T]``.
@@ -30,6 +31,7 @@ from typing import Any
 from bench import plots
 from bench.command import Benchmark, Option, Quick, names
 from bench.common import machine, versions
+from pipeline.trainer.steplog import read_steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +65,8 @@ OPTIONS = (
     ),
     Option("--plot", "write the reward curves to this PNG", str, for_run=True),
 )
-TRL_CORRECTION = (
+CORRECTION_METRICS = (
+    "clip_fraction",
     "sampling/importance_sampling_ratio/min",
     "sampling/importance_sampling_ratio/mean",
     "sampling/importance_sampling_ratio/max",
@@ -71,7 +74,9 @@ TRL_CORRECTION = (
     "sampling/sampling_logp_difference/max",
     "clip_ratio/region_mean",
 )
-"""What TRL logs of its importance correction against the captured logprobs, and of its clipping."""
+"""What each trainer logs of its own correction, from its step files (``trainer_metrics``):
+the built-in step's PPO clip fraction; TRL's importance-sampling ratio against the captured
+logprobs (after its cap), their log difference, and its clip fraction."""
 
 
 def curve(trainer: str, config: LearningConfig, shift: float | None = None) -> dict[str, Any]:
@@ -93,6 +98,7 @@ def curve(trainer: str, config: LearningConfig, shift: float | None = None) -> d
             text=True,
             check=False,
         )
+        logs, _ = read_steps(Path(scratch) / "tt")
     if done.returncode != 0:
         raise RuntimeError(f"tokentrail {' '.join(command)} exited {done.returncode}")
     summary = json.loads(done.stdout)
@@ -111,11 +117,10 @@ def curve(trainer: str, config: LearningConfig, shift: float | None = None) -> d
         "ratio_max": [report.get("ratio_max") for report in mismatch],
         "tis_clipped_fraction": [c.get("tis_clipped_fraction") for c in corrections],
         "mis_masked_fraction": [c.get("mis_masked_fraction") for c in corrections],
-        "trl_correction": [
-            {name: (step.get("trl") or {}).get(name) for name in TRL_CORRECTION} for step in steps
-        ]
-        if trainer == "trl"
-        else None,
+        "trainer_correction": [
+            {name: value for name, value in log.trainer_metrics.items() if name in CORRECTION_METRICS}
+            for log in logs
+        ],
         "first_mean": sum(first) / len(first),
         "last_mean": sum(last) / len(last),
         "rise": sum(last) / len(last) - sum(first) / len(first),
@@ -155,6 +160,13 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"{row['label']:<{width}}  " + "  ".join("/".join(_short(v) for v in cell) for cell in cells)
         )
+    lines.append("")
+    lines.append("per step, each trainer's own correction (its step files' trainer_metrics)")
+    for row in report["curves"]:
+        steps = row["trainer_correction"]
+        for name in sorted({name for step in steps for name in step}):
+            values = " ".join(_short(step.get(name)) for step in steps)
+            lines.append(f"{row['label']:<{width}}  {name}: {values}")
     return "\n".join(lines)
 
 

@@ -174,6 +174,7 @@ class ClosedLoop:
                     "loss": report.loss,
                     "update_norm": report.update_norm,
                     "policy_shift": report.policy_shift,
+                    "clip_fraction": report.clip_fraction,
                 },
             )
         path = await asyncio.to_thread(self.trainer.save, self.weights_dir / f"step-{step}")

@@ -33,10 +33,11 @@ class StepLog:
     mismatch: Mapping[str, Any]
     trainer_logprobs: Mapping[str, Sequence[float]]
     """Per sample key, the trainer's logprob at every position (0 where the mask is 0)."""
-    trainer_metrics: Mapping[str, float]
+    trainer_metrics: Mapping[str, float | None]
     """What the trainer itself logged of the step (TRL: its loss, importance-sampling ratio
     against the captured logprobs, clip fractions; the built-in step: its loss, update norm
-    and policy shift), beside tokentrail's own ``mismatch``; empty until it logged."""
+    policy shift and clip fraction), beside tokentrail's own ``mismatch``; empty until it logged. None: a
+    value that was not a finite number (JSON has no NaN)."""
 
     @property
     def name(self) -> str:
@@ -119,7 +120,7 @@ def read_steps(data_dir: Path) -> tuple[list[StepLog], int]:
                     weight_version=int(document["weight_version"]),
                     reward_mean=_optional_float(document.get("reward_mean")),
                     trainer_metrics={
-                        str(name): float(value)
+                        str(name): _optional_float(value)
                         for name, value in (document.get("trainer_metrics") or {}).items()
                     },
                     mismatch=dict(document["mismatch"]),

@@ -4,6 +4,7 @@ the trainer itself logged, written whole; and the step page showing the trainer'
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from fastapi.testclient import TestClient
@@ -53,10 +54,13 @@ def test_the_step_page_shows_what_the_trainer_logged(tmp_path: Path) -> None:
         create_inspect_app(RunSource(tmp_path, LogUnavailable("none"), None), Credentials({}))
     )
     assert "The trainer's own log" not in client.get("/steps/run-a-step-1").text
-    writer.add_trainer_metrics(1, {"loss": 0.0123, "sampling/importance_sampling_ratio/max": 2.0})
+    writer.add_trainer_metrics(
+        1, {"loss": 0.0123, "sampling/importance_sampling_ratio/max": 2.0, "policy_shift": math.nan}
+    )
     client = TestClient(
         create_inspect_app(RunSource(tmp_path, LogUnavailable("none"), None), Credentials({}))
     )
     page = client.get("/steps/run-a-step-1").text
     assert '<dd data-trainer-metric="loss">0.0123</dd>' in page
     assert '<dd data-trainer-metric="sampling/importance_sampling_ratio/max">2</dd>' in page
+    assert '<dd data-trainer-metric="policy_shift">-</dd>' in page  # NaN is written as null
