@@ -173,7 +173,7 @@ def learning_curves(curves: Sequence[dict[str, Any]], path: str | Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for row in curves:
-        ax.plot(range(1, len(row["rewards"]) + 1), row["rewards"], marker="o", label=row["trainer"])
+        ax.plot(range(1, len(row["rewards"]) + 1), row["rewards"], marker="o", label=row["label"])
     ax.set_xlabel("training step")
     ax.set_ylabel("mean reward (share of digits)")
     ax.set_ylim(0, 1)

@@ -198,6 +198,14 @@ def add_parser(subparsers: Any) -> None:
         help="the trainer's weights (either trainer); bfloat16 against the fp32 engine shows a precision "
         "mismatch in each step's report (default: %(default)s)",
     )
+    training.add_argument(
+        "--shift-behaviour-temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="benchmark only: the trainer is told every call sampled at temperature T, so the captured "
+        "logprobs are of a wrong temperature to it (shows what the importance correction does)",
+    )
     parser.add_argument(
         "--keep",
         action="store_true",
@@ -355,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
             staleness_measure=args.staleness_measure,
             trainer_delay_s=args.trainer_delay_s,
             trainer_dtype=args.trainer_dtype,
+            shift_behaviour_temperature=args.shift_behaviour_temperature,
             **rollout_settings(args),
         )
     except (ConfigError, ValueError, OSError) as exc:

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pipeline.auth.audit import Audit
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.auth.gate import PUBLIC, Access, AuthGate, needs
+from pipeline.inspect.charts import run_charts
 from pipeline.inspect.source import RunSource
 from pipeline.inspect.table import STATUSES, TableQuery, member_advantages
 from pipeline.inspect.timeline import duration, utc
@@ -141,7 +142,8 @@ def create_inspect_app(source: RunSource, credentials: Credentials, *, secure: b
 
     @app.get("/steps")
     async def steps(request: Request) -> HTMLResponse:
-        return render(request, "steps.html", steps=list(source.steps.values()))
+        steps = list(source.steps.values())
+        return render(request, "steps.html", steps=steps, charts=run_charts(steps))
 
     @app.get("/steps/{name}")
     async def step(request: Request, name: str) -> HTMLResponse:

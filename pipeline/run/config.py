@@ -122,6 +122,9 @@ class RunConfig:
     """A deliberately slow trainer: each built-in step sleeps this long first (benchmarks, tests)."""
     trainer_dtype: TrainerDtype = "float32"
     """The trainer's weights, either trainer's (``TRAINER_DTYPES``)."""
+    shift_behaviour_temperature: float | None = None
+    """Benchmark only (``pipeline.trainer.shift``): the trainer feed states every call's
+    temperature as this, so the captured logprobs are of a wrong temperature to the trainer."""
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -186,6 +189,12 @@ class RunConfig:
             raise ValueError(f"trainer_delay_s: must be >= 0, got {self.trainer_delay_s}")
         if self.trainer_delay_s and (not self.train_steps or self.trainer != "builtin"):
             raise ValueError("trainer_delay_s: slows the built-in trainer's --train-steps only")
+        if self.shift_behaviour_temperature is not None and not (
+            self.train_steps and self.shift_behaviour_temperature > 0
+        ):
+            raise ValueError(
+                "shift_behaviour_temperature: must be > 0, and shifts only what --train-steps trains"
+            )
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
         if self.fetch_wait_ms < 1:

@@ -391,6 +391,7 @@ class Run:
             groups_per_batch=config.rollouts // config.group_size,
             group_timeout_s=config.finalize_timeout_s,
             staleness=StalenessPolicy(max_staleness=config.max_staleness, measure=config.staleness_measure),
+            shift_behaviour_temperature=config.shift_behaviour_temperature,
         )
         feed = TrainerFeed(kafka, plane, settings, only=lambda event: event.rollout_id in wanted)
         await stack.enter_async_context(feed)

@@ -164,7 +164,18 @@ class ClosedLoop:
         report = await asyncio.to_thread(self.trainer.step, batch, policy_version=version)
         if self.step_writer is not None and report.mismatch is not None:
             await asyncio.to_thread(
-                self.step_writer.write, step, version, report.mismatch, report.trainer_logprobs or {}
+                self.step_writer.write,
+                step,
+                version,
+                report.mismatch,
+                report.trainer_logprobs or {},
+                reward_mean=_mean([s.reward for s in batch.samples]),
+                trainer_metrics={
+                    "loss": report.loss,
+                    "update_norm": report.update_norm,
+                    "policy_shift": report.policy_shift,
+                    "clip_fraction": report.clip_fraction,
+                },
             )
         path = await asyncio.to_thread(self.trainer.save, self.weights_dir / f"step-{step}")
         marks.append(time.monotonic())

@@ -37,6 +37,7 @@ from pipeline.kafka.consumer import DEFAULT_TUNING, ConsumerLoop, ConsumerTuning
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S, poll_lag
 from pipeline.stagehost.metrics import MeteredHandler, StageMetrics
+from pipeline.trainer.shift import shift_behaviour_temperature
 from stages.finalize.reader import FinalizedRollout, Group, GroupCollector
 from stages.finalize.retain import TRAINER_GROUP
 from stages.ports import Consumed, DataPlane, TopicPartition, read_samples
@@ -64,12 +65,19 @@ class FeedSettings:
     """Rollout ids remembered to drop duplicate deliveries."""
     group: str = TRAINER_GROUP
     tuning: ConsumerTuning = DEFAULT_TUNING
+    shift_behaviour_temperature: float | None = None
+    """Benchmark only (``pipeline.trainer.shift``): every fed sample's calls claim this
+    temperature, so the trainer replays a distribution that did not sample. None: as captured."""
 
     def __post_init__(self) -> None:
         if self.groups_per_batch < 1:
             raise ValueError(f"groups_per_batch: must be >= 1, got {self.groups_per_batch}")
         if self.group_timeout_s <= 0:
             raise ValueError(f"group_timeout_s: must be > 0, got {self.group_timeout_s}")
+        if self.shift_behaviour_temperature is not None and not self.shift_behaviour_temperature > 0:
+            raise ValueError(
+                f"shift_behaviour_temperature: must be > 0, got {self.shift_behaviour_temperature}"
+            )
 
 
 class FeedMetrics:
@@ -290,7 +298,10 @@ class TrainerFeed:
         if gone:
             log.warning("trainer feed: %d sample(s) no longer in the data plane, skipped", len(gone))
             self.metrics.samples.labels("missing").inc(len(gone))
-        return found
+        shift = self.settings.shift_behaviour_temperature
+        if shift is None:
+            return found
+        return {key: shift_behaviour_temperature(sample, shift) for key, sample in found.items()}
 
     async def _committed(self, wanted: Mapping[TopicPartition, int]) -> None:
         """Wait until the group committed past the acknowledged events it still owns."""

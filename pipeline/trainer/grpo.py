@@ -39,6 +39,10 @@ class StepReport:
     """max |logp_after - logp_before| over the batch's generated tokens: how far the step
     moved the policy. The next step's ``ratio_max_abs_dev`` stays near 0 only if the
     worker sampled with the new weights, so a shift well above it proves the refit."""
+    clip_fraction: float = 0.0
+    """Generated tokens whose clipped term the loss took (``|w - 1| > CLIP`` against their
+    advantage's sign): their gradient is 0, the built-in step's own correction of a ratio
+    away from 1."""
     mismatch: dict[str, Any] | None = None
     """The batch's mismatch report before the update (``stages.trainer.mismatch``)."""
     trainer_logprobs: dict[str, list[float]] | None = None
@@ -76,7 +80,9 @@ class GrpoTrainer:
         deviation = float(((ratio.detach() - 1).abs() * mask).max())
         advantages = (batch.advantages * batch.sample_weights).unsqueeze(-1)
         clipped = torch.clamp(ratio, 1 - CLIP, 1 + CLIP)
-        loss = -(torch.minimum(ratio * advantages, clipped * advantages) * mask).sum() / tokens
+        surrogate, bounded = ratio * advantages, clipped * advantages
+        loss = -(torch.minimum(surrogate, bounded) * mask).sum() / tokens
+        clip_fraction = float(((bounded < surrogate).detach() & (mask > 0)).sum()) / tokens
         before = [p.detach().clone() for p in self.model.parameters()]
         self.optimizer.zero_grad()
         torch.autograd.backward([loss])
@@ -93,6 +99,7 @@ class GrpoTrainer:
             tokens=tokens,
             update_norm=moved**0.5,
             policy_shift=shift,
+            clip_fraction=clip_fraction,
             mismatch=mismatch,
             trainer_logprobs=per_sample(batch, recomputed),
         )

@@ -21,19 +21,32 @@ STEPS_DIR = "steps"
 
 @dataclass(frozen=True, slots=True)
 class StepLog:
-    """One step as written: who trained, on which version, its report, its logprobs."""
+    """One step as written: who trained, on which version, its reward, its report, its logprobs."""
 
     run_id: str
     step: int
     trainer: str
     weight_version: int
+    reward_mean: float | None
+    """The mean reward of the samples the step trained on (None: none had one; or a step
+    file written before steps recorded it)."""
     mismatch: Mapping[str, Any]
     trainer_logprobs: Mapping[str, Sequence[float]]
     """Per sample key, the trainer's logprob at every position (0 where the mask is 0)."""
+    trainer_metrics: Mapping[str, float | None]
+    """What the trainer itself logged of the step (TRL: its loss, importance-sampling ratio
+    against the captured logprobs, clip fractions; the built-in step: its loss, update norm
+    policy shift and clip fraction), beside tokentrail's own ``mismatch``; empty until it logged. None: a
+    value that was not a finite number (JSON has no NaN)."""
 
     @property
     def name(self) -> str:
-        return f"{self.run_id}-step-{self.step}"
+        return step_name(self.run_id, self.step)
+
+
+def step_name(run_id: str, step: int) -> str:
+    """A step's name: its file's stem, and the inspector's key for it."""
+    return f"{run_id}-step-{step}"
 
 
 class StepWriter:
@@ -50,25 +63,46 @@ class StepWriter:
         weight_version: int,
         mismatch: Mapping[str, Any],
         trainer_logprobs: Mapping[str, Sequence[float]],
+        *,
+        reward_mean: float | None,
+        trainer_metrics: Mapping[str, float] | None = None,
     ) -> Path:
-        log = StepLog(self.run_id, step, self.trainer, weight_version, mismatch, trainer_logprobs)
+        """``trainer_metrics``: None when the trainer logs them after the step's report
+        (TRL, after its optimizer step): ``add_trainer_metrics`` adds them then."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"{log.name}.json"
-        partial = path.with_suffix(".json.partial")
-        partial.write_bytes(
-            orjson.dumps(
-                {
-                    "run_id": log.run_id,
-                    "step": log.step,
-                    "trainer": log.trainer,
-                    "weight_version": log.weight_version,
-                    "mismatch": log.mismatch,
-                    "trainer_logprobs": log.trainer_logprobs,
-                }
-            )
+        path = self._path(step)
+        _replace(
+            path,
+            {
+                "run_id": self.run_id,
+                "step": step,
+                "trainer": self.trainer,
+                "weight_version": weight_version,
+                "reward_mean": reward_mean,
+                "mismatch": mismatch,
+                "trainer_logprobs": trainer_logprobs,
+                "trainer_metrics": dict(trainer_metrics or {}),
+            },
         )
-        os.replace(partial, path)
         return path
+
+    def add_trainer_metrics(self, step: int, metrics: Mapping[str, float]) -> Path:
+        """Put what the trainer logged of ``step`` into its written file."""
+        path = self._path(step)
+        document = orjson.loads(path.read_bytes())
+        document["trainer_metrics"] = dict(metrics)
+        _replace(path, document)
+        return path
+
+    def _path(self, step: int) -> Path:
+        return self.directory / f"{step_name(self.run_id, step)}.json"
+
+
+def _replace(path: Path, document: Mapping[str, Any]) -> None:
+    """Write whole or not at all: a reader sees the old file or the new one."""
+    partial = path.with_suffix(".json.partial")
+    partial.write_bytes(orjson.dumps(document))
+    os.replace(partial, path)
 
 
 def read_steps(data_dir: Path) -> tuple[list[StepLog], int]:
@@ -84,6 +118,11 @@ def read_steps(data_dir: Path) -> tuple[list[StepLog], int]:
                     step=int(document["step"]),
                     trainer=str(document["trainer"]),
                     weight_version=int(document["weight_version"]),
+                    reward_mean=_optional_float(document.get("reward_mean")),
+                    trainer_metrics={
+                        str(name): _optional_float(value)
+                        for name, value in (document.get("trainer_metrics") or {}).items()
+                    },
                     mismatch=dict(document["mismatch"]),
                     trainer_logprobs=dict(document["trainer_logprobs"]),
                 )
@@ -94,4 +133,8 @@ def read_steps(data_dir: Path) -> tuple[list[StepLog], int]:
     return steps, unreadable
 
 
-__all__ = ["STEPS_DIR", "StepLog", "StepWriter", "read_steps"]
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+__all__ = ["STEPS_DIR", "StepLog", "StepWriter", "read_steps", "step_name"]

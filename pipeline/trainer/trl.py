@@ -15,7 +15,11 @@ runs on the run's event loop, reached with ``asyncio.run_coroutine_threadsafe``.
 A member of a group with no accepted sample (rejected) still needs a completion, since
 TRL normalizes rewards over ``num_generations`` completions per prompt: it is given an
 accepted sibling's tokens with an ``env_mask`` of zeros (no gradient) and the mean reward of
-the accepted members (the group's mean unchanged, its advantage 0), and counted.
+the accepted members (the group's mean unchanged, its advantage 0), and counted. A group
+with no accepted member at all (every rollout rejected) is skipped: TRL still gets its
+``num_generations`` completions, each a one-token placeholder with an ``env_mask`` of 0
+and the same reward (advantage 0, nothing trained), and the step's report names the group
+and the rejections that emptied it (``TrlStep.skipped_groups``).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +41,7 @@ from pipeline.trainer.recompute import measure
 from pipeline.trainer.shapes import split
 from pipeline.trainer.steplog import StepWriter
 from pipeline.trainer.trl_fields import OPTIONS, SAMPLE_KEY_FIELD, SAMPLING_FIELD
+from stages.finalize.reader import FinalizedRollout
 from stages.trainer.batch import TokenLayout, TrainBatch, span_end_rewards, unreplayable_spans
 from stages.trainer.settings import TrainerDtype
 from topics.records import TrainingSample
@@ -47,6 +53,9 @@ REWARD_FIELD = "tokentrail_reward"
 CALL_REWARDS_FIELD = "tokentrail_call_rewards"
 """The extra field with each completion's per-token call rewards (``TrainBatch.call_rewards``,
 aligned with ``completion_ids``), for reward functions that score turns."""
+PLACEHOLDER_TOKEN = 0
+"""The token of a skipped group's placeholder completions: every vocabulary has id 0, and
+the completion is masked, so which token it is never matters."""
 T = TypeVar("T")
 Messages = list[dict[str, Any]]
 
@@ -68,6 +77,8 @@ class Rollouts:
     """Rejected members filled in with a sibling's tokens (see the module's docstring)."""
     unreplayable_masked_tokens: int
     """Generated tokens of calls with options no trainer can replay, masked from TRL's loss."""
+    skipped: list[int]
+    """Indices of the groups with no accepted member, given placeholders (nothing trained)."""
 
 
 def rollout_fields(groups: Sequence[Sequence[TrainingSample | None]]) -> Rollouts:
@@ -87,10 +98,14 @@ def rollout_fields(groups: Sequence[Sequence[TrainingSample | None]]) -> Rollout
         )
     }
     filled = masked = 0
-    for group in groups:
+    skipped: list[int] = []
+    for index, group in enumerate(groups):
         accepted = [s for s in group if s is not None]
         if not accepted:
-            raise ValueError(f"group of {len(group)}: no member has a verified sample to train on")
+            skipped.append(index)
+            for _ in group:
+                _placeholder(out, f"skipped group {index}")
+            continue
         known = [s.reward for s in accepted if s.reward is not None]
         mean = sum(known) / len(known) if known else 0.0
         for sample in group:
@@ -117,7 +132,19 @@ def rollout_fields(groups: Sequence[Sequence[TrainingSample | None]]) -> Rollout
                 mask[begin - cut : end - cut] = [0] * (end - begin)
             out["env_mask"].append(mask)
             out[REWARD_FIELD].append(sample.reward if sample.reward is not None else mean)
-    return Rollouts(out, filled, masked)
+    return Rollouts(out, filled, masked, skipped)
+
+
+def _placeholder(out: dict[str, list[Any]], key: str) -> None:
+    """One completion that trains nothing: one masked token, reward 0, neutral sampling."""
+    out["prompt_ids"].append([PLACEHOLDER_TOKEN])
+    out["completion_ids"].append([PLACEHOLDER_TOKEN])
+    out["logprobs"].append([0.0])
+    out["env_mask"].append([0])
+    out[REWARD_FIELD].append(0.0)
+    out[CALL_REWARDS_FIELD].append([0.0])
+    out[SAMPLING_FIELD].append({name: [neutral] for name, (neutral, _) in OPTIONS.items()})
+    out[SAMPLE_KEY_FIELD].append(key)
 
 
 def completion_sampling(sample: TrainingSample, cut: int) -> dict[str, list[float]]:
@@ -168,10 +195,20 @@ class TrlStep:
     logprobs (``sampling/importance_sampling_ratio/*``, ``sampling/sampling_logp_difference/*``),
     its clip fractions (``clip_ratio/*``), entropy, reward statistics."""
     mismatch: dict[str, Any] | None = None
-    """The batch's mismatch report under TRL's weights before the step (``stages.trainer.mismatch``)."""
+    """The batch's mismatch report under TRL's weights before the step (``stages.trainer.mismatch``;
+    None when no group of the step had an accepted sample)."""
+    skipped_groups: dict[str, str] = field(default_factory=dict)
+    """Group id → why it trained nothing: every member rejected, with their rejection codes."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def emptied(members: Sequence[FinalizedRollout]) -> str:
+    """Why a group has nothing to train: its members' rejection codes, counted."""
+    codes = Counter(str(m.event.rejection_reason or m.event.status) for m in members)
+    listed = ", ".join(f"{code} ×{count}" for code, count in sorted(codes.items()))
+    return f"no accepted member: {len(members)} rollouts rejected ({listed})"
 
 
 class TrlBridge:
@@ -218,25 +255,34 @@ class TrlBridge:
             members = sorted(by_group[group_id].members, key=lambda m: m.event.rollout_id)
             groups.append([m.samples[0] if m.samples else None for m in members])
         rollouts = rollout_fields(groups)
+        skipped = {group_ids[i]: emptied(by_group[group_ids[i]].members) for i in rollouts.skipped}
+        for group_id, reason in skipped.items():
+            log.warning("TRL step %d: group %s skipped: %s", len(self.steps) + 1, group_id, reason)
         samples = [s for group in groups for s in group if s is not None]
         rewards = [s.reward for s in samples if s.reward is not None and not math.isnan(s.reward)]
         version = self.version()
-        mismatch, logprobs = measure(trainer.model, batch, policy_version=version)
-        if self.step_writer is not None:
-            self.step_writer.write(len(self.steps) + 1, version, mismatch, logprobs)
+        reward_mean = sum(rewards) / len(rewards) if rewards else None
+        mismatch: dict[str, Any] | None = None
+        if len(batch):
+            mismatch, logprobs = measure(trainer.model, batch, policy_version=version)
+            if self.step_writer is not None:
+                self.step_writer.write(
+                    len(self.steps) + 1, version, mismatch, logprobs, reward_mean=reward_mean
+                )
         self.steps.append(
             TrlStep(
                 step=len(self.steps) + 1,
                 weight_version=version,
                 samples=len(samples),
                 rejected_filled=rollouts.filled,
-                reward_mean=sum(rewards) / len(rewards) if rewards else None,
-                ratio_max_abs_dev=mismatch["max_abs_dev"] or 0.0,
+                reward_mean=reward_mean,
+                ratio_max_abs_dev=(mismatch or {}).get("max_abs_dev") or 0.0,
                 seconds=self._seconds,
                 unreplayable_masked_tokens=rollouts.unreplayable_masked_tokens,
                 staleness_max=int(batch.staleness.max()) if len(batch) else None,
                 stale_dropped=len(batch.stale),
                 mismatch=mismatch,
+                skipped_groups=skipped,
             )
         )
         self._pending = batch
@@ -266,12 +312,14 @@ class TrlBridge:
             self._pending = None
 
     def logged(self, logs: dict[str, Any]) -> None:
-        """TRL's log of a step (``logging_steps`` 1: one per step) goes on that step."""
+        """TRL's log of a step (``logging_steps`` 1: one per step) goes on that step, and into
+        its step file beside the mismatch report."""
         if "loss" in logs and self.steps and self.steps[-1].trl is None:
-            self.steps[-1].loss = float(logs["loss"])
-            self.steps[-1].trl = {
-                name: float(value) for name, value in logs.items() if isinstance(value, int | float)
-            }
+            step = self.steps[-1]
+            step.loss = float(logs["loss"])
+            step.trl = {name: float(value) for name, value in logs.items() if isinstance(value, int | float)}
+            if self.step_writer is not None and step.mismatch is not None:  # its file was written
+                self.step_writer.add_trainer_metrics(step.step, step.trl)
 
 
 IMPORTANCE_SAMPLING_MODE = "token_truncate"
@@ -375,6 +423,7 @@ __all__ = [
     "TrlStep",
     "completion_sampling",
     "distinct_in_order",
+    "emptied",
     "environment_reward",
     "grpo_trainer",
     "rollout_fields",

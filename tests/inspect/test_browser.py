@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,18 @@ ARGS = [
 
 @pytest.fixture(scope="module")
 def server(run_dir: RunDir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with inspecting(run_dir.path, tmp_path_factory) as url:
+        yield url
+
+
+@contextmanager
+def inspecting(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``tokentrail inspect DATA_DIR`` on a free port, its URL once it answers."""
     port = free_port()
     log = tmp_path_factory.mktemp("inspect-server") / "inspect.log"
     with log.open("w") as err:
         process = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "inspect", str(run_dir.path), "--port", str(port)],
+            [sys.executable, "-m", "pipeline.cli", "inspect", str(data_dir), "--port", str(port)],
             cwd=REPO,
             stdout=err,
             stderr=err,
@@ -80,6 +88,12 @@ def browser() -> Iterator[Browser]:
 @pytest.fixture
 def page(browser: Browser, server: str, run_dir: RunDir) -> Iterator[Page]:
     """A logged-in page that fails the test on any console error."""
+    with logged_in(browser, server, run_dir) as logged:
+        yield logged
+
+
+@contextmanager
+def logged_in(browser: Browser, server: str, run_dir: RunDir) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server)
     page = context.new_page()
@@ -287,6 +301,90 @@ def test_a_train_step_s_report_and_its_worst_tokens_beside_the_behaviour(
     page.goto(page.url.split("?")[0])  # without a step: shaded by probability again
     expect(page.locator(".legend.diff")).to_have_count(0)
     expect(page.locator(".steps-of a").first).to_be_visible()
+
+
+def chart_points(page: Page, chart: str, series: str) -> list[tuple[int, float]]:
+    """(step, value) of every point the browser drew in one series of one chart."""
+    points = page.locator(f"figure[data-chart='{chart}'] g.series[data-series='{series}'] circle")
+    return [
+        (int(step), float(value))
+        for step, value in points.evaluate_all("cs => cs.map(c => [c.dataset.step, c.dataset.value])")
+    ]
+
+
+def test_the_steps_page_charts_the_recorded_step(page: Page, server: str, run_dir: RunDir) -> None:
+    """The run's one step: one point per series, at the values its step file holds."""
+    (record,) = [json.loads(path.read_text()) for path in (run_dir.path / "steps").glob("*.json")]
+    page.goto(f"{server}/steps")
+    for chart in ("reward", "k3", "ratio_max"):
+        expect(page.locator(f"figure[data-chart='{chart}'] svg")).to_be_visible()
+    assert chart_points(page, "reward", "mean reward") == [(1, pytest.approx(record["reward_mean"]))]
+    report = record["mismatch"]
+    assert chart_points(page, "k3", "all tokens") == [(1, pytest.approx(report["k3"]))]
+    assert chart_points(page, "ratio_max", "all tokens") == [(1, pytest.approx(report["ratio_max"]))]
+    for lag, bucket in report["buckets"]["lag"].items():
+        assert chart_points(page, "ratio_max", f"lag {lag}") == [(1, pytest.approx(bucket["ratio_max"]))]
+    tip = page.locator("figure[data-chart='reward'] circle title").first.text_content() or ""
+    assert tip.startswith("mean reward, step 1: ")
+
+
+@pytest.fixture(scope="module")
+def many_steps(run_dir: RunDir, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run's archive and credentials with six steps made from its one step's record:
+    rewards rising (step 3's missing), k3 and the largest ratio growing, a lag 1 bucket from step 4."""
+    data_dir = tmp_path_factory.mktemp("many-steps") / "tt"
+    (data_dir / "steps").mkdir(parents=True)
+    shutil.copy(archive_path(run_dir.path), archive_path(data_dir))
+    shutil.copytree(run_dir.path / "credentials", data_dir / "credentials")
+    (source,) = (run_dir.path / "steps").glob("*.json")
+    record = json.loads(source.read_text())
+    for step in range(1, 7):
+        report = json.loads(json.dumps(record["mismatch"]))
+        report["k3"] = 10.0 ** (step - 10)
+        report["ratio_max"] = 1.0 + step / 4
+        if step >= 4:
+            report["buckets"]["lag"]["1"] = {**report["buckets"]["lag"]["0"], "ratio_max": 2.0 + step / 4}
+        written = {
+            **record,
+            "step": step,
+            "reward_mean": None if step == 3 else step / 10,
+            "mismatch": report,
+        }
+        (data_dir / "steps" / f"{record['run_id']}-step-{step}.json").write_text(json.dumps(written))
+    return data_dir
+
+
+def test_many_steps_chart_a_point_per_step_with_gaps_where_a_value_is_missing(
+    browser: Browser,
+    many_steps: Path,
+    run_dir: RunDir,
+    tmp_path_factory: pytest.TempPathFactory,
+    screenshots: Path,
+) -> None:
+    with inspecting(many_steps, tmp_path_factory) as server, logged_in(browser, server, run_dir) as page:
+        page.goto(f"{server}/steps")
+        assert chart_points(page, "reward", "mean reward") == [
+            (step, pytest.approx(step / 10)) for step in (1, 2, 4, 5, 6)
+        ]
+        reward = page.locator("figure[data-chart='reward'] polyline")
+        expect(reward).to_have_count(2)  # steps 1-2, then 4-6: no line across the missing step
+        assert chart_points(page, "k3", "all tokens") == [
+            (step, pytest.approx(10.0 ** (step - 10))) for step in range(1, 7)
+        ]
+        assert [step for step, _ in chart_points(page, "ratio_max", "lag 1")] == [4, 5, 6]
+        ticks = page.locator("figure[data-chart='k3'] text.x-tick").all_text_contents()
+        assert ticks == [str(step) for step in range(1, 7)]
+        legend = page.locator("figure[data-chart='ratio_max'] .series-name").all_text_contents()
+        assert legend == ["all tokens", "lag 0", "lag 1"]
+        heights = [
+            float(
+                page.locator(f"figure[data-chart='k3'] circle[data-step='{s}']").first.get_attribute("cy")
+                or ""
+            )
+            for s in (1, 6)
+        ]
+        assert heights[0] > heights[1]  # the larger k3 is drawn higher
+        shot(page, screenshots, "steps-charts")
 
 
 def test_unknown_ids_give_404_pages(

@@ -13,6 +13,7 @@ from pipeline.trainer.trl import (
     environment_reward,
     rollout_fields,
 )
+from pipeline.trainer.trl_fields import SAMPLE_KEY_FIELD, SAMPLING_FIELD
 
 
 def test_each_member_is_one_completion_with_its_mask_logprobs_and_reward() -> None:
@@ -32,8 +33,23 @@ def test_a_rejected_member_trains_nothing_and_leaves_the_group_mean() -> None:
     assert rollouts.filled == 1
     assert out["env_mask"][1] == [0] * 6  # no gradient from it
     assert out[REWARD_FIELD] == [1.0, 0.75, 0.5]  # its reward is the accepted members' mean
-    with pytest.raises(ValueError, match="no member"):
-        rollout_fields([[None, None]])
+
+
+def test_a_group_with_no_accepted_member_is_skipped_with_placeholders_that_train_nothing() -> None:
+    """TRL still needs group-size completions per prompt: one masked token each, one reward
+    for all (advantage 0), neutral sampling; the group is counted as skipped."""
+    rollouts = rollout_fields([[two_calls("r1", 1.0), two_calls("r2", 0.0)], [None, None]])
+    out = rollouts.fields
+    assert rollouts.skipped == [1] and rollouts.filled == 0
+    assert len(out["completion_ids"]) == 4
+    assert out["env_mask"][2:] == [[0], [0]]
+    assert out[REWARD_FIELD] == [1.0, 0.0, 0.0, 0.0]
+    assert [
+        len(out[name][3]) for name in ("prompt_ids", "completion_ids", "logprobs", CALL_REWARDS_FIELD)
+    ] == [1] * 4
+    assert out[SAMPLING_FIELD][3] == {"temperature": [1.0], "top_k": [0], "top_p": [1.0], "min_p": [0.0]}
+    assert out[SAMPLE_KEY_FIELD][2:] == ["skipped group 1", "skipped group 1"]
+    assert rollout_fields([[None], [None]]).skipped == [0, 1]
 
 
 def test_trl_repeats_each_prompt_num_generations_times() -> None:

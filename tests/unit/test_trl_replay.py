@@ -9,7 +9,11 @@ tests' (``tests/integration/test_run_e2e.py``)."""
 
 from __future__ import annotations
 
+import asyncio
+import math
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,11 +23,14 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
 from pipeline.models.tiny import make_tiny_model
 from pipeline.trainer.recompute import measure
-from pipeline.trainer.trl import grpo_trainer, rollout_fields
+from pipeline.trainer.steplog import StepWriter, read_steps
+from pipeline.trainer.trl import REWARD_FIELD, TrlBridge, grpo_trainer, rollout_fields
 from pipeline.trainer.trl_fields import SAMPLE_KEY_FIELD, SAMPLING_FIELD, aligned
-from stages.trainer.batch import audit_batch
+from stages.finalize.reader import FinalizedRollout, Group
+from stages.trainer.batch import TrainBatch, audit_batch, build_batch
+from stages.trainer.staleness import StalenessPolicy
 from topics import digest
-from topics.records import TrainingSample
+from topics.records import FinalizedEvent, TrainingSample
 from topics.sampling import SamplingProvenance
 
 TRUNCATED = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
@@ -212,3 +219,118 @@ def test_a_sample_whose_lengths_disagree_fails_by_its_key(model_dir: Path, tmp_p
         trainer.train()
     with pytest.raises(ValueError, match="rollout_func: 1 env_mask for 2 completions"):
         aligned([[1], [2]], [[0.0], [0.0]], [[1]], [{}, {}], ["a", "b"])
+
+
+def rejected(rollout_id: str, group_id: str, code: str) -> FinalizedRollout:
+    event = FinalizedEvent.model_validate(
+        {
+            "rollout_id": rollout_id,
+            "group_id": group_id,
+            "status": "rejected",
+            "rejection_reason": code,
+            "prompt_len": 0,
+            "total_len": 0,
+            "generated_tokens": 0,
+            "call_count": 1,
+            "finalized_at": 1.0,
+        }
+    )
+    return FinalizedRollout(event)
+
+
+def accepted(sample: TrainingSample, group_id: str) -> FinalizedRollout:
+    event = FinalizedEvent.model_validate(
+        {
+            "rollout_id": sample.rollout_id,
+            "group_id": group_id,
+            "status": "accepted",
+            "sample_key": sample.key,
+            "prompt_len": 0,
+            "total_len": len(sample.token_ids),
+            "generated_tokens": 11,
+            "call_count": 2,
+            "finalized_at": 1.0,
+        }
+    )
+    return FinalizedRollout(event, (sample,))
+
+
+def test_a_group_with_every_member_rejected_is_skipped_and_named_in_the_step(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The bridge as a run drives it: group g1's rollouts were all rejected, so TRL gets
+    placeholders for it, the step trains on g0 alone, and its report says why g1 is missing."""
+    drawn = groups_of(model_dir)[0]
+    assert all(s is not None for s in drawn)
+    played = [
+        Group("g0", [accepted(s, "g0") for s in drawn if s is not None]),
+        Group("g1", [rejected("r10", "g1", "digest_mismatch"), rejected("r11", "g1", "rollout_failed")]),
+    ]
+    batch = build_batch(played, policy_version=0, staleness=StalenessPolicy())
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def play(prompts: list[Any]) -> list[str]:
+        return ["g0", "g1"]
+
+    async def next_batch(group_ids: list[str]) -> TrainBatch:
+        return batch
+
+    async def nothing(*args: Any) -> None:
+        return None
+
+    bridge = TrlBridge(
+        loop,
+        play=play,
+        next_batch=next_batch,
+        refit=nothing,
+        ack=nothing,
+        version=lambda: 0,
+        weights_dir=tmp_path / "weights",
+        step_writer=StepWriter(tmp_path, "run-x", "trl"),
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    try:
+        fields = bridge.rollout_func(
+            [p for p in PROMPTS for _ in range(GROUP)], SimpleNamespace(num_generations=GROUP, model=model)
+        )
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+    assert fields["env_mask"][2:] == [[0], [0]] and fields[REWARD_FIELD][2:] == [0.0, 0.0]
+    (step,) = bridge.steps
+    assert step.skipped_groups == {
+        "g1": "no accepted member: 2 rollouts rejected (digest_mismatch ×1, rollout_failed ×1)"
+    }
+    assert step.samples == 2 and step.mismatch is not None and step.mismatch["tokens"] == 22
+    (log,), _ = read_steps(tmp_path)
+    assert log.reward_mean == pytest.approx(step.reward_mean) and log.trainer_metrics == {}
+    bridge.logged({"loss": 0.25, "sampling/importance_sampling_ratio/max": 1.0, "epoch": 1, "note": "x"})
+    (log,), _ = read_steps(tmp_path)
+    assert log.trainer_metrics == {"loss": 0.25, "sampling/importance_sampling_ratio/max": 1.0, "epoch": 1.0}
+    assert log.mismatch == step.mismatch  # the report stays as written
+
+
+def test_trl_trains_a_step_with_a_skipped_group_and_a_step_with_nothing_to_train(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """TRL's own step over the placeholders: the kept group trains (ratio 1 on its tokens,
+    the placeholders out of every statistic); with every group skipped the loss is 0 and no
+    weight moves."""
+    groups = groups_of(model_dir)
+    groups[1] = [None] * GROUP
+    trainer, logs = trainer_on(model_dir, tmp_path / "one", groups)
+    trainer.train()
+    (logged,) = logs.logs
+    assert math.isfinite(logged["loss"])
+    assert abs(logged["sampling/importance_sampling_ratio/min"] - 1) < 1e-4
+    assert logged["sampling/sampling_logp_difference/max"] < 1e-4
+
+    empty: list[list[TrainingSample | None]] = [[None] * GROUP for _ in PROMPTS]
+    trainer, logs = trainer_on(model_dir, tmp_path / "none", empty)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    (logged,) = logs.logs
+    assert logged["loss"] == 0.0
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before, strict=True))
