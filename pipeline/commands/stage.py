@@ -193,7 +193,13 @@ def add_parser(subparsers: Any) -> None:
         "--fetch-wait-ms",
         type=int,
         default=tuning.fetch_wait_ms,
-        help="how long the broker may hold an empty fetch: latency per hop vs idle CPU (default %(default)s)",
+        help="how long the broker may hold an empty fetch: latency per hop vs idle CPU "
+        "(default: the broker kind's, 500 on Kafka, 25 on the embedded broker)",
+    )
+    parser.add_argument(
+        "--instance-id",
+        help="a name this member keeps across restarts (one per member of the group): on Kafka it "
+        "joins as a static member, so a restart within the session timeout causes no rebalance",
     )
     parser.add_argument(
         "--merge-margin-ms",
@@ -450,6 +456,7 @@ async def _serve_stage(
             stop=stop,
             group=args.group,
             tuning=tuning,
+            instance_id=args.instance_id,
             metrics=metrics,
             lag_interval_s=args.lag_interval,
             started=started,

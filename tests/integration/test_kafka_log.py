@@ -17,9 +17,9 @@ from aiokafka import AIOKafkaProducer
 
 from pipeline.commands import lag as lag_command
 from pipeline.kafka.admin import TopicLayoutError, ensure_topics
-from pipeline.kafka.broker import free_port
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning
+from pipeline.kafka.embedded.broker import free_port
 from pipeline.kafka.lag import LagReader, total_lag
 from pipeline.kafka.producer import KafkaEventSink
 from stages.ports import Consumed
