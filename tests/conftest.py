@@ -58,6 +58,16 @@ def contract_config(contract_bootstrap: str, topic_names: TopicNames) -> KafkaCo
     return KafkaConfig(contract_bootstrap, client_id="tokentrail-test", names=topic_names, broker=KAFKA)
 
 
+@pytest.fixture(params=["embedded", "contract"])
+def either_config(request: pytest.FixtureRequest) -> KafkaConfig:
+    """The embedded broker's config, then the Kafka-contract broker's: for the tests that
+    must hold on both (the client code takes each one's profile)."""
+    config: KafkaConfig = request.getfixturevalue(
+        "kafka_config" if request.param == "embedded" else "contract_config"
+    )
+    return config
+
+
 @pytest.fixture
 def topic_names() -> TopicNames:
     return TopicNames(prefix=f"t{uuid.uuid4().hex[:12]}", partitions=4)

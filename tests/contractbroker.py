@@ -15,10 +15,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.consumer import FAST_GROUPS, ConsumerTuning
 from pipeline.kafka.embedded.broker import free_port
 from pipeline.kafka.embedded.probe import ProbeError, identify
 
 START_TIMEOUT_S = 20.0
+KAFKA_MIN_SESSION = ConsumerTuning(session_timeout_ms=6_000, heartbeat_interval_ms=500)
+"""Kafka refuses a group session shorter than ``group.min.session.timeout.ms`` (6 s by default)."""
+
+
+def fast_groups_on(config: KafkaConfig) -> ConsumerTuning:
+    """The shortest group timings ``config``'s broker accepts: ``FAST_GROUPS`` on the
+    embedded broker, Kafka's minimum session elsewhere."""
+    if config.broker is not None and config.broker.kind == "tansu":
+        return FAST_GROUPS
+    return KAFKA_MIN_SESSION
 
 
 def binary() -> Path:
