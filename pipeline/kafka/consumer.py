@@ -42,9 +42,10 @@ from aiokafka.errors import (
 from aiokafka.structs import ConsumerRecord
 
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.kind import known_broker
+from pipeline.kafka.kind import broker_of
 from pipeline.kafka.lag import lost_range
 from pipeline.kafka.logtime import LogTimeMerge
+from pipeline.kafka.profile import BrokerProfile
 from stages.ports import Consumed, EventSink, StageHandler
 from stages.ports import TopicPartition as PortPartition
 from topics.codec import DecodeError, RawRecord, dead_letter, decode, record_type
@@ -240,9 +241,9 @@ class ConsumerLoop:
 
     async def run(self) -> None:
         """Consume until ``request_stop()``; a handler error propagates (nothing is committed)."""
-        self.config = await known_broker(self.config)
+        broker = await broker_of(self.config)
         consumer = AIOKafkaConsumer(
-            **self.config.client_kwargs(), **self._consumer_settings, **self._broker_settings()
+            **self.config.client_kwargs(), **self._consumer_settings, **self._broker_settings(broker)
         )
         await consumer.start()
         self._consumer = consumer
@@ -276,10 +277,8 @@ class ConsumerLoop:
             self._consumer = None
             await consumer.stop()
 
-    def _broker_settings(self) -> dict[str, object]:
+    def _broker_settings(self, broker: BrokerProfile) -> dict[str, object]:
         """The consumer settings that depend on what the broker serves."""
-        broker = self.config.broker
-        assert broker is not None  # known_broker says
         settings: dict[str, object] = {
             "fetch_max_wait_ms": self._fetch_wait_ms
             if self._fetch_wait_ms is not None

@@ -7,8 +7,6 @@ and takes the embedded broker's profile for such an id and Kafka's for any other
 
 from __future__ import annotations
 
-import dataclasses
-
 from aiokafka.admin import AIOKafkaAdminClient
 
 from pipeline.kafka.config import KafkaConfig
@@ -29,14 +27,13 @@ async def cluster_profile(admin: AIOKafkaAdminClient) -> BrokerProfile:
     return profile_of_cluster(cluster if isinstance(cluster, str) else None)
 
 
-async def known_broker(config: KafkaConfig) -> KafkaConfig:
-    """``config`` with its broker's profile: as given, or asked of the broker."""
+async def broker_of(config: KafkaConfig) -> BrokerProfile:
+    """The profile of ``config``'s broker: as given, or asked of the broker."""
     if config.broker is not None:
-        return config
+        return config.broker
     admin = AIOKafkaAdminClient(**config.client_kwargs())
     try:
         await admin.start()
-        profile = await cluster_profile(admin)
+        return await cluster_profile(admin)
     finally:
         await admin.close()
-    return dataclasses.replace(config, broker=profile)

@@ -31,7 +31,7 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError, UnknownError
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.errors import BROKER_UNREACHABLE
-from pipeline.kafka.kind import known_broker
+from pipeline.kafka.kind import broker_of
 from pipeline.kafka.profile import BrokerProfile
 from topics.codec import MAX_EVENT_BYTES, EventTooLarge, encode, fit_dead_letter, record_size
 from topics.events import Envelope, envelope
@@ -81,9 +81,7 @@ class KafkaEventSink:
     async def start(self) -> None:
         if self._producer is not None:
             return
-        self.config = await known_broker(self.config)
-        broker = self.config.broker
-        assert broker is not None  # known_broker says
+        broker = await broker_of(self.config)
         producer = AIOKafkaProducer(
             **self.config.client_kwargs(), **self._settings, enable_idempotence=broker.idempotent_producer
         )
