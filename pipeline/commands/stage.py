@@ -17,8 +17,10 @@ from pipeline.dataplane.config import OWNER_WAIT_S, RESTAGE_GRACE_S, add_datapla
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.consumer import DEFAULT_TUNING
+from pipeline.kafka.embedded.tansu import TANSU
 from pipeline.kafka.errors import BROKER_UNREACHABLE
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.kafka.profile import KAFKA
 from pipeline.kafka.retention import add_retention_argument
 from pipeline.process.heap import collect_per_batch
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
@@ -194,7 +196,7 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=tuning.fetch_wait_ms,
         help="how long the broker may hold an empty fetch: latency per hop vs idle CPU "
-        "(default: the broker kind's, 500 on Kafka, 25 on the embedded broker)",
+        f"(default: the broker kind's: {KAFKA.fetch_wait_ms} on Kafka, {TANSU.fetch_wait_ms} on the embedded broker)",
     )
     parser.add_argument(
         "--instance-id",
