@@ -34,9 +34,9 @@ from bench.command import Benchmark, Option, Quick
 from bench.common import machine, process_cpu_s, versions
 from bench.events import rollout_events
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker, StorageMode
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.consumer import DEFAULT_TUNING
+from pipeline.kafka.embedded.broker import EmbeddedBroker, StorageMode
+from pipeline.kafka.embedded.tansu import TANSU
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.kafka.reader import assigned_reader
@@ -104,9 +104,7 @@ async def _measure_tail(bootstrap: str, batches: int, store_pid: int | None) -> 
     tp = TopicPartition(config.names.admission, 0)
     store_cpu_before = process_cpu_s(store_pid) if store_pid is not None else None
     start = max(0, batches - TAIL_BATCHES)
-    async with assigned_reader(
-        config, {tp: start}, fetch_max_wait_ms=DEFAULT_TUNING.fetch_wait_ms
-    ) as consumer:
+    async with assigned_reader(config, {tp: start}, fetch_max_wait_ms=TANSU.fetch_wait_ms) as consumer:
         read, began = 0, time.monotonic()
         while read < batches - start and time.monotonic() - began < TAIL_LIMIT_S:
             fetched = await consumer.getmany(timeout_ms=200)

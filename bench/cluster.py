@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 from pipeline.dataplane.addresses import AddressesError, DataPlaneAddresses
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker, free_port
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.broker import EmbeddedBroker, free_port
 from pipeline.kafka.lag import LagReader
 from pipeline.replay.rebuild import read_log
 from pipeline.stagehost.lag import StageLagProbe

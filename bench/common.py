@@ -205,7 +205,7 @@ async def per_size_on_a_memory_broker(
     history) on topics of its own, on one embedded tansu broker (memory engine)."""
     import asyncio
 
-    from pipeline.kafka.broker import EmbeddedBroker
+    from pipeline.kafka.embedded.broker import EmbeddedBroker
 
     started = time.perf_counter()
     broker = EmbeddedBroker(storage="memory")

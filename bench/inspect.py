@@ -37,7 +37,7 @@ from typing import Any
 
 from bench.command import Benchmark, Option, Quick
 from bench.common import machine, versions
-from pipeline.kafka.broker import free_port
+from pipeline.kafka.embedded.broker import free_port
 from pipeline.run.config import TINY_MODEL_DIR_NAME
 from pipeline.samples.archive import SampleArchive, archive_path, sample_record
 from topics import digest

@@ -30,9 +30,9 @@ from typing import Any
 
 from bench.command import Benchmark, Option, Quick
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker, tansu_binary
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import FAST_GROUPS, ConsumerLoop
+from pipeline.kafka.embedded.broker import EmbeddedBroker, tansu_binary
 from pipeline.kafka.producer import KafkaEventSink
 from stages.ports import Consumed
 from stages.ports import TopicPartition as PortPartition

@@ -425,7 +425,7 @@ async def on_broker(
 
 
 async def run_async(config: LongHorizonConfig) -> dict[str, Any]:
-    from pipeline.kafka.broker import EmbeddedBroker
+    from pipeline.kafka.embedded.broker import EmbeddedBroker
 
     started = time.perf_counter()
     load_before = machine()["load_average"]

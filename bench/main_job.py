@@ -67,7 +67,7 @@ def process_role(command_line: Sequence[str], name: str) -> str:
     """Which part of the job a process is, from its name and command line (the job itself
     is the sampler's root, ``run``)."""
     text = " ".join(command_line)
-    if "pipeline.kafka.objectstore" in text:
+    if "pipeline.kafka.embedded.objectstore" in text:
         return "store"
     if name == "tansu" or text.endswith("tansu") or "/tansu " in text:
         return "broker"

@@ -437,7 +437,7 @@ def attacher(plane: DataPlane) -> Callable[[], Any]:
 
 async def run_async(config: PipelineConfig) -> dict[str, Any]:
     from bench import ledger_memory
-    from pipeline.kafka.broker import EmbeddedBroker
+    from pipeline.kafka.embedded.broker import EmbeddedBroker
     from pipeline.process.heap import collect_per_batch
 
     collect_per_batch()  # this process hosts the data plane, as `tokentrail dataplane` does

@@ -51,7 +51,7 @@ from bench.common import (
 )
 from pipeline.auth.credentials import Credentials, Role
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 
 TARGET_RATIO = 1.5
 UNLIMITED = 1_000_000

@@ -201,7 +201,7 @@ def summarize(
 
 async def run_async(config: RebalanceConfig) -> dict[str, Any]:
     from bench.planes import open_plane
-    from pipeline.kafka.broker import EmbeddedBroker
+    from pipeline.kafka.embedded.broker import EmbeddedBroker
     from pipeline.process.guard import guard_descendants
     from pipeline.process.heap import collect_per_batch
 

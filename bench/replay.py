@@ -195,7 +195,7 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run_async(config: ReplayConfig) -> dict[str, Any]:
-    from pipeline.kafka.broker import EmbeddedBroker
+    from pipeline.kafka.embedded.broker import EmbeddedBroker
     from pipeline.process.heap import collect_per_batch
 
     collect_per_batch()  # as ``tokentrail replay`` and its shards do

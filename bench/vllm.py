@@ -50,7 +50,7 @@ from bench.common import (
     versions,
 )
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from stages.client import RolloutClient
 from topics.records import CaptureAdmission
 

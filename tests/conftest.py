@@ -1,8 +1,9 @@
 """Fixtures for tests that need real infrastructure.
 
-One real tansu broker (memory engine, random free port) serves the whole session;
-each test gets its own topic prefix and therefore its own topics and groups, so tests
-never see each other's events. A module that asks for ``host`` gets its own vLLM CPU
+One real tansu broker (memory engine, random free port) serves the whole session, and
+so does a second broker that keeps Kafka's contract (``contractbroker``) for the tests
+that ask for it; each test gets its own topic prefix and therefore its own topics and
+groups, so tests never see each other's events. A module that asks for ``host`` gets its own vLLM CPU
 engine on the tiny model (``model_dir``), freed when the module ends.
 """
 
@@ -14,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from contractbroker import contract_broker
 
-from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import (
     DEFAULT_TUNING,
@@ -24,6 +25,8 @@ from pipeline.kafka.consumer import (
     ConsumerLoop,
     ConsumerTuning,
 )
+from pipeline.kafka.embedded.broker import EmbeddedBroker
+from pipeline.kafka.profile import KAFKA
 from pipeline.process.guard import guard_descendants
 from stages.memory import RecordingSink
 from topics.names import TopicNames
@@ -41,6 +44,28 @@ def pytest_configure(config: pytest.Config) -> None:
 def kafka_broker() -> Iterator[EmbeddedBroker]:
     with EmbeddedBroker(storage="memory") as broker:
         yield broker
+
+
+@pytest.fixture(scope="session")
+def contract_bootstrap() -> Iterator[str]:
+    with contract_broker() as bootstrap:
+        yield bootstrap
+
+
+@pytest.fixture
+def contract_config(contract_bootstrap: str, topic_names: TopicNames) -> KafkaConfig:
+    """A config for the Kafka-contract broker with Kafka's profile, as an attach states it."""
+    return KafkaConfig(contract_bootstrap, client_id="tokentrail-test", names=topic_names, broker=KAFKA)
+
+
+@pytest.fixture(params=["embedded", "contract"])
+def either_config(request: pytest.FixtureRequest) -> KafkaConfig:
+    """The embedded broker's config, then the Kafka-contract broker's: for the tests that
+    must hold on both (the client code takes each one's profile)."""
+    config: KafkaConfig = request.getfixturevalue(
+        "kafka_config" if request.param == "embedded" else "contract_config"
+    )
+    return config
 
 
 @pytest.fixture

@@ -6,8 +6,9 @@ import asyncio
 import random
 import time
 
+from contractbroker import fast_groups_on
+
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.consumer import FAST_GROUPS
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.stagehost.runner import serve_stage
 from stages.capture.cache import ChainCache
@@ -68,7 +69,9 @@ async def run_ledger_until(config: KafkaConfig, expected: int, within_s: float =
     stop = asyncio.Event()
     async with KafkaEventSink(config) as sink:
         ledger = LedgerStage(sink, LedgerConfig(seal_grace_s=30))
-        task = asyncio.create_task(serve_stage(ledger, LEDGER, config, sink, stop=stop, tuning=FAST_GROUPS))
+        task = asyncio.create_task(
+            serve_stage(ledger, LEDGER, config, sink, stop=stop, tuning=fast_groups_on(config))
+        )
         deadline = time.monotonic() + within_s
         while ledger.stats.receipts < expected and time.monotonic() < deadline:  # noqa: ASYNC110 (a counter, not an event)
             await asyncio.sleep(0.1)

@@ -21,8 +21,14 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import STORAGE_MODES, BrokerError, EmbeddedBroker, StorageMode, StoreLockedError
 from pipeline.kafka.config import ConfigError, add_topic_layout_arguments, topic_names_from_args
+from pipeline.kafka.embedded.broker import (
+    STORAGE_MODES,
+    BrokerError,
+    EmbeddedBroker,
+    StorageMode,
+    StoreLockedError,
+)
 from pipeline.kafka.retention import add_retention_argument, retention_from_args
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging

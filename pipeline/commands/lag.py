@@ -1,7 +1,7 @@
 """``tokentrail lag``: consumer lag per group, topic and partition.
 
-Lag is highwater − committed, with the highwater read from Fetch responses (exact on
-tansu as on Kafka, where ListOffsets is not; see ``pipeline.kafka.lag``). A broker that
+Lag is highwater − committed, with exact watermarks on Kafka and on the embedded broker
+alike (``--broker-kind``; see ``pipeline.kafka.lag``). A broker that
 cannot be reached is not lag: it is reported as down, with its own exit code. Nor is a
 commit below the log start: those records were deleted (by retention) before the group
 read them, and each such range is named on stderr, with an exit code of its own.

@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-from pipeline.kafka.broker import STORAGE_MODES
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.kafka.embedded.broker import STORAGE_MODES
+from pipeline.kafka.embedded.tansu import TANSU
 from pipeline.kafka.retention import add_retention_argument
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
@@ -109,7 +110,8 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=defaults.fetch_wait_ms,
         help="how long the broker may hold the stages' fetches; on the embedded broker a longer "
-        "wait lets them read longer partitions (DESIGN §3) (default: %(default)s)",
+        f"wait lets them read longer partitions (DESIGN §3) (default: the broker kind's, {TANSU.fetch_wait_ms} "
+        "on the embedded broker)",
     )
     services = parser.add_argument_group("services")
     services.add_argument(

@@ -17,8 +17,10 @@ from pipeline.dataplane.config import OWNER_WAIT_S, RESTAGE_GRACE_S, add_datapla
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.kafka.consumer import DEFAULT_TUNING
+from pipeline.kafka.embedded.tansu import TANSU
 from pipeline.kafka.errors import BROKER_UNREACHABLE
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.kafka.profile import KAFKA
 from pipeline.kafka.retention import add_retention_argument
 from pipeline.process.heap import collect_per_batch
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
@@ -193,7 +195,13 @@ def add_parser(subparsers: Any) -> None:
         "--fetch-wait-ms",
         type=int,
         default=tuning.fetch_wait_ms,
-        help="how long the broker may hold an empty fetch: latency per hop vs idle CPU (default %(default)s)",
+        help="how long the broker may hold an empty fetch: latency per hop vs idle CPU "
+        f"(default: the broker kind's: {KAFKA.fetch_wait_ms} on Kafka, {TANSU.fetch_wait_ms} on the embedded broker)",
+    )
+    parser.add_argument(
+        "--instance-id",
+        help="a name this member keeps across restarts (one per member of the group): on Kafka it "
+        "joins as a static member, so a restart within the session timeout causes no rebalance",
     )
     parser.add_argument(
         "--merge-margin-ms",
@@ -450,6 +458,7 @@ async def _serve_stage(
             stop=stop,
             group=args.group,
             tuning=tuning,
+            instance_id=args.instance_id,
             metrics=metrics,
             lag_interval_s=args.lag_interval,
             started=started,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from aiokafka.errors import KafkaError
 
-from pipeline.kafka.broker import BUCKET_DIR, CLUSTER_ID_FILE, BrokerError, EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.broker import BUCKET_DIR, CLUSTER_ID_FILE, BrokerError, EmbeddedBroker
 from pipeline.kafka.lag import LagReader, lag_by_group
 from pipeline.replay.rebuild import read_log, rebuild
 from pipeline.replay.store import LedgerStore

@@ -18,8 +18,8 @@ from pipeline.inspect.rollout import RolloutDetail, rollout_detail
 from pipeline.inspect.table import RolloutRow, RolloutTable
 from pipeline.inspect.timeline import Timeline, timeline
 from pipeline.inspect.tokens import Decoder, TokenView, load_decoder, render_tokens
-from pipeline.kafka.broker import BUCKET_DIR
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.broker import BUCKET_DIR
 from pipeline.run.config import TINY_MODEL_DIR_NAME
 from pipeline.samples.archive import ARCHIVE_NAME, archive_path, read_archive
 from pipeline.trainer.steplog import StepLog, read_steps

@@ -1,37 +1,36 @@
-"""The event log on Kafka: configuration, an embedded tansu broker, a producer that
-implements ``EventSink``, a consumer-group loop that drives a ``StageHandler``, and
-exact consumer lag.
+"""The event log on Kafka: configuration, a producer that implements ``EventSink``, a
+consumer-group loop that drives a ``StageHandler``, and exact consumer lag.
 
-Delivery is at-least-once: outputs are acknowledged before offsets are committed and
-every consumer is idempotent on event ids, because tansu (the embedded broker) cannot
-run idempotent or transactional producers.
+This is the code every deployment runs, written to Apache Kafka's contract; where a
+broker departs from it, its ``BrokerProfile`` says so (``pipeline.kafka.profile``). The
+embedded broker that single-machine runs and tests start lives apart, in
+``pipeline.kafka.embedded``. Delivery is at-least-once: outputs are acknowledged before
+offsets are committed and every consumer is idempotent on event ids.
 """
 
 from pipeline.kafka.admin import TopicLayoutError, ensure_topics
-from pipeline.kafka.broker import BrokerError, EmbeddedBroker, PortBusyError, StorageMode, tansu_binary
-from pipeline.kafka.config import ConfigError, KafkaConfig
+from pipeline.kafka.config import BROKER_KINDS, ConfigError, KafkaConfig
 from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning, LoopStats
 from pipeline.kafka.lag import LagError, LagReader, PartitionLag, Watermarks, total_lag
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.kafka.profile import KAFKA, BrokerProfile
 
 __all__ = [
-    "BrokerError",
+    "BROKER_KINDS",
+    "KAFKA",
+    "BrokerProfile",
     "CollectingHandler",
     "ConfigError",
     "ConsumerLoop",
     "ConsumerTuning",
-    "EmbeddedBroker",
     "KafkaConfig",
     "KafkaEventSink",
     "LagError",
     "LagReader",
     "LoopStats",
     "PartitionLag",
-    "PortBusyError",
-    "StorageMode",
     "TopicLayoutError",
     "Watermarks",
     "ensure_topics",
-    "tansu_binary",
     "total_lag",
 ]

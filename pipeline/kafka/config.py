@@ -3,19 +3,24 @@
 One ``KafkaConfig`` is shared by the producer, the consumer loop, topic bootstrap and
 the lag reader, so that a deployment names its cluster, credentials and topic layout
 once. ``bootstrap_servers=None`` means "the embedded broker": whoever starts it fills
-the address in with ``with_bootstrap``.
+the address in, and the embedded broker's profile (``EmbeddedBroker.attach``).
+
+Which broker a process talks to (``KafkaConfig.broker``): the embedded broker's
+profile where it made the config; the kind ``--broker-kind`` names; or, by default,
+the one the broker's cluster id shows, asked once per client (``pipeline.kafka.kind``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from aiokafka.helpers import create_ssl_context
 
+from pipeline.kafka.embedded.tansu import TANSU
+from pipeline.kafka.profile import KAFKA, BrokerProfile
 from pipeline.kafka.retention import TopicRetention, retention_arguments, retention_from_args
 from topics.names import DEFAULT_PARTITIONS, DEFAULT_PREFIX, TopicNames
 
@@ -23,6 +28,9 @@ SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
 SASL_PASSWORD_ENV = "TOKENTRAIL_KAFKA_SASL_PASSWORD"
+
+BROKER_KINDS: dict[str, BrokerProfile] = {profile.kind: profile for profile in (KAFKA, TANSU)}
+AUTO_KIND = "auto"
 
 
 class _ArgumentSink(Protocol):
@@ -53,6 +61,8 @@ class KafkaConfig:
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    broker: BrokerProfile | None = None
+    """What the broker serves; ``None``: ask it (``pipeline.kafka.kind``)."""
 
     def __post_init__(self) -> None:
         if self.replication_factor < 1:
@@ -70,9 +80,6 @@ class KafkaConfig:
         if self.bootstrap_servers is None:
             raise ConfigError("bootstrap_servers: not set; start the embedded broker or pass --bootstrap")
         return self.bootstrap_servers
-
-    def with_bootstrap(self, bootstrap_servers: str) -> KafkaConfig:
-        return dataclasses.replace(self, bootstrap_servers=bootstrap_servers)
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments every aiokafka client (producer, consumer, admin) accepts."""
@@ -104,6 +111,13 @@ def add_kafka_arguments(
         metavar="HOST:PORT",
         help="Kafka bootstrap servers (comma separated)"
         + ("" if bootstrap_required else "; omit to use the embedded broker"),
+    )
+    group.add_argument(
+        "--broker-kind",
+        default=AUTO_KIND,
+        choices=[AUTO_KIND, *sorted(BROKER_KINDS)],
+        help="what the broker at --bootstrap is: Apache Kafka (or a broker keeping its contract) or "
+        "tokentrail's embedded tansu broker; auto tells them apart by the cluster id (default: %(default)s)",
     )
     group.add_argument("--client-id", default="tokentrail", help="client id sent to the broker")
     if topic_layout:
@@ -160,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> KafkaConfig:
     return KafkaConfig(
         bootstrap_servers=args.bootstrap,
         client_id=args.client_id,
+        broker=BROKER_KINDS.get(args.broker_kind),
         names=names,
         retention=retention_from_args(getattr(args, "retention", None)),
         security_protocol=args.security_protocol,
@@ -178,6 +193,7 @@ def kafka_arguments(config: KafkaConfig) -> list[str]:
     child must take it: a stage does); the SASL password travels in ``kafka_environment``."""
     argv = [
         "--bootstrap", config.bootstrap,
+        "--broker-kind", config.broker.kind if config.broker is not None else AUTO_KIND,
         "--client-id", config.client_id,
         "--topic-prefix", config.names.prefix,
         "--partitions", str(config.names.partitions),

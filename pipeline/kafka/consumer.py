@@ -42,8 +42,10 @@ from aiokafka.errors import (
 from aiokafka.structs import ConsumerRecord
 
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.kind import broker_of
 from pipeline.kafka.lag import lost_range
 from pipeline.kafka.logtime import LogTimeMerge
+from pipeline.kafka.profile import BrokerProfile
 from stages.ports import Consumed, EventSink, StageHandler
 from stages.ports import TopicPartition as PortPartition
 from topics.codec import DecodeError, RawRecord, dead_letter, decode, record_type
@@ -99,11 +101,11 @@ class ConsumerTuning:
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_records: int = 500
-    fetch_wait_ms: int = 25
-    """How long the broker may hold a fetch that has nothing new. Every hop of an event
-    through the stages can wait this long (tansu answers a fetch only once its wait is
-    over), so it is latency; each idle consumer costs about 5% of a core at 25 ms
-    against 1.5% at 100 (bench/RESULTS.md)."""
+    fetch_wait_ms: int | None = None
+    """How long the broker may hold a fetch that has nothing new; ``None``: the broker
+    profile's (``BrokerProfile.fetch_wait_ms``). On the embedded broker every hop of an
+    event through the stages can wait this long (it answers a fetch only once its wait is
+    over), so it is latency there and idle polling elsewhere."""
     idle_poll_ms: int = 25
     ripe_poll_ms: int = 5
     """Log-time order: how often a loop holding a record whose margin has passed polls.
@@ -131,7 +133,10 @@ class ConsumerLoop:
     ``dead_letters`` receives a ``DeadLetter`` for every record that does not decode;
     it is usually the same ``KafkaEventSink`` the stage publishes its outputs with.
     ``request_stop()`` (safe from a signal handler) lets the in-flight batch finish
-    and be committed before the consumer leaves the group.
+    and be committed before the consumer leaves the group. ``instance_id``, a name this
+    member keeps across restarts, makes it a static member where the broker supports it
+    (``BrokerProfile.static_membership``); a static member does not leave on stop, so
+    its partitions wait for it (or for the session timeout) rather than rebalancing.
     """
 
     def __init__(
@@ -148,6 +153,7 @@ class ConsumerLoop:
         max_poll_interval_ms: int = 300_000,
         on_assigned: Callable[[frozenset[PortPartition]], Awaitable[None]] | None = None,
         reads: Collection[EventType] | None = None,
+        instance_id: str | None = None,
     ) -> None:
         if not topics:
             raise ValueError("topics: a consumer loop needs at least one topic")
@@ -162,7 +168,7 @@ class ConsumerLoop:
         self.max_records = tuning.max_records
         self.idle_poll_ms = tuning.idle_poll_ms
         self.ripe_poll_ms = tuning.ripe_poll_ms
-        self._consumer_settings = {
+        self._consumer_settings: dict[str, object] = {
             "group_id": group_id,
             "enable_auto_commit": False,
             # Never reset a position behind our back: ``_reposition`` decides, and says so.
@@ -170,12 +176,13 @@ class ConsumerLoop:
             "session_timeout_ms": tuning.session_timeout_ms,
             "heartbeat_interval_ms": tuning.heartbeat_interval_ms,
             "max_poll_interval_ms": max_poll_interval_ms,
-            "fetch_max_wait_ms": tuning.fetch_wait_ms,
             "isolation_level": "read_uncommitted",
             # Range assignment gives one member partition p of every topic it reads:
             # all topics share the key partitioner, so a rollout's events stay together.
             "partition_assignment_strategy": (RangePartitionAssignor,),
         }
+        self._fetch_wait_ms = tuning.fetch_wait_ms
+        self._instance_id = instance_id
         self.ordered = log_time_order is not None
         """Hand records over in log-time order across partitions (equal timestamps going
         to the topics of ``log_time_order`` in that order), holding each until every
@@ -234,7 +241,10 @@ class ConsumerLoop:
 
     async def run(self) -> None:
         """Consume until ``request_stop()``; a handler error propagates (nothing is committed)."""
-        consumer = AIOKafkaConsumer(**self.config.client_kwargs(), **self._consumer_settings)
+        broker = await broker_of(self.config)
+        consumer = AIOKafkaConsumer(
+            **self.config.client_kwargs(), **self._consumer_settings, **self._broker_settings(broker)
+        )
         await consumer.start()
         self._consumer = consumer
         try:
@@ -266,6 +276,18 @@ class ConsumerLoop:
         finally:
             self._consumer = None
             await consumer.stop()
+
+    def _broker_settings(self, broker: BrokerProfile) -> dict[str, object]:
+        """The consumer settings that depend on what the broker serves."""
+        settings: dict[str, object] = {
+            "fetch_max_wait_ms": self._fetch_wait_ms
+            if self._fetch_wait_ms is not None
+            else broker.fetch_wait_ms
+        }
+        if self._instance_id is not None and broker.static_membership:
+            # A restart within the session timeout takes its partitions back, no rebalance.
+            settings["group_instance_id"] = self._instance_id
+        return settings
 
     def _log_time(self, consumer: AIOKafkaConsumer) -> float:
         """How far this member has read, in log time: the earliest, over its partitions, of
@@ -425,7 +447,7 @@ class ConsumerLoop:
                 if self._enforced != waited_for:
                     log.warning(
                         "log-time order not kept: %s returned nothing for %.0f s though behind its end"
-                        " (on tansu, a partition too long to read within the fetch wait: raise"
+                        " (on the embedded broker, a partition too long to read within the fetch wait: raise"
                         " --fetch-wait-ms, DESIGN §3)",
                         ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(self._enforced)),
                         self._max_idle_s,

@@ -1,23 +1,25 @@
 """Consumer lag per (group, topic, partition) = highwater − committed, exactly.
 
-Why not ``consumer.end_offsets()``: tansu answers ListOffsets(latest) with a wrong
-number once producers batch (measured: the base offset of the last batch plus one on
-the memory engine, and a stale value on the s3 engine), so lag computed from it is
-too small. The high watermark a broker puts in every Fetch response is right on
-tansu and on Kafka alike, so that is the source of truth here:
+Watermarks come from ListOffsets as Kafka defines it: latest is the high watermark,
+earliest the log start. Committed offsets come from the group coordinator (OffsetFetch
+with explicit partitions).
 
-1. ListOffsets(latest) gives ``L`` (exact on Kafka, a lower bound on tansu);
-2. a Fetch at offset ``L`` (1 byte, 1 ms max wait: tansu answers nothing at all
-   with 0 ms) returns the partition's high watermark ``H`` and log start offset;
+A broker whose ListOffsets(latest) is not the high watermark
+(``BrokerProfile.exact_list_offsets`` false: the embedded broker answers too small a
+number once producers batch) is read through the high watermark and log start a Fetch
+response carries instead:
+
+1. ListOffsets(latest) gives ``L``, a lower bound there;
+2. a Fetch at offset ``L`` (1 byte, 1 ms max wait: the embedded broker answers nothing
+   at all with 0 ms) returns the partition's high watermark ``H`` and log start;
 3. ``H >= L`` is checked (a watermark never moves backwards), and ``H`` is used.
 
-Fetching at ``L`` keeps the probe cheap: on Kafka ``L == H`` and nothing is read; on
-tansu at most one batch lies at or past ``L``. Committed offsets come from the group
-coordinator (OffsetFetch with explicit partitions; tansu cannot answer "all").
+Fetching at ``L`` keeps that probe cheap: at most one batch lies at or past ``L``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -31,6 +33,8 @@ from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.protocol.offset import OffsetRequest
 
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.kind import cluster_profile
+from pipeline.kafka.profile import BrokerProfile
 
 LATEST = -1
 EARLIEST = -2
@@ -140,6 +144,8 @@ class LagReader:
         try:
             await client.bootstrap()
             await admin.start()
+            if self.config.broker is None:
+                self.config = dataclasses.replace(self.config, broker=await cluster_profile(admin))
         except BaseException:
             await client.close()
             await admin.close()
@@ -214,6 +220,8 @@ class LagReader:
         for attempt in range(2):
             try:
                 ends = await self._list_offsets(partitions, LATEST)
+                if self._require_broker().exact_list_offsets:
+                    return await self._listed_watermarks(ends)
                 return await self._fetch_watermarks(ends)
             except _Stale:
                 if attempt:
@@ -254,6 +262,13 @@ class LagReader:
         if missing:
             raise LagError(f"ListOffsets did not answer for {sorted(missing)}")
         return result
+
+    async def _listed_watermarks(
+        self, ends: Mapping[TopicPartition, int]
+    ) -> dict[TopicPartition, Watermarks]:
+        """Kafka's watermarks: ListOffsets(earliest) for the log start beside ``ends``."""
+        starts = await self._list_offsets(list(ends), EARLIEST)
+        return {tp: Watermarks(log_start=starts[tp], highwater=end) for tp, end in ends.items()}
 
     async def _fetch_watermarks(self, ends: Mapping[TopicPartition, int]) -> dict[TopicPartition, Watermarks]:
         client = self._require_client()
@@ -333,6 +348,11 @@ class LagReader:
         if self._client is None:
             raise RuntimeError("LagReader is not started; use 'async with' or await start()")
         return self._client
+
+    def _require_broker(self) -> BrokerProfile:
+        if self.config.broker is None:
+            raise RuntimeError("LagReader is not started; use 'async with' or await start()")
+        return self.config.broker
 
     def _require_admin(self) -> AIOKafkaAdminClient:
         if self._admin is None:

@@ -2,7 +2,7 @@
 
 A sample is its owner's once the owning group has committed past the sample's
 ``FinalizedEvent`` (DESIGN §7.4): the trainer feed commits only after ``ack``. The
-finalized topic's ends are high watermarks (exact on tansu, see ``pipeline.kafka.lag``)
+finalized topic's ends are high watermarks (exact on every broker kind, see ``pipeline.kafka.lag``)
 and a rollout's partition is the producer's own default partitioner over its key.
 """
 

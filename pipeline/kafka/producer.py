@@ -3,17 +3,19 @@
 ``KafkaEventSink`` is the ``EventSink`` port on aiokafka: a record becomes an envelope,
 is encoded by the contract's codec, routed by event type and keyed by rollout id, and
 ``publish`` returns only once the broker acknowledged every record (``acks="all"``).
-Idempotent and transactional producers are off on purpose: tansu cannot serve them,
-and delivery is at-least-once with idempotent consumers instead (DESIGN §7).
+The producer is idempotent where the broker serves it
+(``BrokerProfile.idempotent_producer``: Kafka does, the embedded broker does not);
+delivery is at-least-once either way, with idempotent consumers (DESIGN §7).
 
 Size: an event over the codec's limit fails with ``EventTooLarge`` naming it (also when
 a broker with a smaller ``message.max.bytes`` refuses it), while a dead letter is
 trimmed to fit, since it is the last place bad input can go.
 
-Write conflicts: tansu's durable store gives each batch its own object at the offset
-the broker read from the partition's watermark, so two producers writing one partition
-at the same moment can pick the same offset; the loser's batch is refused (nothing of
-it is written) with Kafka's unknown-server error. ``publish`` sends such records again.
+Retries: aiokafka retries a request within its delivery timeout; a record that still
+failed with an error Kafka calls retriable (a leader moving, say) is sent again here,
+a few times. An unreachable broker is not retried here: the stage waits that out
+(``pipeline.kafka.errors``). On the embedded broker an unknown-server error is a write
+conflict, also sent again (``BrokerProfile.unknown_error_is_write_conflict``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from types import TracebackType
 from typing import Any, NoReturn, Self
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import MessageSizeTooLargeError, UnknownError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, UnknownError
 
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.errors import BROKER_UNREACHABLE
+from pipeline.kafka.kind import broker_of
+from pipeline.kafka.profile import BrokerProfile
 from topics.codec import MAX_EVENT_BYTES, EventTooLarge, encode, fit_dead_letter, record_size
 from topics.events import Envelope, envelope
 from topics.names import TopicNames, topic_for
@@ -35,8 +40,8 @@ from topics.records import DeadLetter, Record
 
 REQUEST_OVERHEAD_BYTES = 64 * 1024
 """Room for batch and record framing above the codec's event limit."""
-WRITE_CONFLICT_RETRIES = 8
-WRITE_CONFLICT_BACKOFF_S = 0.005
+SEND_RETRIES = 8
+SEND_BACKOFF_S = 0.005
 
 _Encoded = tuple[Envelope[Record], bytes, bytes, list[tuple[str, bytes]]]
 
@@ -64,21 +69,24 @@ class KafkaEventSink:
         self.names: TopicNames = config.names
         self._settings: dict[str, Any] = {
             "acks": "all",
-            "enable_idempotence": False,
             "linger_ms": linger_ms,
             "max_batch_size": max_batch_size,
             "max_request_size": max_request_size,
             "compression_type": compression_type,
         }
         self._producer: AIOKafkaProducer | None = None
+        self._broker: BrokerProfile | None = None
         self.published = 0
 
     async def start(self) -> None:
         if self._producer is not None:
             return
-        producer = AIOKafkaProducer(**self.config.client_kwargs(), **self._settings)
+        broker = await broker_of(self.config)
+        producer = AIOKafkaProducer(
+            **self.config.client_kwargs(), **self._settings, enable_idempotence=broker.idempotent_producer
+        )
         await producer.start()
-        self._producer = producer
+        self._producer, self._broker = producer, broker
 
     async def stop(self) -> None:
         producer, self._producer = self._producer, None
@@ -100,7 +108,7 @@ class KafkaEventSink:
         On failure the first error is raised after all sends settled; some records may
         have been written, which is harmless because event ids are deterministic. An
         event too large to write raises ``EventTooLarge`` before anything is sent.
-        Records refused for a write conflict are sent again, in their order.
+        Records refused with a retriable error are sent again, in their order.
         """
         if not records:
             return
@@ -108,15 +116,15 @@ class KafkaEventSink:
         for record in records:
             event = envelope(fit_dead_letter(record) if isinstance(record, DeadLetter) else record)
             pending.append((event, *encode(event)))
-        for attempt in range(WRITE_CONFLICT_RETRIES + 1):
+        for attempt in range(SEND_RETRIES + 1):
             results = await self._send_all(pending)
             failed = [(item, r) for item, r in zip(pending, results, strict=True) if r is not None]
             if not failed:
                 break
-            if attempt == WRITE_CONFLICT_RETRIES or not all(_write_conflict(r) for _, r in failed):
+            if attempt == SEND_RETRIES or not all(_send_again(self._require_broker(), r) for _, r in failed):
                 _raise_first(failed)
             pending = [item for item, _ in failed]
-            await asyncio.sleep(random.uniform(0.0, WRITE_CONFLICT_BACKOFF_S * 2**attempt))  # desynchronize
+            await asyncio.sleep(random.uniform(0.0, SEND_BACKOFF_S * 2**attempt))  # desynchronize
         self.published += len(records)
 
     async def _send_all(self, encoded: Sequence[_Encoded]) -> list[BaseException | None]:
@@ -134,16 +142,23 @@ class KafkaEventSink:
         results = await asyncio.gather(*pending, return_exceptions=True)
         return [result if isinstance(result, BaseException) else None for result in results]
 
+    def _require_broker(self) -> BrokerProfile:
+        if self._broker is None:
+            raise RuntimeError("KafkaEventSink is not started; use 'async with' or await start()")
+        return self._broker
+
     def _require_producer(self) -> AIOKafkaProducer:
         if self._producer is None:
             raise RuntimeError("KafkaEventSink is not started; use 'async with' or await start()")
         return self._producer
 
 
-def _write_conflict(error: BaseException) -> bool:
-    """tansu's durable store refuses a batch written at an offset another producer took
-    at the same moment (a conditional write that failed); it answers an unknown error."""
-    return isinstance(error, UnknownError)
+def _send_again(broker: BrokerProfile, error: BaseException) -> bool:
+    """Whether a record refused with ``error`` is sent again: an error Kafka calls
+    retriable, unless the broker is unreachable, or the embedded broker's write conflict."""
+    if isinstance(error, UnknownError):
+        return broker.unknown_error_is_write_conflict
+    return isinstance(error, KafkaError) and error.retriable and not isinstance(error, BROKER_UNREACHABLE)
 
 
 def _raise_first(failed: Sequence[tuple[_Encoded, BaseException]]) -> NoReturn:

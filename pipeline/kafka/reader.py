@@ -44,7 +44,7 @@ async def assigned_reader(
 
 
 async def topic_ends(config: KafkaConfig, topic: str) -> dict[TopicPartition, int]:
-    """The high watermark of every partition of ``topic`` (exact on tansu too): where to
+    """The high watermark of every partition of ``topic`` (exact on every broker kind): where to
     start reading to see only what is written from now on."""
     async with LagReader(config) as reader:
         partitions = await reader.partitions([topic])

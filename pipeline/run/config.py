@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pipeline.kafka.broker import StorageMode
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import DEFAULT_TUNING
+from pipeline.kafka.embedded.broker import StorageMode
 from pipeline.worker.reasoning import AUTO
 from stages.driver import Job
 from stages.envs.arithmetic import RewardKind, Task, make_tasks
@@ -85,9 +85,10 @@ class RunConfig:
     seed: int = 0
     seal_grace_s: float = 10.0
     max_open_s: float = 600.0
-    fetch_wait_ms: int = DEFAULT_TUNING.fetch_wait_ms
-    """How long the broker may hold the stages' fetches (``ConsumerTuning.fetch_wait_ms``):
-    latency per hop against how long a partition tansu can still serve (DESIGN §3)."""
+    fetch_wait_ms: int | None = DEFAULT_TUNING.fetch_wait_ms
+    """How long the broker may hold the stages' fetches (``ConsumerTuning.fetch_wait_ms``;
+    ``None``: the broker kind's): on the embedded broker, latency per hop against how long
+    a partition it can still serve (DESIGN §3)."""
     finalize_timeout_s: float = 600.0
     lag_timeout_s: float = 60.0
     keep: bool = False
@@ -197,7 +198,7 @@ class RunConfig:
             )
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")
-        if self.fetch_wait_ms < 1:
+        if self.fetch_wait_ms is not None and self.fetch_wait_ms < 1:
             raise ValueError(f"fetch_wait_ms: must be >= 1, got {self.fetch_wait_ms}")
         for name in ("seal_grace_s", "max_open_s", "finalize_timeout_s", "lag_timeout_s"):
             if not getattr(self, name) > 0:

@@ -51,8 +51,8 @@ from aiokafka.errors import KafkaError
 
 from pipeline.auth.credentials import CREDENTIALS_DIR, ROLE_FILES, Credentials, Role
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import BrokerError
 from pipeline.kafka.config import ConfigError, KafkaConfig
+from pipeline.kafka.embedded.broker import BrokerError
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.kafka.reader import topic_ends
 from pipeline.run.archiver import SampleArchiver

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from pipeline.auth.credentials import Credentials
 from pipeline.gateway.main import GatewayConfig, gateway
-from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig, kafka_environment
 from pipeline.kafka.consumer import ConsumerTuning
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.run.config import RunConfig
 from pipeline.stagehost.processes import (
@@ -48,7 +48,7 @@ log within 76 ms of its timestamp (publish-to-acknowledgement p99.9 70 ms, max 7
 64-rollout main job); durable storage takes up to about 330 ms, so it keeps the default."""
 
 
-def run_groups(broker: EmbeddedBroker | None, fetch_wait_ms: int) -> ConsumerTuning:
+def run_groups(broker: EmbeddedBroker | None, fetch_wait_ms: int | None) -> ConsumerTuning:
     """The run's group timings: the merge margin is as short as the log allows (DESIGN §7.2)."""
     tuning = replace(RUN_GROUPS, fetch_wait_ms=fetch_wait_ms)
     if broker is not None and broker.storage == "memory":
@@ -95,7 +95,7 @@ async def event_log(
 
         broker.on_failure(failed)
         log.info("embedded broker (%s) at %s", config.broker_storage, broker.bootstrap)
-        yield config.kafka.with_bootstrap(broker.bootstrap), broker
+        yield broker.attach(config.kafka), broker
     finally:
         await asyncio.to_thread(broker.stop)
         log.info("embedded broker stopped")

@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from pipeline.kafka.broker import LOG_DIR
+from pipeline.kafka.embedded.broker import LOG_DIR
 
 OWN_LOGGERS = ("pipeline", "stages", "topics")
 """Loggers whose warnings a user can act on; anyone's errors reach the screen too."""

@@ -62,10 +62,11 @@ def stage_command(name: str, kafka: KafkaConfig, options: StageOptions) -> list[
         "--staging-ttl", repr(staging_ttl(ledger)),
         "--session-timeout-ms", str(tuning.session_timeout_ms),
         "--heartbeat-ms", str(tuning.heartbeat_interval_ms),
-        "--fetch-wait-ms", str(tuning.fetch_wait_ms),
         "--merge-margin-ms", str(tuning.idle_margin_ms),
         "--log-format", configured_format(),
     ]  # fmt: skip
+    if tuning.fetch_wait_ms is not None:
+        argv += ["--fetch-wait-ms", str(tuning.fetch_wait_ms)]
     if options.group is not None:
         argv += ["--group", options.group]
     if spec.uses_data_plane:

@@ -37,6 +37,7 @@ async def serve_stage(
     stop: asyncio.Event,
     group: str | None = None,
     tuning: ConsumerTuning = DEFAULT_TUNING,
+    instance_id: str | None = None,
     started: asyncio.Event | None = None,
     metrics: StageMetrics | None = None,
     lag_interval_s: float = DEFAULT_INTERVAL_S,
@@ -44,7 +45,8 @@ async def serve_stage(
     """Consume ``spec``'s inputs as ``group`` (default: the spec's) until ``stop`` is set;
     returns the loop (its stats) once it has left the group.
 
-    ``sink`` receives the dead letters of records that do not decode.
+    ``sink`` receives the dead letters of records that do not decode; ``instance_id``
+    makes the member static where the broker supports it (``ConsumerLoop``).
     """
     if lag_interval_s <= 0:
         raise ValueError(f"lag_interval_s: must be > 0, got {lag_interval_s}")
@@ -65,6 +67,7 @@ async def serve_stage(
         log_time_order=spec.log_time_order(config.names) if spec.log_time_order else None,
         on_assigned=recall,
         reads=spec.reads,
+        instance_id=instance_id,
     )
 
     async def stop_when_asked() -> None:

@@ -46,8 +46,8 @@ from badinput import (
 from pipeline.dataplane.embedded import EmbeddedDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.producer import KafkaEventSink
 from topics import codec

@@ -27,9 +27,9 @@ from scenariokit import SCENARIOS, capture, capturing
 
 from pipeline.dataplane.embedded import EmbeddedDataPlane
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
-from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import FAST_GROUPS
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.replay.rebuild import read_log
 from pipeline.samples.archive import SampleArchive, archive_path, sample_record

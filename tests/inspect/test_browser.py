@@ -21,7 +21,7 @@ from inspectkit import RunDir
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
 from pipeline.inspect.tokens import sampling_label
-from pipeline.kafka.broker import free_port
+from pipeline.kafka.embedded.broker import free_port
 from pipeline.samples.archive import archive_path, read_archive
 from stages.trainer.advantages import group_advantages
 

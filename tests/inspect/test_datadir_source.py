@@ -11,8 +11,8 @@ from inspectkit import RunDir
 from pipeline.inspect.log import LogUnavailable, read_live_log
 from pipeline.inspect.source import NotADataDir, RunSource, check_data_dir
 from pipeline.inspect.table import MAX_PER_PAGE, TableQuery
-from pipeline.kafka.broker import BUCKET_DIR, CLUSTER_ID_FILE, EmbeddedBroker, free_port
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.broker import BUCKET_DIR, CLUSTER_ID_FILE, EmbeddedBroker, free_port
 from pipeline.run.config import TINY_MODEL_DIR_NAME
 from topics.failures import MEANINGS
 

@@ -18,11 +18,11 @@ import psutil
 import pytest
 
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import BrokerError, EmbeddedBroker, PortBusyError, free_port, tansu_binary
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning
+from pipeline.kafka.embedded.broker import BrokerError, EmbeddedBroker, PortBusyError, free_port, tansu_binary
+from pipeline.kafka.embedded.probe import identify
 from pipeline.kafka.lag import LagReader, total_lag
-from pipeline.kafka.probe import identify
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.kafka.reader import assigned_reader
 from pipeline.kafka.tail import recent_keys
@@ -100,7 +100,7 @@ def test_tansu_exiting_zero_on_a_taken_port_is_still_caught(
 ) -> None:
     """Without the pre-check, readiness alone must catch it: tansu exits 0, or another
     broker answers with a foreign cluster id."""
-    monkeypatch.setattr("pipeline.kafka.broker.ensure_port_free", lambda host, port: None)
+    monkeypatch.setattr("pipeline.kafka.embedded.broker.ensure_port_free", lambda host, port: None)
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
@@ -356,7 +356,7 @@ def test_without_the_give_back_the_recall_waits_and_names_the_partition(
     """What a stage met before: its recall of answered rollouts reads toward an offset that
     never comes, so the stage is never ready; the reader says which partition holds it."""
     store_left_by_a_kill_mid_produce(tmp_path)
-    monkeypatch.setattr("pipeline.kafka.broker.give_back_unwritten", lambda cluster_dir: [])
+    monkeypatch.setattr("pipeline.kafka.embedded.broker.give_back_unwritten", lambda cluster_dir: [])
     with (
         EmbeddedBroker(storage="durable", data_dir=tmp_path) as broker,
         caplog.at_level("WARNING"),

@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
+from contractbroker import fast_groups_on
 
 from pipeline.commands import lag as lag_command
 from pipeline.kafka.admin import TopicLayoutError, ensure_topics
-from pipeline.kafka.broker import free_port
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning
+from pipeline.kafka.embedded.broker import free_port
 from pipeline.kafka.lag import LagReader, total_lag
 from pipeline.kafka.producer import KafkaEventSink
 from stages.ports import Consumed
@@ -153,8 +154,9 @@ async def test_events_are_routed_by_type_keyed_by_rollout_and_kept_in_order(
 
 
 async def test_two_consumers_in_a_group_split_partitions_and_see_every_record_once(
-    kafka_config: KafkaConfig, fast_group: ConsumerTuning
+    either_config: KafkaConfig, fast_group: ConsumerTuning
 ) -> None:
+    kafka_config, fast_group = either_config, fast_groups_on(either_config)
     names = kafka_config.names
     await ensure_topics(kafka_config)
     group = f"{names.prefix}-g"
@@ -331,8 +333,9 @@ async def test_a_loop_passes_by_the_types_it_does_not_read_without_decoding_them
 
 
 async def test_lag_is_exact_after_batched_produces(
-    kafka_config: KafkaConfig, fast_group: ConsumerTuning
+    either_config: KafkaConfig, fast_group: ConsumerTuning
 ) -> None:
+    kafka_config, fast_group = either_config, fast_groups_on(either_config)
     names = kafka_config.names
     await ensure_topics(kafka_config)
     group = f"{names.prefix}-g"

@@ -42,7 +42,9 @@ async def receipts_on(config: KafkaConfig) -> dict[str, list[RolloutReceipt]]:
     return copies
 
 
-def test_replay_rebuilds_the_live_ledger(kafka_config: KafkaConfig, tmp_path: Path) -> None:
+def test_replay_rebuilds_the_live_ledger(either_config: KafkaConfig, tmp_path: Path) -> None:
+    kafka_config = either_config
+
     async def go() -> list[str]:
         await ensure_topics(kafka_config)
         rollouts = await captured_events(40)

@@ -18,7 +18,7 @@ import pytest
 
 from bench.events import rollout_events
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.replay.rebuild import rebuild
 from pipeline.replay.store import LedgerStore

@@ -22,8 +22,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from bench.events import rollout_events
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import ConfigError, KafkaConfig
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.replay.parallel import ShardFailed, rebuild_parallel
 from pipeline.replay.store import LedgerStore

@@ -23,8 +23,8 @@ from typing import IO, Any
 import psutil
 import pytest
 
-from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.reader import assigned_reader
 from pipeline.process.guard import owned

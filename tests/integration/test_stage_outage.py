@@ -19,8 +19,8 @@ import pytest
 
 from bench.events import rollout_events
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker, free_port
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.broker import EmbeddedBroker, free_port
 from pipeline.kafka.lag import LagReader, total_lag
 from pipeline.kafka.producer import KafkaEventSink
 from stages.specs import LEDGER

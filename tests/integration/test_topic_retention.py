@@ -20,8 +20,8 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError
 
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.retention import DEFAULT_RETENTION, FOREVER, ROLES, TopicRetention
 

@@ -242,7 +242,10 @@ def test_main_job_summary_compares_the_median_runs_of_the_largest_size() -> None
 
 def test_main_job_names_the_processes_of_the_job() -> None:
     python = "/venv/bin/python3"
-    assert main_job.process_role([python, "-m", "pipeline.kafka.objectstore", "/d/s3"], "python3") == "store"
+    assert (
+        main_job.process_role([python, "-m", "pipeline.kafka.embedded.objectstore", "/d/s3"], "python3")
+        == "store"
+    )
     assert main_job.process_role(["/x/bin/tansu", "broker", "--cluster-id", "c"], "tansu") == "broker"
     assert main_job.process_role([], "VLLM::EngineCore") == "engine"
     assert main_job.process_role([python, "-m", "pipeline.process.reaper", "1"], "python3") == "reaper"

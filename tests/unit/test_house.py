@@ -136,12 +136,12 @@ def test_an_upward_import_is_found(tmp_path: Path) -> None:
     house = copy_of_the_house(tmp_path)
     records = house / "topics" / "records.py"
     records.write_text(
-        records.read_text() + "\n\ndef _up() -> None:\n    from pipeline.kafka import broker\n"
+        records.read_text() + "\n\ndef _up() -> None:\n    from pipeline.kafka.embedded import broker\n"
     )
     sessions = house / "pipeline" / "gateway" / "sessions.py"
     sessions.write_text(sessions.read_text() + "\nfrom pipeline.commands.run import add_parser\n")
     assert upward_imports(house) == [
-        "topics.records -> pipeline.kafka.broker",
+        "topics.records -> pipeline.kafka.embedded.broker",
         "pipeline.gateway.sessions -> pipeline.commands.run",
     ]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import localbucket
 import pytest
 
-from pipeline.kafka.objectstore import FastS3Handler
+from pipeline.kafka.embedded.objectstore import FastS3Handler
 
 KEYS = [
     "clusters/c1/meta.json",

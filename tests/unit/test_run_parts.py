@@ -19,8 +19,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.run.archiver import SampleArchiver
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs
 from pipeline.run.driver import SealTrackingClient, play_jobs

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from pipeline import cli
-from pipeline.kafka.broker import EmbeddedBroker
 from pipeline.kafka.config import KafkaConfig, config_from_args, kafka_arguments, kafka_environment
+from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.kafka.retention import FOREVER, TopicRetention
 from pipeline.run.config import RunConfig
 from pipeline.run.services import RUN_GROUPS, data_plane_flags, run_groups

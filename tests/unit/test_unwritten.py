@@ -1,4 +1,4 @@
-"""Giving back offsets a killed durable broker claimed but never wrote (``pipeline.kafka.unwritten``)."""
+"""Giving back offsets a killed durable broker claimed but never wrote (``pipeline.kafka.embedded.unwritten``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.kafka.unwritten import GivenBack, give_back_unwritten, written_end
+from pipeline.kafka.embedded.unwritten import GivenBack, give_back_unwritten, written_end
 
 
 def batch_header(records: int) -> bytes:

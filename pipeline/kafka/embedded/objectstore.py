@@ -14,7 +14,7 @@ the store; its handler gets two changes here, both measured (bench/RESULTS.md):
   where its marker falls (a bisection), and the pages after the first (a partition of
   over 1,000 batches) come from the index too.
 
-``EmbeddedBroker`` runs it as ``python -m pipeline.kafka.objectstore ROOT --host HOST
+``EmbeddedBroker`` runs it as ``python -m pipeline.kafka.embedded.objectstore ROOT --host HOST
 --port PORT``. The handler overrides localbucket's own methods, so the project pins its
 version (pyproject.toml); ``tests/unit/test_objectstore.py`` compares every answer with
 localbucket's.
@@ -298,7 +298,9 @@ def serve(root: Path, host: str, port: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.kafka.objectstore", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.kafka.embedded.objectstore", description=__doc__
+    )
     parser.add_argument("root", type=Path, help="folder holding the buckets")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")

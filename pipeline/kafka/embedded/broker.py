@@ -12,11 +12,11 @@ Single-machine runs and tests use tansu, the Apache-2.0 broker binary shipped in
   process records the failure, and ``check()``/``wait()`` surface it;
 * killed between claiming a produce's offsets and writing its batch, its durable
   engine leaves offsets that never come to exist at a partition's end: they are given
-  back before it starts again (``pipeline.kafka.unwritten``).
+  back before it starts again (``pipeline.kafka.embedded.unwritten``).
 
 Two storage modes: ``memory`` (tests, benchmarks) and ``durable``, which runs tansu's
 ``s3://`` engine against an S3-compatible server keeping buckets as folders
-(``pipeline.kafka.objectstore``: localbucket, tuned for the broker) rooted in the data
+(``pipeline.kafka.embedded.objectstore``: localbucket, tuned for the broker) rooted in the data
 directory. Topics, records and committed offsets then survive a restart, as long as
 the cluster id stays the same; it is therefore stored in the data directory on first
 start.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import http.client
@@ -50,8 +51,9 @@ from types import TracebackType
 from typing import IO, Literal, Self
 
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.probe import ProbeError, identify
-from pipeline.kafka.unwritten import GivenBack, give_back_unwritten
+from pipeline.kafka.embedded.probe import ProbeError, identify
+from pipeline.kafka.embedded.tansu import EMBEDDED_CLUSTER_PREFIX, TANSU
+from pipeline.kafka.embedded.unwritten import GivenBack, give_back_unwritten
 from topics.names import TopicNames
 
 StorageMode = Literal["memory", "durable"]
@@ -233,6 +235,10 @@ class EmbeddedBroker:
             raise BrokerError(f"storage: {storage!r} is not one of {', '.join(STORAGE_MODES)}")
         if storage == "durable" and data_dir is None:
             raise BrokerError("durable storage needs a data directory")
+        if cluster_id is not None and not cluster_id.startswith(EMBEDDED_CLUSTER_PREFIX):
+            raise BrokerError(
+                f"cluster_id: must start with {EMBEDDED_CLUSTER_PREFIX!r} (clients tell the broker by it)"
+            )
         if port is not None and not 0 < port < 65536:
             raise BrokerError(f"port: {port} is not a TCP port (port 0 is not allowed: tansu advertises it)")
         self.storage: StorageMode = storage
@@ -298,7 +304,12 @@ class EmbeddedBroker:
         return self._failure
 
     def kafka_config(self, names: TopicNames | None = None, *, client_id: str = "tokentrail") -> KafkaConfig:
-        return KafkaConfig(bootstrap_servers=self.bootstrap, client_id=client_id, names=names or TopicNames())
+        """A config for this broker's clients, with its deviations from Kafka (``TANSU``)."""
+        return self.attach(KafkaConfig(client_id=client_id, names=names or TopicNames()))
+
+    def attach(self, config: KafkaConfig) -> KafkaConfig:
+        """``config`` pointed at this broker, with its deviations from Kafka (``TANSU``)."""
+        return dataclasses.replace(config, bootstrap_servers=self.bootstrap, broker=TANSU)
 
     def on_failure(self, callback: Callable[[BrokerError], None]) -> None:
         """Call ``callback`` (from the watcher thread) if a child process dies unexpectedly."""
@@ -397,7 +408,9 @@ class EmbeddedBroker:
             self._cluster_id = self._durable_cluster_id(self.data_dir)
             self._give_back_unwritten(self.data_dir / BUCKET_DIR / BUCKET / "clusters" / self._cluster_id)
         else:
-            self._cluster_id = self._requested_cluster_id or f"tokentrail-{uuid.uuid4().hex[:12]}"
+            self._cluster_id = (
+                self._requested_cluster_id or f"{EMBEDDED_CLUSTER_PREFIX}{uuid.uuid4().hex[:12]}"
+            )
 
     def _give_back_unwritten(self, cluster_dir: Path) -> None:
         try:
@@ -446,7 +459,7 @@ class EmbeddedBroker:
                     f"{data_dir} belongs to cluster {stored!r}, not {self._requested_cluster_id!r}"
                 )
             return stored
-        cluster_id = self._requested_cluster_id or f"tokentrail-{uuid.uuid4().hex[:12]}"
+        cluster_id = self._requested_cluster_id or f"{EMBEDDED_CLUSTER_PREFIX}{uuid.uuid4().hex[:12]}"
         path.write_text(cluster_id + "\n", "utf-8")
         return cluster_id
 
@@ -480,7 +493,7 @@ class EmbeddedBroker:
         argv = [
             sys.executable,
             "-m",
-            "pipeline.kafka.objectstore",
+            "pipeline.kafka.embedded.objectstore",
             str(root),
             "--host",
             self.host,
