@@ -111,10 +111,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-# -- the real vLLM engine, one per test module that asks for it (``enginekit``) --------
+# -- the real vLLM engine, one for the whole session (``enginekit``) --------------------
+# Starting an engine costs more than most tests that use it, so the modules that ask for
+# ``host`` share one; a test that changes its weights or version restores them.
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The seed-0 tiny model (ChatML template), built offline."""
     from pipeline.models.tiny import make_tiny_model
@@ -122,7 +124,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "chatml", seed=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def host(model_dir: Path) -> Iterator[EngineHost]:
     """A vLLM CPU engine on ``model_dir``, on its own thread's event loop."""
     from enginekit import EngineHost
