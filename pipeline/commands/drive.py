@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.auth.arguments import add_auth_arguments
-from pipeline.commands.run import ROLLOUT_GROUPS, execute_and_report, run_config
+from pipeline.commands.run import ROLLOUT_GROUPS, run_config
 from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments
 from pipeline.kafka.retention import add_retention_argument
 from pipeline.process.flags import add_flags
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.run.config import Attach, RunConfig
+from pipeline.run.launch import execute_and_report
 
 EXAMPLES = """\
 examples:

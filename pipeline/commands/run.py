@@ -9,24 +9,16 @@ archives the accepted samples to ``DATA_DIR/samples.jsonl``; stops everything.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import logging
-import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.kafka.retention import add_retention_argument
 from pipeline.process.flags import add_flags, from_flags
 from pipeline.process.guard import guard_descendants
-from pipeline.process.jsonlog import LogFormat, add_log_format_argument, configure_logging, vllm_logging
+from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.run.config import ROLLOUTS, TIMING, RunConfig
-from pipeline.worker.reasoning import reasoning_parser_for
-from pipeline.worker.tokenizer_mode import resolve_tokenizer_mode
-
-if TYPE_CHECKING:
-    from pipeline.run.terminal import Screen
+from pipeline.run.launch import check_servable, execute_and_report, quiet_libraries
 
 EXAMPLES = """\
 examples:
@@ -79,83 +71,14 @@ def run_config(args: argparse.Namespace, **given: Any) -> RunConfig:
     return from_flags(RunConfig, args, kafka=config_from_args(args), **given)
 
 
-def _quiet_libraries(log_format: LogFormat) -> None:
-    """vLLM logs through our lines (and only warnings); nothing it says goes to stdout."""
-    vllm_logging(log_format)
-    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for name in ("vllm", "transformers", "transfer_queue", "ray", "aiokafka", "uvicorn", "httpx", "torch"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
-    _quiet_libraries(args.log_format)
+    quiet_libraries(args.log_format)
     try:
         config = run_config(args)
+        check_servable(config)
     except (ConfigError, ValueError) as exc:
-        print(f"tokentrail run: {exc}", file=sys.stderr)
-        return 2
-    model = config.model_dir
-    if model is not None and not (model / "config.json").is_file():
-        print(f"tokentrail run: {model} is not a model directory (no config.json)", file=sys.stderr)
-        return 2
-    try:  # before anything starts: a usage error
-        reasoning_parser_for(config.reasoning_parser, "")
-        if model is not None:  # the tiny model built otherwise has a template
-            resolve_tokenizer_mode(model, config.tokenizer_mode)
-    except ValueError as exc:
         print(f"tokentrail run: {exc}", file=sys.stderr)
         return 2
     guard_descendants(config.data_dir, role="run")  # broker, engine, stages: none outlives this process
     return execute_and_report(config, as_json=args.json)
-
-
-def execute_and_report(config: RunConfig, *, as_json: bool) -> int:
-    """Run, then report: the JSON document, or on a terminal the live view and a table."""
-    from pipeline.run.terminal import terminal_screen
-
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        if as_json or not sys.stderr.isatty():
-            return _execute(config, as_json=as_json, screen=None)
-        with terminal_screen(config.data_dir) as screen:
-            return _execute(config, as_json=False, screen=screen)
-    except KeyboardInterrupt:  # before the run's own signal handling was in place
-        return 130
-
-
-def _execute(config: RunConfig, *, as_json: bool, screen: Screen | None) -> int:
-    from rich.console import Console
-
-    from pipeline.run.display import keep_banner, live_progress, summary_table
-    from pipeline.run.main import execute
-    from pipeline.run.report import RunProgress, RunSummary
-
-    reported: list[RunSummary] = []
-
-    def report(summary: RunSummary) -> None:
-        reported.append(summary)
-        if as_json:
-            sys.stdout.write(json.dumps(summary.document(), sort_keys=True) + "\n")
-            sys.stdout.flush()
-        else:
-            console = screen.console if screen is not None else Console()
-            console.print(summary_table(summary))
-            if screen is not None:
-                console.print(f"full log: {screen.log_path}", style="dim", markup=False, highlight=False)
-        if config.keep and summary.status == "completed":
-            banner = keep_banner(summary)
-            if screen is not None:
-                screen.console.print(banner, markup=False, highlight=False)
-            else:
-                print(banner, file=sys.stderr, flush=True)
-
-    progress = RunProgress()
-    with live_progress(progress, screen.console) if screen is not None else contextlib.nullcontext():
-        summary = execute(config, progress, on_complete=report)
-    if not reported:
-        report(summary)
-    return summary.exit_code
