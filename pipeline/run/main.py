@@ -29,7 +29,6 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from aiokafka.errors import KafkaError
@@ -37,15 +36,14 @@ from aiokafka.errors import KafkaError
 from pipeline.auth.credentials import CREDENTIALS_DIR, ROLE_FILES, Credentials, Role
 from pipeline.kafka.broker import BrokerError
 from pipeline.kafka.config import ConfigError
+from pipeline.run.account import RunAccount, RunParts, summarize
 from pipeline.run.cluster import RunContext, Services, attach_services, start_services
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs
-from pipeline.run.report import RunProgress, RunStatus, RunSummary, outcome_totals
+from pipeline.run.report import RunProgress, RunSummary
 from pipeline.run.scenario import Scenario, open_scenario
 from pipeline.run.services import RunSetupError
 from pipeline.run.shutdown import Shutdown, Stopped
 from pipeline.run.training_loop import TrainingLoop, open_training
-from pipeline.samples.archive import archive_path, read_archive
-from pipeline.samples.drift import Drift, drift_of, model_tokenizer
 from stages.ports import SAMPLES_PARTITION, DataPlaneError
 
 SERVING_FILE = "serving.json"
@@ -67,7 +65,7 @@ class Run:
     """One execution of the pipeline; ``execute()`` returns its summary once all is stopped.
 
     Its parts exist once started (``services``, ``training``: None when the run stopped
-    before them); the rest is the run's account, written as it goes."""
+    before them); what it finds out as it goes is its ``account``."""
 
     def __init__(
         self,
@@ -108,11 +106,7 @@ class Run:
         )
         self.services: Services | None = None
         self.training: TrainingLoop | None = None
-        self.lag_by_stage: dict[str, int] = {}
-        self.samples_left: int | None = None
-        self.timeout: str | None = None
-        self.error: str | None = None
-        self.completed = False
+        self.account = RunAccount()
 
     # -- the run ---------------------------------------------------------------
 
@@ -129,10 +123,10 @@ class Run:
                 log.info("run %s: stopping", self.run_id)
         except EXPECTED_ERRORS as exc:  # a clear message is enough; no traceback
             log.error("run %s failed: %s", self.run_id, exc)
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.account.error = f"{type(exc).__name__}: {exc}"
         except Exception as exc:
             log.exception("run %s failed", self.run_id)
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.account.error = f"{type(exc).__name__}: {exc}"
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
@@ -156,7 +150,7 @@ class Run:
             self.training = await open_training(stack, self.context, services, scenario, self.jobs)
             self.shutdown.check()
         await self._until_stopped(self._work(services, scenario, self.training))
-        if self.completed and self.config.keep:
+        if self.account.completed and self.config.keep:
             await self._keep_serving(services)
 
     async def _until_stopped(self, work: Any) -> None:
@@ -191,7 +185,7 @@ class Run:
                 await scenario.play(self.jobs)
             else:
                 await training.train()
-                self.samples_left = len(await services.plane.list_keys(SAMPLES_PARTITION))
+                self.account.samples_left = len(await services.plane.list_keys(SAMPLES_PARTITION))
         finally:
             progress.driving_until = time.monotonic()
 
@@ -200,18 +194,22 @@ class Run:
             await asyncio.wait_for(asyncio.shield(outcomes.archiving), config.finalize_timeout_s)
         except TimeoutError:
             missing = len(outcomes.watcher.missing)
-            self.timeout = f"{missing} rollout(s) not finalized within {config.finalize_timeout_s:.0f}s"
-            log.error("run %s: %s", self.run_id, self.timeout)
+            self.account.timeout = (
+                f"{missing} rollout(s) not finalized within {config.finalize_timeout_s:.0f}s"
+            )
+            log.error("run %s: %s", self.run_id, self.account.timeout)
             return
 
         progress.enter("waiting for consumer lag 0")
-        self.lag_by_stage = await outcomes.probe.wait_for_zero(config.lag_timeout_s)
-        progress.lag = dict(self.lag_by_stage)
-        if any(self.lag_by_stage.values()):
-            self.timeout = f"consumer lag still {self.lag_by_stage} after {config.lag_timeout_s:.0f}s"
-            log.error("run %s: %s", self.run_id, self.timeout)
+        self.account.lag_by_stage = await outcomes.probe.wait_for_zero(config.lag_timeout_s)
+        progress.lag = dict(self.account.lag_by_stage)
+        if any(self.account.lag_by_stage.values()):
+            self.account.timeout = (
+                f"consumer lag still {self.account.lag_by_stage} after {config.lag_timeout_s:.0f}s"
+            )
+            log.error("run %s: %s", self.run_id, self.account.timeout)
             return
-        self.completed = True
+        self.account.completed = True
         log.info("run %s: every rollout finalized, lag 0", self.run_id)
 
     async def _keep_serving(self, services: Services) -> None:
@@ -243,99 +241,9 @@ class Run:
             "operator_token_file": self.operator_token_file,
         }
 
-    # -- the account -----------------------------------------------------------
-
-    @property
-    def model_dir(self) -> Path:
-        return self.services.model_dir if self.services is not None else self.config.resolved_model_dir
-
-    def _paced_waits(self) -> int | None:
-        """Rollouts held back by the paced loop or a paced gateway; None when nothing paced."""
-        paced = self.progress.driver.paced
-        gate = self.training.paced_waits() if self.training is not None else None
-        if gate is not None:
-            return paced + gate
-        return paced or None
-
-    def status(self) -> RunStatus:
-        if self.completed and self.error is None and self.shutdown.failure is None:
-            return "completed"  # a signal while --keep served a finished run is the normal stop
-        if self.shutdown.signal is not None:
-            return "interrupted"
-        if self.error is not None or self.shutdown.failure is not None:
-            return "failed"
-        if self.timeout is not None:
-            return "timeout"
-        return "failed"
-
     def summary(self) -> RunSummary:
-        config, progress, services = self.config, self.progress, self.services
-        outcomes = services.outcomes if services is not None else None
-        events = list(outcomes.watcher.events.values()) if outcomes is not None else []
-        tokens, generated = outcome_totals(events)
-        accepted = sum(1 for event in events if event.status == "accepted")
-        stats = progress.driver
-        drive_s = None
-        if progress.driving_since is not None:
-            drive_s = (progress.driving_until or time.monotonic()) - progress.driving_since
-        written = outcomes.archiver.written if outcomes is not None else 0
-        status = self.status()
-        if status == "completed" and written != sum(len(event.sample_keys) for event in events):
-            status = "failed"
-        errors = [e for e in (self.error, self.shutdown.failure, self.timeout) if e]
-        if outcomes is not None and outcomes.archiver.failed:
-            errors.append(f"{len(outcomes.archiver.failed)} sample(s) could not be archived")
-        lag = self.lag_by_stage or progress.lag
-        return RunSummary(
-            status=status,
-            run_id=self.run_id,
-            rollouts=len(self.jobs),
-            group_size=config.group_size,
-            turns=config.turns,
-            max_tokens=config.max_tokens,
-            temperature=config.temperature,
-            sampling=config.sampling,
-            seed=config.seed,
-            finalized=len(events),
-            accepted=accepted,
-            rejected=dict(outcomes.watcher.rejected) if outcomes is not None else {},
-            missing=outcomes.watcher.missing if outcomes is not None else [j.rollout_id for j in self.jobs],
-            calls=stats.calls,
-            capture_failed=stats.capture_failed,
-            broken=stats.broken,
-            tokens_captured=tokens,
-            generated_tokens=generated,
-            samples_written=written,
-            samples_file=str(archive_path(config.data_dir)),
-            data_dir=str(config.data_dir),
-            model_dir=str(self.model_dir) if config.attach is None else (config.attach.model or ""),
-            bootstrap=(services.kafka if services is not None else config.kafka).bootstrap_servers,
-            dataplane_mode=config.dataplane_mode,
-            dataplane_addresses=services.dataplane_addresses if services is not None else None,
-            worker_url=services.worker_url if services is not None else None,
-            agent=config.agent,
-            gateway_url=services.gateway_url if services is not None else None,
-            lag=sum(lag.values()) if lag else None,
-            lag_by_stage=dict(lag),
-            elapsed_s=time.monotonic() - progress.started,
-            drive_s=drive_s,
-            signal=self.shutdown.signal,
-            error="; ".join(errors) or None,
-            closed_interrupted=outcomes.closed_interrupted if outcomes is not None else 0,
-            train_steps=self.training.steps() if self.training is not None else None,
-            dataplane_samples_left=self.samples_left,
-            paced_waits=self._paced_waits(),
-            stages=config.stages if config.attach is None else None,
-            retokenization=self._retokenization(),
-        )
-
-    def _retokenization(self) -> Drift | None:
-        """The drift over this run's archived samples, read with the served model's tokenizer."""
-        tokenizer = model_tokenizer(self.model_dir)
-        if tokenizer is None:
-            return None
-        archived = read_archive(archive_path(self.config.data_dir), run_id=self.run_id).records
-        return drift_of(archived, tokenizer)
+        """The run's summary, as far as it got."""
+        return summarize(RunParts(self.context, self.jobs, self.services, self.training), self.account)
 
 
 def execute(config: RunConfig, progress: RunProgress | None = None, **options: Any) -> RunSummary:
