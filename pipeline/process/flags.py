@@ -115,7 +115,6 @@ def _converter(annotation: Any, info: FieldInfo, flag: Flag) -> Callable[[str], 
         except (ValueError, OSError) as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    convert.__name__ = getattr(annotation, "__name__", "value")
     return convert
 
 
@@ -215,8 +214,8 @@ def to_argv(settings: BaseModel) -> list[str]:
         if value == info.get_default(call_default_factory=True):
             continue
         option = flag_name(model, name)
-        if value is None:
-            raise ValueError(f"{option}: None cannot be said on a command line whose default is not None")
+        if value is None or flag.parse is not None:  # a file's contents cannot be said as its name
+            raise ValueError(f"{option}: {value!r} cannot be written as a command line")
         if isinstance(value, bool):
             argv.append(option if value else "--no-" + option.removeprefix("--"))
         elif _item_type(info.annotation) is not None:

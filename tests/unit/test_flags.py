@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.process.flags import NOT_A_FLAG, Flag, FlagError, add_flags, from_flags, to_argv
 from pipeline.run.config import RunConfig
+from stages.envs.arithmetic import Task
 
 
 class Colour(enum.StrEnum):
@@ -162,3 +163,10 @@ def test_a_bad_run_setting_names_the_runs_flag() -> None:
     add_flags(built, RunConfig)
     with pytest.raises(FlagError, match=r"^--timeout: must be > 0, got 0.0$"):
         from_flags(RunConfig, built.parse_args(["--timeout", "0"]))
+
+
+def test_what_a_command_line_cannot_say_is_refused_not_dropped() -> None:
+    """A tasks file's tasks are read from the file: the tasks themselves have no flag."""
+    config = RunConfig(tasks=(Task("sum", "2 + 3"),), group_size=2, rollouts=2)
+    with pytest.raises(ValueError, match=r"^--tasks: .* cannot be written as a command line$"):
+        to_argv(config)
