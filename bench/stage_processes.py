@@ -74,14 +74,14 @@ class ProcessMembers:
         return None
 
 
-def attached_plane(addresses: Any, scratch: Path) -> tuple[str, ...]:
-    """Stage flags that attach to a running data plane (its addresses written under
+def attached_plane(addresses: Any, scratch: Path) -> dict[str, Any]:
+    """Stage settings that attach to a running data plane (its addresses written under
     ``scratch``) and spool retained samples there too."""
-    return (
-        "--dataplane-mode", "attach",
-        "--dataplane-addresses", str(addresses.write(scratch / "dataplane.json")),
-        "--retain-dir", str(scratch / "retained-samples"),
-    )  # fmt: skip
+    return {
+        "dataplane_mode": "attach",
+        "dataplane_addresses": addresses.write(scratch / "dataplane.json"),
+        "retain_dir": scratch / "retained-samples",
+    }
 
 
 @contextlib.asynccontextmanager

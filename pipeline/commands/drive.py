@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.auth.arguments import add_auth_arguments
-from pipeline.commands.run import add_rollout_arguments, execute_and_report, rollout_settings
+from pipeline.commands.run import ROLLOUT_GROUPS, run_config
 from pipeline.dataplane.config import add_dataplane_addresses_argument
-from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.kafka.config import ConfigError, add_kafka_arguments
 from pipeline.kafka.retention import add_retention_argument
+from pipeline.process.flags import add_flags
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.run.config import Attach, RunConfig
+from pipeline.run.launch import execute_and_report
 
 EXAMPLES = """\
 examples:
@@ -56,7 +58,7 @@ def add_parser(subparsers: Any) -> None:
         default=defaults.data_dir,
         help="where this driver keeps its journal and samples.jsonl (default: %(default)s)",
     )
-    add_rollout_arguments(parser, defaults)
+    add_flags(parser, RunConfig, groups=ROLLOUT_GROUPS)
     add_kafka_arguments(parser, bootstrap_required=True)
     add_retention_argument(parser)
     add_auth_arguments(parser, server=False, client=False)
@@ -68,20 +70,17 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     try:
-        config = RunConfig(
-            data_dir=args.data_dir,
-            kafka=config_from_args(args),
-            attach=Attach(
-                worker_url=args.worker,
-                gateway_url=args.gateway,
-                model=args.model_name,
-                dataplane_addresses=args.dataplane_addresses,
-                credentials_dir=args.credentials_dir,
-            ),
-            agent="sdk" if args.gateway else "driver",
-            **rollout_settings(args),
+        attach = Attach(
+            worker_url=args.worker,
+            gateway_url=args.gateway,
+            model=args.model_name,
+            dataplane_addresses=args.dataplane_addresses,
+            credentials_dir=args.credentials_dir,
         )
-    except (ConfigError, ValueError, OSError) as exc:
+        config = run_config(
+            args, data_dir=args.data_dir, attach=attach, agent="sdk" if args.gateway else "driver"
+        )
+    except (ConfigError, ValueError) as exc:
         print(f"tokentrail drive: {exc}", file=sys.stderr)
         return 2
     return execute_and_report(config, as_json=args.json)

@@ -11,18 +11,22 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, Self
 
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
+
+from pipeline.kafka.embedded.broker import StorageMode
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import DEFAULT_TUNING
-from pipeline.kafka.embedded.broker import StorageMode
+from pipeline.process.flags import NOT_A_FLAG, Flag
 from pipeline.worker.reasoning import AUTO
+from pipeline.worker.tokenizer_mode import TOKENIZER_MODES
 from stages.driver import Job
-from stages.envs.arithmetic import RewardKind, Task, make_tasks
+from stages.envs.arithmetic import RewardKind, Task, make_tasks, read_tasks
 from stages.ledger.stage import LedgerConfig
-from stages.trainer.settings import TRAINER_DTYPES, TrainerDtype
+from stages.trainer.settings import TrainerDtype
 from stages.trainer.staleness import StaleMeasure
 
 RunDataPlaneMode = Literal["embedded", "ray"]
@@ -55,88 +59,137 @@ class Attach:
             raise ValueError("model-name: driving through a gateway needs the served model's name")
 
 
-@dataclass(frozen=True, slots=True)
-class RunConfig:
-    """Every setting of a run; the defaults are the single-machine demo (``make run``)."""
+ROLLOUTS = "rollouts"
+TIMING = "timing"
+LEDGER = "ledger"
+SERVICES = "services"
+TRAINING = "training (the closed RL loop)"
+SAMPLING_FILTER = "; recorded on every call and replayed by the trainers (default: not sent, so the model's generation_config.json, if any, decides)"
+
+
+def read_tasks_file(path: str) -> tuple[Task, ...]:
+    """``--tasks FILE``: its tasks, each checked (``TaskFileError`` names the bad line)."""
+    with Path(path).open() as lines:
+        return tuple(read_tasks(lines, path))
+
+
+class RunConfig(BaseModel):
+    """Every setting of a run; the defaults are the single-machine demo (``make run``).
+
+    Each field is also its ``tokentrail run`` flag (``pipeline.process.flags``): its
+    docstring is the flag's help."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     data_dir: Path = DEFAULT_DATA_DIR
-    model_dir: Path | None = None
-    """None: the tiny model in ``data_dir/tiny-model``, created there if missing."""
-    reasoning_parser: str = AUTO
-    """The worker's reasoning parser (``pipeline.worker.reasoning``)."""
-    tokenizer_mode: str = AUTO
-    """The worker's tokenizer mode (``pipeline.worker.tokenizer_mode``): ``auto`` or ``mistral``."""
-    kafka: KafkaConfig = field(default_factory=KafkaConfig)
-    """``bootstrap_servers=None`` starts the embedded broker in ``data_dir``."""
-    broker_storage: StorageMode = "durable"
-    dataplane_mode: RunDataPlaneMode = "embedded"
-    ray_address: str | None = None
-    rollouts: int = 8
-    group_size: int = 4
-    turns: int = 3
-    concurrency: int = 4
-    max_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    """None: not sent, so the engine's defaults (the model's ``generation_config.json``) apply;
-    whatever it samples with is recorded on each call (DESIGN §4.7)."""
-    seed: int = 0
-    seal_grace_s: float = 10.0
-    max_open_s: float = 600.0
-    fetch_wait_ms: int | None = DEFAULT_TUNING.fetch_wait_ms
-    """How long the broker may hold the stages' fetches (``ConsumerTuning.fetch_wait_ms``;
-    ``None``: the broker kind's): on the embedded broker, latency per hop against how long
-    a partition it can still serve (DESIGN §3)."""
-    finalize_timeout_s: float = 600.0
-    lag_timeout_s: float = 60.0
-    keep: bool = False
+    """broker store, tiny model, data-plane addresses and samples archive"""
+    model_dir: Annotated[Path | None, Flag("--model", metavar="DIR")] = None
+    """model directory to serve (default: the tiny model in DATA_DIR/tiny-model, built if missing)"""
+    reasoning_parser: Annotated[str, Flag(metavar="NAME")] = AUTO
+    """the worker's vLLM reasoning parser; auto: the one that fits the model's template family
+    (qwen3, deepseek_r1, openai_gptoss), if it reasons; none: off"""
+    tokenizer_mode: Annotated[str, Flag(choices=TOKENIZER_MODES)] = AUTO
+    """the worker's: mistral: chat through mistral_common, as vLLM serves Mistral models; auto:
+    mistral where that is the model's only chat format, else its chat template"""
+    tasks: Annotated[
+        tuple[InstanceOf[Task], ...] | None, Flag(metavar="FILE", group=ROLLOUTS, parse=read_tasks_file)
+    ] = None
+    """play these tasks instead of generated ones: JSON lines {"task_id": ..., "expression": ...},
+    each played --group-size times (--rollouts is then their number times the group size)"""
+    reward: Annotated[RewardKind, Flag(group=ROLLOUTS)] = "answer"
+    """how generated tasks are scored: their final answer, or the share of digits in the
+    replies (dense: the learning curves' reward)"""
+    rollouts: Annotated[int, Flag(group=ROLLOUTS)] = 8
+    """rollouts to play"""
+    group_size: Annotated[int, Flag(group=ROLLOUTS)] = 4
+    """GRPO group size: each task is played this many times"""
+    turns: Annotated[int, Flag(group=ROLLOUTS)] = 3
+    """model calls per rollout, at most"""
+    concurrency: Annotated[int, Flag(group=ROLLOUTS)] = 4
+    """rollouts in flight"""
+    max_tokens: Annotated[int, Flag(group=ROLLOUTS)] = 48
+    """tokens per model call"""
+    temperature: Annotated[float, Flag(group=ROLLOUTS)] = 1.0
+    """sampling temperature; 1.0 samples the policy itself, as on-policy RL does"""
+    top_p: Annotated[float | None, Flag(group=ROLLOUTS)] = Field(
+        default=None,
+        description="nucleus sampling: keep the most likely tokens up to this mass" + SAMPLING_FILTER,
+    )
+    top_k: Annotated[int | None, Flag(group=ROLLOUTS)] = Field(
+        default=None, description="keep the K most likely tokens" + SAMPLING_FILTER
+    )
+    min_p: Annotated[float | None, Flag(group=ROLLOUTS)] = Field(
+        default=None,
+        description="keep tokens at least this fraction as likely as the most likely one" + SAMPLING_FILTER,
+    )
+    seed: Annotated[int, Flag(group=ROLLOUTS)] = 0
+    """task, sampling and engine seed"""
+    finalize_timeout_s: Annotated[float, Flag("--timeout", group=TIMING)] = 600.0
+    """seconds to wait for every rollout's FinalizedEvent after driving"""
+    lag_timeout_s: Annotated[float, Flag("--lag-timeout", group=TIMING)] = 60.0
+    """seconds to wait for consumer lag 0"""
+    seal_grace_s: Annotated[float, Flag("--seal-grace", group=LEDGER)] = 10.0
+    """seconds a seal waits for calls in flight"""
+    max_open_s: Annotated[float, Flag("--max-open", group=LEDGER)] = 600.0
+    """seconds before an unsealed rollout is closed"""
+    fetch_wait_ms: Annotated[int | None, Flag(group=LEDGER)] = DEFAULT_TUNING.fetch_wait_ms
+    """how long the broker may hold the stages' fetches (ConsumerTuning.fetch_wait_ms); on the
+    embedded broker a longer wait lets them read longer partitions (DESIGN §3); default: the
+    broker kind's"""
+    broker_storage: Annotated[StorageMode, Flag(group=SERVICES)] = "durable"
+    """embedded broker storage: durable in DATA_DIR, or memory"""
+    dataplane_mode: Annotated[RunDataPlaneMode, Flag(group=SERVICES)] = "embedded"
+    """embedded TransferQueue in this process, or TransferQueue on a Ray cluster"""
+    ray_address: Annotated[str | None, Flag(group=SERVICES)] = None
+    """Ray cluster address for --dataplane-mode ray (e.g. auto)"""
+    stages: Annotated[StageHosting, Flag(group=SERVICES)] = "processes"
+    """the ledger and finalizer as `tokentrail stage` child processes, a core each, or as tasks
+    on this process's event loop"""
     agent: AgentKind = "driver"
-    """``driver``: the built-in driver builds admissions; ``sdk``: a plain OpenAI-SDK agent
-    plays through the gateway, which builds them."""
-    stages: StageHosting = "processes"
-    """``processes``: the ledger and finalizer as ``tokentrail stage`` child processes (a
-    core each); ``inline``: both as tasks on this process's event loop."""
-    run_id: str | None = None
-    attach: Attach | None = None
+    """who plays the rollouts: the built-in driver (it builds admissions itself), or an agent
+    using only the openai SDK through a gateway (which builds them)"""
+    train_steps: Annotated[int, Flag(metavar="N", group=TRAINING)] = 0
+    """play --rollouts rollouts, take one GRPO step on the model with their samples, load the new
+    weights into the worker, N times; the JSON adds train_steps (0: no training)"""
+    trainer: Annotated[TrainerKind, Flag(group=TRAINING)] = "builtin"
+    """who takes each step: the built-in GRPO step, or TRL's GRPOTrainer"""
+    learning_rate: Annotated[float, Flag(group=TRAINING)] = 1e-2
+    """SGD step size"""
+    max_staleness: Annotated[int | None, Flag(metavar="VERSIONS", group=TRAINING)] = None
+    """let generation run ahead of the trainer (either) by at most this many weight versions,
+    pacing new rollouts and dropping samples further behind;
+    default: play each step, then train (staleness 0)"""
+    staleness_measure: Annotated[StaleMeasure, Flag(group=TRAINING)] = "oldest"
+    """a sample's version for staleness: its oldest token's, newest's or admission's"""
+    trainer_delay_s: Annotated[float, Flag(metavar="SECONDS", group=TRAINING)] = 0.0
+    """a deliberately slow trainer: sleep this long before each built-in step"""
+    trainer_dtype: Annotated[TrainerDtype, Flag(group=TRAINING)] = "float32"
+    """the trainer's weights (either trainer); bfloat16 against the fp32 engine shows a precision
+    mismatch in each step's report"""
+    shift_behaviour_temperature: Annotated[float | None, Flag(metavar="T", group=TRAINING)] = None
+    """benchmark only: the trainer is told every call sampled at temperature T, so the captured
+    logprobs are of a wrong temperature to it (shows what the importance correction does)"""
+    keep: bool = False
+    """after the run, keep broker, data plane, worker and stages serving until Ctrl-C"""
+    kafka: Annotated[InstanceOf[KafkaConfig], NOT_A_FLAG] = Field(default_factory=KafkaConfig)
+    """``bootstrap_servers=None`` starts the embedded broker in ``data_dir`` (its own flags)."""
+    run_id: Annotated[str | None, NOT_A_FLAG] = None
+    attach: Annotated[InstanceOf[Attach] | None, NOT_A_FLAG] = None
     """``tokentrail drive``: play against services already running instead of starting them."""
-    tasks: tuple[Task, ...] | None = None
-    """Tasks to play (``--tasks FILE``), each ``group_size`` times; ``rollouts`` must be
-    their number times the group size. None: ``rollouts // group_size`` generated ones."""
-    reward: RewardKind = "answer"
-    """How the generated tasks are scored (``RewardKind``): ``digits`` is the dense reward the
-    learning curves use."""
-    train_steps: int = 0
-    """Closed loop: this many steps of ``rollouts`` rollouts, a GRPO step and a refit each."""
-    learning_rate: float = 1e-2
-    trainer: TrainerKind = "builtin"
-    """Who takes the train steps: the built-in GRPO step, or TRL's ``GRPOTrainer``."""
-    max_staleness: int | None = None
-    """Train steps: generation runs ahead of the trainer (either) by at most this many weight
-    versions (paced, ``stages.trainer.pacing``); samples further behind are dropped.
-    None: each step's rollouts are played, then trained on (staleness 0)."""
-    staleness_measure: StaleMeasure = "oldest"
-    """Which version of a sample staleness is measured by: its oldest token's, its newest's,
-    or its admission's (``StalenessPolicy``)."""
-    trainer_delay_s: float = 0.0
-    """A deliberately slow trainer: each built-in step sleeps this long first (benchmarks, tests)."""
-    trainer_dtype: TrainerDtype = "float32"
-    """The trainer's weights, either trainer's (``TRAINER_DTYPES``)."""
-    shift_behaviour_temperature: float | None = None
-    """Benchmark only (``pipeline.trainer.shift``): the trainer feed states every call's
-    temperature as this, so the captured logprobs are of a wrong temperature to the trainer."""
 
     @property
     def sampling(self) -> dict[str, Any]:
-        """The sampling options every model call sends: the temperature, and the filters given."""
+        """The sampling options every model call sends: the temperature, and the filters given.
+        A filter not given is not sent, so the engine's defaults apply; whatever it samples
+        with is recorded on each call (DESIGN §4.7)."""
         options: dict[str, Any] = {"temperature": self.temperature}
         for name in ("top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
         return options
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _runnable(self) -> Self:
         for name in ("rollouts", "group_size", "turns", "concurrency", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -153,8 +206,6 @@ class RunConfig:
             raise ValueError(f"top_k: must be >= 0 (0: off), got {self.top_k}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
-        if self.trainer_dtype not in TRAINER_DTYPES:
-            raise ValueError(f"trainer_dtype: must be one of {TRAINER_DTYPES}, got {self.trainer_dtype!r}")
         if self.attach is not None and (self.embedded_broker or self.train_steps or self.keep):
             raise ValueError(
                 "attach: driving running services needs --bootstrap, and trains or keeps nothing"
@@ -163,8 +214,6 @@ class RunConfig:
             self.train_steps or len(self.tasks) * self.group_size != self.rollouts
         ):
             raise ValueError("tasks: play each task group-size times, once (no --train-steps)")
-        if self.reward not in get_args(RewardKind):
-            raise ValueError(f"reward: must be one of {get_args(RewardKind)}, got {self.reward!r}")
         if self.tasks is not None and self.reward != "answer":
             raise ValueError("reward: scores generated tasks; a --tasks file is scored by its answers")
         if self.trainer == "trl" and not self.train_steps:
@@ -182,10 +231,6 @@ class RunConfig:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.max_staleness is not None and not self.train_steps:
             raise ValueError("max_staleness: paces (and drops) the samples of --train-steps only")
-        if self.staleness_measure not in get_args(StaleMeasure):
-            raise ValueError(
-                f"staleness_measure: must be one of {get_args(StaleMeasure)}, got {self.staleness_measure!r}"
-            )
         if not self.trainer_delay_s >= 0:
             raise ValueError(f"trainer_delay_s: must be >= 0, got {self.trainer_delay_s}")
         if self.trainer_delay_s and (not self.train_steps or self.trainer != "builtin"):
@@ -206,6 +251,7 @@ class RunConfig:
         # The topics must outlive a rollout left open: in this run's ledger, or (driving a
         # cluster) in one started with tokentrail stage's default.
         self.kafka.retention.check(self.max_open_s if self.attach is None else LedgerConfig().max_open_s)
+        return self
 
     @property
     def total_rollouts(self) -> int:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from pipeline.auth.credentials import Credentials
 from pipeline.gateway.main import GatewayConfig, gateway
@@ -28,6 +29,7 @@ from pipeline.stagehost.processes import (
     stage_processes,
 )
 from pipeline.stagehost.runner import serve_stage
+from pipeline.stagehost.settings import RETAIN_DIR_NAME
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
 from stages.client import RolloutClient
@@ -166,7 +168,7 @@ async def running_stages(
 @contextlib.asynccontextmanager
 async def stage_children(
     kafka: KafkaConfig,
-    data_plane: tuple[str, ...],
+    data_plane: Mapping[str, Any],
     ledger_config: LedgerConfig,
     *,
     on_failure: Callable[[str], None],
@@ -190,17 +192,17 @@ async def stage_children(
         yield started
 
 
-NO_COPIES = ("--retain-samples-bytes", "0")
-"""A finalizer beside a data plane it cannot outlive keeps no sample copies (DESIGN §7.4)."""
-
-
-def data_plane_flags(config: RunConfig, addresses_file: Path) -> tuple[str, ...]:
-    """How a stage process reaches the run's data plane: the embedded one through the
-    address file it published, TransferQueue on Ray as the run does."""
-    if config.dataplane_mode == "embedded":  # the run owns it: copies of samples would die with it
-        return ("--dataplane-mode", "attach", "--dataplane-addresses", str(addresses_file), *NO_COPIES)
-    ray = ("--ray-address", config.ray_address) if config.ray_address else ()
-    return ("--dataplane-mode", "ray", *ray, "--retain-dir", str(config.data_dir / "retained-samples"))
+def data_plane_settings(config: RunConfig, addresses_file: Path) -> dict[str, Any]:
+    """How a stage process reaches the run's data plane (``StageHostSettings`` fields): the
+    embedded one through the address file it published, TransferQueue on Ray as the run does."""
+    if config.dataplane_mode == "embedded":
+        # The run owns it: copies of samples would die with it (DESIGN §7.4), so none are kept.
+        return {"dataplane_mode": "attach", "dataplane_addresses": addresses_file, "retain_samples_bytes": 0}
+    return {
+        "dataplane_mode": "ray",
+        "ray_address": config.ray_address,
+        "retain_dir": config.data_dir / RETAIN_DIR_NAME,
+    }
 
 
 @contextlib.asynccontextmanager

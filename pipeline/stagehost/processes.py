@@ -23,12 +23,14 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import IO
+from dataclasses import dataclass, field
+from typing import IO, Any
 
 from pipeline.kafka.config import KafkaConfig, kafka_arguments
 from pipeline.kafka.consumer import ConsumerTuning
+from pipeline.process.flags import to_argv
 from pipeline.process.jsonlog import configured_format
+from pipeline.stagehost.settings import StageHostSettings
 from stages.ledger.stage import LedgerConfig
 from stages.specs import STAGES, staging_ttl
 
@@ -41,37 +43,44 @@ CLI_MODULE = "pipeline.cli"
 @dataclass(frozen=True, slots=True)
 class StageOptions:
     """What a stage child is told besides its Kafka config: the settings an in-process
-    stage gets (``pipeline.run.services.running_stages``), as ``tokentrail stage`` flags."""
+    stage gets (``pipeline.run.services.running_stages``)."""
 
     ledger: LedgerConfig
     tuning: ConsumerTuning
-    data_plane: tuple[str, ...] = ()
-    """Flags naming the data plane (``--dataplane-mode ...``), for a stage that reads rows."""
+    data_plane: Mapping[str, Any] = field(default_factory=dict)
+    """How a stage that reads rows reaches the data plane: ``StageHostSettings`` fields
+    (``dataplane_mode``, ``dataplane_addresses``, ...)."""
     group: str | None = None
     """None: the stage's own group."""
 
 
+def stage_settings(name: str, options: StageOptions) -> StageHostSettings:
+    """The settings of stage ``name``'s process: ``options``, as the in-process stage has them."""
+    ledger, tuning = options.ledger, options.tuning
+    return StageHostSettings.model_validate(
+        {
+            "name": name,
+            "group": options.group,
+            "seal_grace_s": ledger.seal_grace_s,
+            "max_open_s": ledger.max_open_s,
+            "staging_ttl_s": staging_ttl(ledger),
+            "session_timeout_ms": tuning.session_timeout_ms,
+            "heartbeat_ms": tuning.heartbeat_interval_ms,
+            "fetch_wait_ms": tuning.fetch_wait_ms,
+            "merge_margin_ms": tuning.idle_margin_ms,
+            **(options.data_plane if STAGES[name].uses_data_plane else {}),
+        }
+    )
+
+
 def stage_command(name: str, kafka: KafkaConfig, options: StageOptions) -> list[str]:
     """The command line of ``tokentrail stage NAME`` with ``options``, in this interpreter."""
-    spec = STAGES[name]
-    ledger, tuning = options.ledger, options.tuning
-    argv = [
-        sys.executable, "-m", CLI_MODULE, "stage", name, *kafka_arguments(kafka),
-        "--seal-grace", repr(ledger.seal_grace_s),
-        "--max-open", repr(ledger.max_open_s),
-        "--staging-ttl", repr(staging_ttl(ledger)),
-        "--session-timeout-ms", str(tuning.session_timeout_ms),
-        "--heartbeat-ms", str(tuning.heartbeat_interval_ms),
-        "--merge-margin-ms", str(tuning.idle_margin_ms),
+    return [
+        sys.executable, "-m", CLI_MODULE, "stage",
+        *to_argv(stage_settings(name, options)),
+        *kafka_arguments(kafka),
         "--log-format", configured_format(),
     ]  # fmt: skip
-    if tuning.fetch_wait_ms is not None:
-        argv += ["--fetch-wait-ms", str(tuning.fetch_wait_ms)]
-    if options.group is not None:
-        argv += ["--group", options.group]
-    if spec.uses_data_plane:
-        argv += options.data_plane
-    return argv
 
 
 class StageProcess:

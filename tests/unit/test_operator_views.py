@@ -149,7 +149,6 @@ def test_a_first_join_is_not_counted_as_a_rebalance(unconnected_loop: Callable[.
     ],
 )
 def test_drive_needs_one_target_and_a_cluster(attach: dict[str, Any], kafka: str | None, error: str) -> None:
-    from pipeline.kafka.config import KafkaConfig
     from pipeline.run.config import Attach, RunConfig
 
     with pytest.raises(ValueError, match=error):
@@ -164,8 +163,8 @@ def test_drive_plays_against_running_services_with_runs_flags() -> None:
 
 
 def test_drive_and_run_play_a_tasks_file_group_size_times_each(tmp_path: Path) -> None:
-    from pipeline.commands.run import rollout_settings
-    from pipeline.run.config import RunConfig, plan_jobs
+    from pipeline.commands.run import run_config
+    from pipeline.run.config import plan_jobs
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(
@@ -174,8 +173,7 @@ def test_drive_and_run_play_a_tasks_file_group_size_times_each(tmp_path: Path) -
     args = cli.build_parser().parse_args(
         ["drive", "--bootstrap", "k:9092", "--worker", "http://w", "--tasks", str(tasks), "--group-size", "3"]
     )
-    settings = rollout_settings(args)
-    config = RunConfig(kafka=KafkaConfig("k:9092"), **settings)
+    config = run_config(args)
     jobs = plan_jobs("run-t", rollouts=config.rollouts, group_size=3, seed=0, tasks=config.tasks)
     assert config.rollouts == 6 and [j.group_id for j in jobs] == ["run-t.sum"] * 3 + ["run-t.prod"] * 3
     assert jobs[0].task.expression == "2 + 3"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
+from typing import get_args
 
 import pytest
 
@@ -13,9 +15,11 @@ from pipeline import cli
 from pipeline.kafka.config import KafkaConfig, config_from_args, kafka_arguments, kafka_environment
 from pipeline.kafka.embedded.broker import EmbeddedBroker
 from pipeline.kafka.retention import FOREVER, TopicRetention
+from pipeline.process.flags import from_flags
 from pipeline.run.config import RunConfig
-from pipeline.run.services import RUN_GROUPS, data_plane_flags, run_groups
+from pipeline.run.services import RUN_GROUPS, data_plane_settings, run_groups
 from pipeline.stagehost.processes import CLI_MODULE, StageOptions, stage_command
+from pipeline.stagehost.settings import StageHostSettings, StageName
 from stages.ledger.closed import DEFAULT_BUDGET_BYTES as DEFAULT_CLOSED_BUDGET_BYTES
 from stages.ledger.stage import LedgerConfig, LedgerStage
 from stages.memory import RecordingSink
@@ -40,23 +44,36 @@ def parsed(argv: list[str]) -> argparse.Namespace:
     return cli.build_parser().parse_args(argv[3:])
 
 
+def settings(argv: list[str]) -> StageHostSettings:
+    """What the child process runs with: its command line, parsed as ``tokentrail stage`` does."""
+    return from_flags(StageHostSettings, parsed(argv))
+
+
+def test_the_stage_names_are_the_stages() -> None:
+    assert set(get_args(StageName)) == set(STAGES)
+
+
 def test_the_stage_command_carries_the_runs_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     ledger = LedgerConfig(seal_grace_s=2.5, max_open_s=120.0)
-    plane = ("--dataplane-mode", "attach", "--dataplane-addresses", "/data/dataplane.json")
+    plane = {"dataplane_mode": "attach", "dataplane_addresses": Path("/data/dataplane.json")}
     tuning = replace(RUN_GROUPS, fetch_wait_ms=40, idle_margin_ms=120)
     options = StageOptions(ledger=ledger, tuning=tuning, data_plane=plane)
     for name in ("ledger", "finalizer"):
         argv = stage_command(name, SECURE, options)
         assert "s3cret" not in " ".join(argv)  # the password travels in the environment
         args = parsed(argv)
-        assert args.name == name
-        assert (args.seal_grace, args.max_open, args.staging_ttl) == (2.5, 120.0, staging_ttl(ledger))
-        assert (args.session_timeout_ms, args.heartbeat_ms) == (3_000, 500)
-        assert (args.fetch_wait_ms, args.merge_margin_ms) == (40, 120)
-        assert args.group is None  # the stage's own group, as in process
+        child = from_flags(StageHostSettings, args)
+        assert child.name == name
+        assert (child.seal_grace_s, child.max_open_s, child.staging_ttl_s) == (
+            2.5,
+            120.0,
+            staging_ttl(ledger),
+        )
+        assert child.ledger == ledger and child.tuning == tuning  # what the in-process stage gets
+        assert child.group is None  # the stage's own group, as in process
         monkeypatch.setenv(args.sasl_password_env, kafka_environment(SECURE)[args.sasl_password_env])
         assert config_from_args(args) == SECURE
-    finalizer = parsed(stage_command("finalizer", SECURE, options))
+    finalizer = settings(stage_command("finalizer", SECURE, options))
     assert (finalizer.dataplane_mode, str(finalizer.dataplane_addresses)) == (
         "attach",
         "/data/dataplane.json",
@@ -70,8 +87,8 @@ def test_the_memory_brokers_short_merge_margin_reaches_the_stage_processes() -> 
         EmbeddedBroker(storage="memory"), RunConfig().fetch_wait_ms
     )  # not started: only its storage counts
     options = StageOptions(ledger=LedgerConfig(), tuning=tuning)
-    args = parsed(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options))
-    assert args.merge_margin_ms == tuning.idle_margin_ms < RUN_GROUPS.idle_margin_ms
+    child = settings(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options))
+    assert child.merge_margin_ms == tuning.idle_margin_ms < RUN_GROUPS.idle_margin_ms
 
 
 def test_the_runs_fetch_wait_reaches_its_stage_processes() -> None:
@@ -79,14 +96,16 @@ def test_the_runs_fetch_wait_reaches_its_stage_processes() -> None:
     tuning = run_groups(None, 250)
     assert tuning == replace(RUN_GROUPS, fetch_wait_ms=250)
     options = StageOptions(ledger=LedgerConfig(), tuning=tuning)
-    assert parsed(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options)).fetch_wait_ms == 250
+    assert (
+        settings(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options)).fetch_wait_ms == 250
+    )
     with pytest.raises(ValueError, match="fetch_wait_ms: must be >= 1, got 0"):
         RunConfig(fetch_wait_ms=0)
 
 
 def test_a_group_is_passed_when_given() -> None:
     options = StageOptions(ledger=LedgerConfig(), tuning=RUN_GROUPS, group="tokentrail-ledger-b1")
-    assert parsed(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options)).group == (
+    assert settings(stage_command("ledger", KafkaConfig(bootstrap_servers="h:1"), options)).group == (
         "tokentrail-ledger-b1"
     )
 
@@ -94,20 +113,28 @@ def test_a_group_is_passed_when_given() -> None:
 def test_the_stage_processes_reach_the_runs_data_plane() -> None:
     """Beside the run's own data plane the finalizer keeps no sample copies (they would die
     with the run); beside a Ray data plane it spools them under the run's data directory."""
-    embedded = data_plane_flags(RunConfig(), RunConfig().data_dir / "dataplane.json")
-    assert embedded == (
-        "--dataplane-mode", "attach", "--dataplane-addresses", ".tokentrail/dataplane.json",
-        "--retain-samples-bytes", "0",
-    )  # fmt: skip
-    spool = ("--retain-dir", ".tokentrail/retained-samples")
-    assert data_plane_flags(RunConfig(dataplane_mode="ray", ray_address="auto"), RunConfig().data_dir) == (
-        "--dataplane-mode", "ray", "--ray-address", "auto", *spool,
-    )  # fmt: skip
-    assert data_plane_flags(RunConfig(dataplane_mode="ray"), RunConfig().data_dir) == (
-        "--dataplane-mode",
-        "ray",
-        *spool,
+    options = StageOptions(
+        ledger=LedgerConfig(),
+        tuning=RUN_GROUPS,
+        data_plane=data_plane_settings(RunConfig(), RunConfig().data_dir / "dataplane.json"),
     )
+    embedded = settings(stage_command("finalizer", KafkaConfig("h:1"), options))
+    assert (embedded.dataplane_mode, embedded.dataplane_addresses, embedded.retain_samples_bytes) == (
+        "attach",
+        Path(".tokentrail/dataplane.json"),
+        0,
+    )
+    ray = RunConfig(dataplane_mode="ray", ray_address="auto")
+    options = replace(options, data_plane=data_plane_settings(ray, ray.data_dir))
+    child = settings(stage_command("finalizer", KafkaConfig("h:1"), options))
+    assert (child.dataplane_mode, child.ray_address, child.spool_dir) == (
+        "ray",
+        "auto",
+        Path(".tokentrail/retained-samples"),
+    )
+    assert child.retain_samples_bytes > 0
+    options = replace(options, data_plane=data_plane_settings(RunConfig(dataplane_mode="ray"), ray.data_dir))
+    assert settings(stage_command("finalizer", KafkaConfig("h:1"), options)).ray_address is None
 
 
 def test_the_finalizers_sample_copies_are_configured_by_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,8 +144,9 @@ def test_the_finalizers_sample_copies_are_configured_by_flags(capsys: pytest.Cap
     args = cli.build_parser().parse_args(
         [*base, "--sample-owner", "tokentrail-archive", "--sample-owner", "g2", "--retain-dir", "/x/spool"]
     )
-    assert args.sample_owner == ["tokentrail-archive", "g2"] and str(args.retain_dir) == "/x/spool"
-    assert args.retain_samples_bytes == 256 * 2**20
+    child = from_flags(StageHostSettings, args)
+    assert child.owners == ["tokentrail-archive", "g2"] and child.spool_dir == Path("/x/spool")
+    assert child.retain_samples_bytes == 256 * 2**20
     with pytest.raises(SystemExit) as exited:
         cli.build_parser().parse_args([*base, "--retain-samples-bytes", "-1"])
     assert exited.value.code == 2 and "--retain-samples-bytes" in capsys.readouterr().err
@@ -128,8 +156,12 @@ def test_the_ledgers_closed_rollouts_budget_is_a_flag(capsys: pytest.CaptureFixt
     """``--closed-budget-mib`` defaults to the ledger's own budget; a negative one is a
     usage error naming the flag."""
     base = ["stage", "ledger", "--bootstrap", "b:9092"]
-    assert cli.build_parser().parse_args(base).closed_budget_mib == DEFAULT_CLOSED_BUDGET_BYTES / 2**20
-    assert cli.build_parser().parse_args([*base, "--closed-budget-mib", "0.25"]).closed_budget_mib == 0.25
+    default = from_flags(StageHostSettings, cli.build_parser().parse_args(base))
+    assert default.stage_settings.closed_budget_bytes == DEFAULT_CLOSED_BUDGET_BYTES
+    given = from_flags(
+        StageHostSettings, cli.build_parser().parse_args([*base, "--closed-budget-mib", "0.25"])
+    )
+    assert given.stage_settings.closed_budget_bytes == 2**18
     with pytest.raises(SystemExit) as exited:
         cli.build_parser().parse_args([*base, "--closed-budget-mib", "-1"])
     assert exited.value.code == 2 and "--closed-budget-mib" in capsys.readouterr().err
