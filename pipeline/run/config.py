@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
 
-from pipeline.kafka.embedded.broker import StorageMode
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import DEFAULT_TUNING
+from pipeline.kafka.embedded.broker import StorageMode
 from pipeline.process.flags import NOT_A_FLAG, Flag
 from pipeline.worker.reasoning import AUTO
 from pipeline.worker.tokenizer_mode import TOKENIZER_MODES

@@ -34,8 +34,8 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from pipeline.auth.credentials import CREDENTIALS_DIR, ROLE_FILES, Credentials, Role
-from pipeline.kafka.embedded.broker import BrokerError
 from pipeline.kafka.config import ConfigError
+from pipeline.kafka.embedded.broker import BrokerError
 from pipeline.run.account import RunAccount, RunParts, summarize
 from pipeline.run.cluster import RunContext, Services, attach_services, start_services
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from rowkit import two_calls
 
 from pipeline.run.config import RunConfig
@@ -44,6 +45,6 @@ def test_a_temperature_that_is_not_positive_is_refused() -> None:
     [{"shift_behaviour_temperature": 0.7}, {"train_steps": 2, "shift_behaviour_temperature": 0.0}],
 )
 def test_the_run_refuses_a_shift_without_training_or_a_nonpositive_one(bad: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=r"^shift_behaviour_temperature:"):
+    with pytest.raises(ValidationError, match=r"(?m)^(  Value error, )?shift_behaviour_temperature:"):
         RunConfig(**bad)
     assert RunConfig(train_steps=2).shift_behaviour_temperature is None  # off by default
