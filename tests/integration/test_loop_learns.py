@@ -18,12 +18,23 @@ from bench.learning import LearningConfig, curve
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.broker, pytest.mark.dataplane]
 
 MARGIN = 0.15
-"""Of a reward in [0, 1]: the last steps' mean reward must exceed the first steps' by this."""
+"""Of a reward in [0, 1]: the last steps' mean reward must exceed the first steps' by this.
+A loop that trains nothing rises by 0 give or take about 0.05 (the step-to-step spread of
+the mean reward, about 0.06, over three steps at each end), so it fails this."""
+
+TRAINING = {
+    "builtin": LearningConfig(trainers=("builtin",), steps=16, learning_rate=0.05),
+    "trl": LearningConfig(trainers=("trl",), steps=12, learning_rate=0.03),
+}
+"""Each trainer's run, as bench/RESULTS.md records it. Which tokens a run samples varies
+from run to run on CPU (the engine's batches shape its arithmetic), so the built-in SGD
+step gets the steps and rate at which every recorded run rose well past the margin; TRL's
+optimizer reaches the top within a few steps."""
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("trainer", ["builtin", "trl"])
+@pytest.mark.parametrize("trainer", sorted(TRAINING))
 def test_the_reward_rises_with_each_trainer(trainer: str) -> None:
-    learned = curve(trainer, LearningConfig(trainers=(trainer,)))
+    learned = curve(trainer, TRAINING[trainer])
     assert learned["rise"] > MARGIN, learned
     assert all(deviation < 1e-3 for deviation in learned["ratio_max_abs_dev"]), learned
