@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.auth.credentials import Credentials, Role
@@ -37,6 +37,7 @@ from pipeline.run.services import (
     start_engine,
 )
 from pipeline.run.shutdown import Shutdown
+from pipeline.stagehost.processes import StageOptions
 from pipeline.worker.tokenizer_mode import resolve_tokenizer_mode
 from stages.ledger.stage import LedgerConfig
 from stages.ports import DataPlane
@@ -100,7 +101,7 @@ async def start_services(stack: contextlib.AsyncExitStack, run: RunContext) -> S
     shutdown.check()
 
     ledger = LedgerConfig(seal_grace_s=config.seal_grace_s, max_open_s=config.max_open_s)
-    tuning = run_groups(broker, config.fetch_wait_ms)
+    options = StageOptions(ledger, run_groups(broker, config.fetch_wait_ms), bounds=config.bounds)
     children = None
     if config.stages == "processes":
         # Started before the engine, whose start blocks this loop for tens of seconds:
@@ -108,7 +109,9 @@ async def start_services(stack: contextlib.AsyncExitStack, run: RunContext) -> S
         progress.enter("starting the stage processes")
         reach = data_plane_settings(config, plane_config.addresses_path)
         children = await stack.enter_async_context(
-            stage_children(kafka, reach, ledger, on_failure=shutdown.fail, stop=shutdown.event, tuning=tuning)
+            stage_children(
+                kafka, replace(options, data_plane=reach), on_failure=shutdown.fail, stop=shutdown.event
+            )
         )
 
     progress.enter("starting the vLLM engine")
@@ -124,7 +127,7 @@ async def start_services(stack: contextlib.AsyncExitStack, run: RunContext) -> S
     progress.enter("starting the stages")
     if children is None:
         await stack.enter_async_context(
-            running_stages(kafka, outcomes.sink, plane, ledger, on_failure=shutdown.fail, tuning=tuning)
+            running_stages(kafka, outcomes.sink, plane, options, on_failure=shutdown.fail)
         )
     else:
         await children.ready()

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
+from pydantic import ConfigDict, Field, InstanceOf, model_validator
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.kafka.embedded.broker import StorageMode
 from pipeline.process.flags import NOT_A_FLAG, Flag
+from pipeline.stagehost.settings import StageBounds
 from pipeline.worker.reasoning import AUTO
 from pipeline.worker.tokenizer_mode import TOKENIZER_MODES
 from stages.driver import Job
@@ -73,11 +74,11 @@ def read_tasks_file(path: str) -> tuple[Task, ...]:
         return tuple(read_tasks(lines, path))
 
 
-class RunConfig(BaseModel):
+class RunConfig(StageBounds):
     """Every setting of a run; the defaults are the single-machine demo (``make run``).
 
     Each field is also its ``tokentrail run`` flag (``pipeline.process.flags``): its
-    docstring is the flag's help."""
+    docstring is the flag's help. The stage bounds are the stages' own fields, passed on."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -240,6 +241,12 @@ class RunConfig(BaseModel):
         ):
             raise ValueError(
                 "shift_behaviour_temperature: must be > 0, and shifts only what --train-steps trains"
+            )
+        kept = StageBounds.model_fields["retain_samples_bytes"].default
+        if self.dataplane_mode == "embedded" and self.retain_samples_bytes != kept:
+            raise ValueError(
+                "retain_samples_bytes: the embedded data plane ends with the run, so its finalizer keeps "
+                "no sample copies; it applies with --dataplane-mode ray"
             )
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate: must be > 0, got {self.learning_rate}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,8 @@ from pipeline.stagehost.settings import RETAIN_DIR_NAME
 from pipeline.worker.main import WorkerConfig, WorkerServer, build_app, build_worker
 from stages.capture.vllm.engine import EngineSettings, VllmEngine
 from stages.client import RolloutClient
-from stages.finalize.janitor import JanitorConfig
-from stages.ledger.stage import LedgerConfig
 from stages.ports import DataPlane
-from stages.specs import STAGES, StageSettings, staging_ttl
+from stages.specs import STAGES
 
 log = logging.getLogger(__name__)
 
@@ -121,15 +119,14 @@ async def running_stages(
     kafka: KafkaConfig,
     sink: KafkaEventSink,
     data_plane: DataPlane,
-    ledger_config: LedgerConfig,
+    options: StageOptions,
     *,
     on_failure: Callable[[str], None],
-    tuning: ConsumerTuning = RUN_GROUPS,
 ) -> AsyncIterator[dict[str, asyncio.Task[object]]]:
     """Every stage as a consumer-group member; on exit they finish their batch, commit
     and leave their groups. A stage that stops on its own calls ``on_failure``."""
     stop = asyncio.Event()
-    settings = StageSettings(ledger=ledger_config, janitor=JanitorConfig(ttl_s=staging_ttl(ledger_config)))
+    settings, tuning = options.in_process, options.tuning
     tasks: dict[str, asyncio.Task[object]] = {
         name: asyncio.create_task(
             serve_stage(spec.build(sink, data_plane, settings), spec, kafka, sink, stop=stop, tuning=tuning),
@@ -168,19 +165,16 @@ async def running_stages(
 @contextlib.asynccontextmanager
 async def stage_children(
     kafka: KafkaConfig,
-    data_plane: Mapping[str, Any],
-    ledger_config: LedgerConfig,
+    options: StageOptions,
     *,
     on_failure: Callable[[str], None],
     stop: asyncio.Event,
-    tuning: ConsumerTuning = RUN_GROUPS,
 ) -> AsyncIterator[StartedStages]:
     """``--stages processes``: every stage as a ``tokentrail stage`` child with the settings
     ``running_stages`` gives it in process, started but not waited for (``ready()`` waits
     until each child's group assigned it). A child that exits on its own calls
     ``on_failure``; on exit each gets SIGTERM (finish the batch, commit, leave the group),
     SIGKILL after the same timeout as an in-process stage."""
-    options = StageOptions(ledger=ledger_config, tuning=tuning, data_plane=data_plane)
     commands = {name: stage_command(name, kafka, options) for name in STAGES}
     async with stage_processes(
         commands,

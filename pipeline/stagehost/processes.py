@@ -30,9 +30,10 @@ from pipeline.kafka.config import KafkaConfig, kafka_arguments
 from pipeline.kafka.consumer import ConsumerTuning
 from pipeline.process.flags import to_argv
 from pipeline.process.jsonlog import configured_format
-from pipeline.stagehost.settings import StageHostSettings
+from pipeline.stagehost.settings import StageBounds, StageHostSettings
+from stages.finalize.janitor import JanitorConfig
 from stages.ledger.stage import LedgerConfig
-from stages.specs import STAGES, staging_ttl
+from stages.specs import STAGES, StageSettings, staging_ttl
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,19 @@ class StageOptions:
     (``dataplane_mode``, ``dataplane_addresses``, ...)."""
     group: str | None = None
     """None: the stage's own group."""
+    bounds: StageBounds = field(default_factory=StageBounds)
+    """What the stage keeps of finished rollouts (the run's ``--remember`` and the rest)."""
+
+    @property
+    def in_process(self) -> StageSettings:
+        """What a stage on the run's own loop is built with: what a child is told, less the
+        data plane, which it is handed."""
+        return StageSettings(
+            ledger=self.ledger,
+            remember=self.bounds.remember,
+            closed_budget_bytes=self.bounds.closed_budget_bytes,
+            janitor=JanitorConfig(ttl_s=staging_ttl(self.ledger)),
+        )
 
 
 def stage_settings(name: str, options: StageOptions) -> StageHostSettings:
@@ -68,6 +82,7 @@ def stage_settings(name: str, options: StageOptions) -> StageHostSettings:
             "heartbeat_ms": tuning.heartbeat_interval_ms,
             "fetch_wait_ms": tuning.fetch_wait_ms,
             "merge_margin_ms": tuning.idle_margin_ms,
+            **options.bounds.model_dump(),
             **(options.data_plane if STAGES[name].uses_data_plane else {}),
         }
     )

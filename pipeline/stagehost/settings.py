@@ -29,11 +29,38 @@ StageName = Literal["ledger", "finalizer"]
 """The keys of ``stages.specs.STAGES`` (a unit test holds them equal)."""
 StageDataPlaneMode = Literal["attach", "ray", "embedded"]
 METRICS = "metrics"
+BOUNDS = "stage bounds"
 RETAIN_DIR_NAME = "retained-samples"
 MIB = 2**20
 
 
-class StageHostSettings(BaseModel):
+class StageBounds(BaseModel):
+    """What a long-lived stage keeps of finished rollouts, each bounded (DESIGN §7.9): flags
+    of ``tokentrail stage``, and of ``tokentrail run``, which passes them on to its stages."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    remember: Annotated[int, Field(ge=0), Flag(group=BOUNDS)] = DEFAULT_REMEMBER
+    """rollouts remembered as answered (read back from the output topic's tail when partitions
+    are assigned), so duplicated input gets no second outcome"""
+    closed_budget_mib: Annotated[float, Field(ge=0), Flag(group=BOUNDS)] = DEFAULT_CLOSED_BUDGET_BYTES / MIB
+    """ledger: memory for the call ids of recently closed rollouts (~330 bytes a 16-call
+    rollout), by which a late event is told from a duplicate; over it the oldest are forgotten"""
+    retain_samples_bytes: Annotated[int, Field(ge=0), Flag(group=BOUNDS)] = DEFAULT_BUDGET_BYTES
+    """finalizer: memory for copies of samples their owners have not acknowledged; over it the
+    oldest are let go, counted (0: keep none)"""
+
+    @property
+    def closed_budget_bytes(self) -> int:
+        return round(self.closed_budget_mib * MIB)
+
+    @property
+    def bounds(self) -> StageBounds:
+        """These settings alone, of a model that has more (a run's)."""
+        return StageBounds.model_validate({name: getattr(self, name) for name in StageBounds.model_fields})
+
+
+class StageHostSettings(StageBounds):
     """One stage process: which stage, its group, its stage knobs, its data plane, its metrics."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -51,12 +78,6 @@ class StageHostSettings(BaseModel):
     --max-open plus --seal-grace, so no rollout that can still close loses a row)"""
     staging_sweep_s: Annotated[float, Field(gt=0), Flag("--staging-sweep")] = JanitorConfig().sweep_every_s
     """finalizer: seconds between sweeps of the staging partition"""
-    remember: Annotated[int, Field(ge=0)] = DEFAULT_REMEMBER
-    """rollouts remembered as answered (read back from the output topic's tail when partitions
-    are assigned), so duplicated input gets no second outcome"""
-    closed_budget_mib: Annotated[float, Field(ge=0)] = DEFAULT_CLOSED_BUDGET_BYTES / MIB
-    """ledger: memory for the call ids of recently closed rollouts (~330 bytes a 16-call
-    rollout), by which a late event is told from a duplicate; over it the oldest are forgotten"""
     mixed_versions: MixedVersionPolicy = MixedVersionPolicy.ALLOW
     """finalizer: policy for samples mixing weight versions"""
     all_or_nothing: bool = False
@@ -70,9 +91,6 @@ class StageHostSettings(BaseModel):
             f"default {TRAINER_GROUP})"
         ),
     )
-    retain_samples_bytes: Annotated[int, Field(ge=0)] = DEFAULT_BUDGET_BYTES
-    """finalizer: memory for copies of samples their owners have not acknowledged; over it the
-    oldest are let go, counted (0: keep none)"""
     retain_dir: Path | None = None
     """finalizer: where the copies of unacknowledged samples are spooled, so that a restarted
     finalizer still has them (default: DATA_DIR/retained-samples)"""
@@ -138,7 +156,7 @@ class StageHostSettings(BaseModel):
             mixed_versions=self.mixed_versions,
             all_or_nothing=self.all_or_nothing,
             remember=self.remember,
-            closed_budget_bytes=round(self.closed_budget_mib * MIB),
+            closed_budget_bytes=self.closed_budget_bytes,
             janitor=JanitorConfig(
                 ttl_s=self.staging_ttl_s or staging_ttl(ledger), sweep_every_s=self.staging_sweep_s
             ),

@@ -171,3 +171,30 @@ def test_the_closed_rollouts_budget_reaches_the_ledger() -> None:
     settings = StageSettings(closed_budget_bytes=4096)
     stage = STAGES["ledger"].build(RecordingSink(), settings=settings)
     assert isinstance(stage, LedgerStage) and stage.closed.budget_bytes == 4096
+
+
+def test_the_runs_stage_bounds_reach_its_stages_in_process_and_as_children() -> None:
+    run = RunConfig(remember=1234, closed_budget_mib=0.5)
+    options = StageOptions(ledger=LedgerConfig(), tuning=RUN_GROUPS, bounds=run.bounds)
+    for name in ("ledger", "finalizer"):
+        child = settings(stage_command(name, SECURE, options))
+        assert (child.remember, child.closed_budget_mib) == (1234, 0.5)
+        assert child.stage_settings.closed_budget_bytes == 2**19
+    built = options.in_process
+    assert (built.remember, built.closed_budget_bytes) == (1234, 2**19)
+    assert built.janitor.ttl_s == staging_ttl(options.ledger)
+
+
+def test_the_runs_sample_copy_budget_reaches_a_finalizer_on_ray_and_is_refused_on_the_embedded_plane() -> (
+    None
+):
+    run = RunConfig(dataplane_mode="ray", ray_address="auto", retain_samples_bytes=4096)
+    plane = data_plane_settings(run, Path("unused.json"))
+    options = StageOptions(ledger=LedgerConfig(), tuning=RUN_GROUPS, data_plane=plane, bounds=run.bounds)
+    assert settings(stage_command("finalizer", SECURE, options)).retain_samples_bytes == 4096
+    embedded = RunConfig()  # its plane ends with the run: the finalizer keeps no copies
+    plane = data_plane_settings(embedded, Path("dataplane.json"))
+    options = StageOptions(ledger=LedgerConfig(), tuning=RUN_GROUPS, data_plane=plane, bounds=embedded.bounds)
+    assert settings(stage_command("finalizer", SECURE, options)).retain_samples_bytes == 0
+    with pytest.raises(ValueError, match="retain_samples_bytes: the embedded data plane"):
+        RunConfig(retain_samples_bytes=4096)
