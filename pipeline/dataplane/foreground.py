@@ -12,7 +12,7 @@ import orjson
 
 from pipeline.dataplane.addresses import AddressesError, DataPlaneAddresses
 from pipeline.dataplane.config import DataPlaneConfig
-from pipeline.process.signals import stop_on_signals, wait_until
+from pipeline.process.signals import stop_event_on_signals, wait_until
 
 
 class DataPlaneInUse(RuntimeError):
@@ -34,7 +34,7 @@ def serve_in_foreground(config: DataPlaneConfig, *, as_json: bool) -> None:
         existing = None
     if existing is not None and existing.owner_alive():
         raise DataPlaneInUse(f"{path} belongs to a running data plane (pid {existing.pid})")
-    with stop_on_signals() as stop:
+    with stop_event_on_signals() as stop:
         from pipeline.dataplane.embedded import EmbeddedDataPlane  # TransferQueue and Ray: slow to import
 
         with EmbeddedDataPlane.start(host=config.host) as server:

@@ -16,7 +16,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
+def stop_event_on_signals() -> Iterator[threading.Event]:
     """An event that SIGINT or SIGTERM sets while inside; the previous handlers come back after."""
     stop = threading.Event()
 

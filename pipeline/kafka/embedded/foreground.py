@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.embedded.broker import EmbeddedBroker, StorageMode
 from pipeline.kafka.retention import TopicRetention
-from pipeline.process.signals import stop_on_signals, wait_until
+from pipeline.process.signals import stop_event_on_signals, wait_until
 from topics.names import TopicNames
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def serve_in_foreground(settings: ForegroundBroker) -> None:
     """Serve until SIGINT or SIGTERM. Raises ``BrokerError`` when the broker does not start
     (``StoreLockedError``: another live broker holds the store) or dies while serving, and
     ``ConfigError``, ``KafkaError`` or ``OSError`` when its topics cannot be created."""
-    with stop_on_signals() as stop:
+    with stop_event_on_signals() as stop:
         broker = EmbeddedBroker(
             storage=settings.storage, data_dir=settings.data_dir, host=settings.host, port=settings.port
         )
