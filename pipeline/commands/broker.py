@@ -7,34 +7,24 @@ SIGTERM (a clean stop) or until the broker dies (exit code 1).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
-import json
-import logging
-import signal
 import sys
-import threading
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, add_topic_layout_arguments, topic_names_from_args
-from pipeline.kafka.embedded.broker import (
-    STORAGE_MODES,
-    BrokerError,
-    EmbeddedBroker,
-    StorageMode,
-    StoreLockedError,
+from pipeline.kafka.embedded.broker import STORAGE_MODES, BrokerError, StoreLockedError
+from pipeline.kafka.embedded.foreground import (
+    ForegroundBroker,
+    TopicsToCreate,
+    serve_in_foreground,
+    storage_for,
 )
 from pipeline.kafka.retention import add_retention_argument, retention_from_args
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from stages.ledger.stage import LedgerConfig
-
-log = logging.getLogger(__name__)
 
 EXIT_STORE_LOCKED = 3
 """Exit code when the durable store is held by another live broker."""
@@ -107,66 +97,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tokentrail broker: {exc}", file=sys.stderr)
         return 2
-    storage: StorageMode = (
-        "durable" if args.storage == "durable" or (args.storage is None and args.data_dir) else "memory"
+    try:
+        topics = TopicsToCreate(topic_names_from_args(args), retention) if args.create_topics else None
+    except ConfigError as exc:
+        print(f"tokentrail broker: {exc}", file=sys.stderr)
+        return 1
+    settings = ForegroundBroker(
+        storage=storage_for(args.storage, args.data_dir),
+        data_dir=args.data_dir,
+        host=args.host,
+        port=args.port,
+        topics=topics,
+        as_json=args.json,
     )
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
     guard_descendants(
         Path(args.data_dir) if args.data_dir else None, role="broker"
     )  # tansu and its store die with this process
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        broker = EmbeddedBroker(storage=storage, data_dir=args.data_dir, host=args.host, port=args.port)
-        broker.start()
-    except BrokerError as exc:
-        _restore(previous)
+        serve_in_foreground(settings)
+    except StoreLockedError as exc:
         print(f"tokentrail broker: {exc}", file=sys.stderr)
-        return EXIT_STORE_LOCKED if isinstance(exc, StoreLockedError) else 1
-    try:
-        broker.on_failure(lambda failure: stop.set())
-        created: list[str] = []
-        if args.create_topics:
-            names = topic_names_from_args(args)
-            config = dataclasses.replace(broker.kafka_config(names), retention=retention)
-            created = asyncio.run(ensure_topics(config))
-        if storage == "durable":
-            log.warning(
-                "tansu records each topic's retention but never deletes a record: this store keeps the whole log"
-            )
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "bootstrap": broker.bootstrap,
-                        "storage": storage,
-                        "data_dir": str(broker.data_dir) if broker.data_dir else None,
-                        "cluster_id": broker.cluster_id,
-                        "created_topics": created,
-                    },
-                    sort_keys=True,
-                ),
-                flush=True,
-            )
-        else:
-            print(f"tansu broker ({storage}) ready at {broker.bootstrap}", flush=True)
-        while not stop.wait(0.5):
-            pass
-    except (ConfigError, KafkaError, OSError) as exc:
+        return EXIT_STORE_LOCKED
+    except (BrokerError, ConfigError, KafkaError, OSError) as exc:
         print(f"tokentrail broker: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        broker.stop()
-        _restore(previous)
-    if broker.failure is not None:
-        print(f"tokentrail broker: {broker.failure}", file=sys.stderr)
         return 1
     return 0
-
-
-def _restore(previous: dict[signal.Signals, Any]) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)

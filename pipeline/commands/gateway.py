@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from dataclasses import fields
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from aiokafka.errors import KafkaError
 
 from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
-from pipeline.gateway.pacing import Pacing
+from pipeline.gateway.pacing import optional_pacing
 from pipeline.gateway.quotas import Quotas
-from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.worker import add_body_limit_argument
 from stages.ledger.stage import LedgerConfig
 from topics.records import SamplePolicy
+
+if TYPE_CHECKING:
+    from pipeline.gateway.main import GatewayConfig
 
 EXAMPLES = """example:
   tokentrail gateway --workers http://127.0.0.1:8000 --bootstrap 127.0.0.1:9092 --port 8100 \
@@ -126,12 +128,10 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    from pipeline.gateway.main import GatewayConfig, run_gateway
-    from pipeline.kafka import KafkaEventSink
+def gateway_config(args: argparse.Namespace, kafka: KafkaConfig) -> GatewayConfig:
+    from pipeline.gateway.main import GatewayConfig
 
-    kafka = config_from_args(args)
-    config = GatewayConfig(
+    return GatewayConfig(
         workers=tuple(url.strip() for url in args.workers.split(",") if url.strip()),
         kafka=kafka,
         host=args.host,
@@ -145,36 +145,20 @@ async def _serve(args: argparse.Namespace) -> None:
         credentials=credentials_from_args(args),
         quotas=Quotas(**{spec.name: getattr(args, spec.name) for spec in fields(Quotas)}),
         worker_slots=args.worker_slots,
-        pacing=pacing_from_args(args.max_staleness, args.rollouts_per_step),
+        pacing=optional_pacing(args.max_staleness, args.rollouts_per_step),
         insecure_no_auth=args.insecure_no_auth,
         tls=tls_from_args(args),
         ssl_cafile=args.http_ssl_cafile,
     )
 
-    def ready(url: str) -> None:
-        if args.json:
-            print(json.dumps({"url": url, "workers": list(config.workers)}, sort_keys=True), flush=True)
-        else:
-            print(f"gateway serving on {url} in front of {', '.join(config.workers)}", flush=True)
-
-    async with KafkaEventSink(kafka) as sink:
-        await run_gateway(config, sink, on_ready=ready)
-
-
-def pacing_from_args(max_staleness: int | None, rollouts_per_step: int | None) -> Pacing | None:
-    """``--max-staleness`` and ``--rollouts-per-step``: both, or neither."""
-    if max_staleness is None and rollouts_per_step is None:
-        return None
-    if max_staleness is None or rollouts_per_step is None:
-        missing = "max-staleness" if max_staleness is None else "rollouts-per-step"
-        raise ValueError(f"{missing}: pacing needs both --max-staleness and --rollouts-per-step")
-    return Pacing(max_staleness=max_staleness, rollouts_per_step=rollouts_per_step)
-
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.gateway.foreground import serve_gateway
+
     configure_logging(args.log_format)
     try:
-        asyncio.run(_serve(args))
+        kafka = config_from_args(args)
+        asyncio.run(serve_gateway(gateway_config(args, kafka), kafka, as_json=args.json))
     except (ConfigError, KafkaError, ValueError, OSError) as exc:
         print(f"tokentrail gateway: {exc}", file=sys.stderr)
         return 1

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
-from pipeline.auth.credentials import CREDENTIALS_DIR, Credentials, Role
+from pipeline.auth.credentials import CREDENTIALS_DIR, Credentials
 from pipeline.auth.transport import InsecureBind, check_bind
-from pipeline.inspect.app import create_inspect_app
-from pipeline.inspect.source import NotADataDir, RunSource
+from pipeline.inspect.serve import serve_inspector
+from pipeline.inspect.source import NotADataDir
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
@@ -79,23 +76,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokentrail inspect: {exc}", file=sys.stderr)
         return 2
     guard_descendants(role="inspect")  # the broker it reads the log's copy through dies with it
-    with tempfile.TemporaryDirectory(prefix="tokentrail-inspect-") as scratch:
-        try:
-            kafka = config_from_args(args) if args.bootstrap else None
-            source = RunSource.open(args.data_dir.resolve(), Path(scratch), args.model_dir, kafka)
-        except (NotADataDir, ConfigError) as exc:
-            print(f"tokentrail inspect: {exc}", file=sys.stderr)
-            return 2
-        app = create_inspect_app(source, credentials, secure=tls is not None)
-        scheme = "https" if tls else "http"
-        login = "?token=<operator token>" if credentials.token(Role.OPERATOR) else ""
-        print(f"tokentrail inspect: {scheme}://{args.host}:{args.port}/rollouts{login}", file=sys.stderr)
-        uvicorn.run(
-            app,
+    try:
+        serve_inspector(
+            args.data_dir,
+            model_dir=args.model_dir,
+            kafka=config_from_args(args) if args.bootstrap else None,
+            credentials=credentials,
+            tls=tls,
             host=args.host,
             port=args.port,
-            log_level="warning",
-            ssl_certfile=str(tls.certfile) if tls else None,
-            ssl_keyfile=str(tls.keyfile) if tls else None,
         )
+    except (NotADataDir, ConfigError) as exc:
+        print(f"tokentrail inspect: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -13,16 +13,14 @@ import argparse
 import asyncio
 import json
 import sys
-from dataclasses import asdict
 from typing import Any
 
 from aiokafka.errors import KafkaError
-from rich.console import Console
-from rich.table import Table
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.kafka.errors import BROKER_UNREACHABLE
-from pipeline.kafka.lag import LagError, LagReader, LostRange, PartitionLag, lag_by_group, total_lag
+from pipeline.kafka.lag import LagError
+from pipeline.kafka.lag_report import down_report, lost_ranges, print_table, read_lag, report, table
 
 EXIT_BROKER_DOWN = 3
 """Exit code when the broker cannot be reached (lag unknown, not zero)."""
@@ -62,12 +60,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        rows = asyncio.run(_read(args))
+        rows = asyncio.run(read_lag(config_from_args(args), args.group, args.topic))
     except BROKER_UNREACHABLE as exc:
         if args.json:
-            print(
-                json.dumps({"bootstrap": args.bootstrap, "broker": "down", "error": str(exc)}, sort_keys=True)
-            )
+            print(json.dumps(down_report(args.bootstrap, exc), sort_keys=True))
         print(f"tokentrail lag: broker down: cannot reach {args.bootstrap} ({exc})", file=sys.stderr)
         return EXIT_BROKER_DOWN
     except (ConfigError, LagError, KafkaError, OSError) as exc:
@@ -81,53 +77,3 @@ def run(args: argparse.Namespace) -> int:
     for gone in lost:
         print(f"tokentrail lag: LOST: {gone}", file=sys.stderr)
     return EXIT_RECORDS_LOST if lost else 0
-
-
-def lost_ranges(rows: list[PartitionLag]) -> list[LostRange]:
-    return [lost for row in rows if (lost := row.lost) is not None]
-
-
-def print_table(rendered: Table) -> None:
-    """On a terminal at its width, else (a pipe, a log) as wide as the table needs."""
-    console = Console()
-    needed = console.measure(rendered, options=console.options.update(max_width=10_000)).maximum
-    if not console.is_terminal or console.width < needed:
-        console = Console(width=needed)
-    console.print(rendered)
-
-
-async def _read(args: argparse.Namespace) -> list[PartitionLag]:
-    async with LagReader(config_from_args(args)) as reader:
-        return await reader.lag(groups=args.group, topics=args.topic)
-
-
-def report(bootstrap: str, rows: list[PartitionLag]) -> dict[str, Any]:
-    """The ``--json`` document."""
-    return {
-        "bootstrap": bootstrap,
-        "broker": "up",
-        "total_lag": total_lag(rows),
-        "groups": lag_by_group(rows),
-        "partitions": [row.as_dict() for row in rows],
-        "lost": [{**asdict(lost), "records": lost.records} for lost in lost_ranges(rows)],
-    }
-
-
-def table(rows: list[PartitionLag]) -> Table:
-    """Names are never cut: their columns are as wide as the longest (see ``print_table``)."""
-    out = Table(title="consumer lag", caption=f"total lag: {total_lag(rows)}")
-    for name in ("group", "topic", "partition", "committed", "highwater", "lag", "lost"):
-        named = name in ("group", "topic")
-        out.add_column(
-            name,
-            justify="left" if named else "right",
-            no_wrap=True,
-            overflow="ignore" if named else "ellipsis",
-        )
-    for row in rows:
-        committed = "-" if row.committed is None else str(row.committed)
-        lost = "" if (gone := row.lost) is None else f"{gone.first}-{gone.end - 1}"
-        out.add_row(
-            row.group, row.topic, str(row.partition), committed, str(row.highwater), str(row.lag), lost
-        )
-    return out

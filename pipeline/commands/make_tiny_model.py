@@ -91,14 +91,7 @@ def run(args: argparse.Namespace) -> int:
     except (FileExistsError, ValueError) as exc:
         print(f"make-tiny-model: {exc}", file=sys.stderr)
         return 1
-    manifest = tinymodel.read_manifest(out_dir) or {}
-    report = {
-        "model_dir": str(out_dir.resolve()),
-        "created": not existed,
-        "spec": manifest.get("spec"),
-        "token_ids": manifest.get("token_ids"),
-        "eos_token_ids": manifest.get("eos_token_ids"),
-    }
+    report = tinymodel.tiny_model_report(out_dir, created=not existed)
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:

@@ -63,7 +63,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.samples.export import ExportReadError, read_export
-    from pipeline.trainer.recompute import audit
+    from pipeline.trainer.offline_audit import audit_offline, provenance_note
     from stages.trainer.mismatch import Bounds
 
     if not (args.model / "config.json").is_file():
@@ -78,18 +78,12 @@ def run(args: argparse.Namespace) -> int:
     if not samples:
         print(f"tokentrail mismatch: {args.samples} holds no samples", file=sys.stderr)
         return 1
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=getattr(torch, args.dtype))
-    version = args.policy_version
-    if version is None:
-        version = max(max(sample.weight_versions) for sample in samples)
     try:
-        report = audit(
-            model,
+        report = audit_offline(
+            args.model,
             samples,
-            policy_version=version,
+            dtype=args.dtype,
+            policy_version=args.policy_version,
             mode=args.replay,
             batch_size=args.batch_size,
             bounds=bounds,
@@ -97,13 +91,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tokentrail mismatch: {exc}", file=sys.stderr)
         return 2
-    unknown = report["provenance_unknown_tokens"]
-    if unknown:
-        print(
-            f"tokentrail mismatch: {unknown} of {report['tokens']} generated tokens have no sampling "
-            "provenance (captured before it was recorded, or by an engine that hands none over): assumed "
-            "temperature 1, nothing filtered",
-            file=sys.stderr,
-        )
-    print(json.dumps({"model": str(args.model), "dtype": args.dtype, "policy_version": version, **report}))
+    if (note := provenance_note(report)) is not None:
+        print(f"tokentrail mismatch: {note}", file=sys.stderr)
+    print(json.dumps(report))
     return 0

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from aiokafka import TopicPartition
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.heap import collect_per_batch
-from pipeline.replay.continued import DEFAULT_MARGIN_S, rebuild_continued
-from pipeline.replay.parallel import ShardFailed, rebuild_parallel
-from pipeline.replay.rebuild import LogGone, compare, materialize
-from pipeline.replay.store import LedgerStore
-from stages.ledger.stage import LedgerConfig
+from pipeline.replay.continued import DEFAULT_MARGIN_S
+from pipeline.replay.job import ReplayJob, parse_start_offsets, print_report, replays
+from pipeline.replay.parallel import ShardFailed
+from pipeline.replay.rebuild import LogGone
 
 EXAMPLES = """\
 examples:
@@ -106,113 +99,32 @@ def _seconds(text: str) -> float:
     return value
 
 
-def parse_offsets(values: list[str]) -> dict[TopicPartition, int]:
-    offsets: dict[TopicPartition, int] = {}
-    for value in values:
-        try:
-            where, offset = value.rsplit("=", 1)
-            topic, partition = where.rsplit(":", 1)
-            offsets[TopicPartition(topic, int(partition))] = int(offset)
-        except ValueError:
-            raise ConfigError(f"--from: {value!r} is not TOPIC:PARTITION=OFFSET") from None
-    return offsets
+def replay_job(args: argparse.Namespace) -> ReplayJob:
+    return ReplayJob(
+        out=args.out,
+        start=parse_start_offsets(args.offsets),
+        seal_grace_s=args.seal_grace,
+        processes=args.processes,
+        checkpoints=args.checkpoints,
+        checkpoint_margin_s=args.checkpoint_margin,
+        every_s=args.every,
+        check=args.check,
+        show_progress=not args.json,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     collect_per_batch()
-    while True:
-        try:
-            _check_flags(args)
-            report = asyncio.run(_replay(args))
-        except ConfigError as exc:
-            print(f"tokentrail replay: {exc}", file=sys.stderr)
-            return 2
-        except (ShardFailed, LogGone) as exc:
-            print(f"tokentrail replay: {exc}", file=sys.stderr)
-            return 1
-        _print(report, as_json=args.json)
-        if report.get("differences") or args.every is None:
-            return 1 if report.get("differences") else 0
-        time.sleep(args.every)
-
-
-def _check_flags(args: argparse.Namespace) -> None:
-    if args.checkpoints is None:
-        if args.every is not None:
-            raise ConfigError("--every: keeps a checkpoint current, so it needs --checkpoints")
-        return
-    if args.offsets:
-        raise ConfigError("--from: a rebuild from checkpoints starts where the newest one ends")
-    if args.processes != 1:
-        raise ConfigError("--processes: a rebuild from checkpoints runs in one process")
-
-
-def _print(report: dict[str, Any], *, as_json: bool) -> None:
-    for line in report.get("skipped_checkpoints", []):
-        print(f"tokentrail replay: passed over {line}", file=sys.stderr)
-    if as_json:
-        print(json.dumps(report, sort_keys=True), flush=True)
-        return
-    if "checkpoint" in report:
-        print(
-            f"continued from {report['resumed_from'] or 'the log start'} "
-            f"({report['events_before']} events before it); new checkpoint {report['checkpoint']}"
-        )
-    print(f"replayed {report['events']} events into {report['out']}: {report['stored']}", flush=True)
-    for line in report.get("differences", [])[:20]:
-        print(f"  {line}")
-
-
-async def _replay(args: argparse.Namespace) -> dict[str, Any]:
-    config = config_from_args(args)
-    ledger = LedgerConfig(seal_grace_s=args.seal_grace)
-    report: dict[str, Any] = {"out": str(args.out)}
-    with Progress(
-        TextColumn("replay"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        disable=args.json or not sys.stderr.isatty(),
-    ) as bar:
-        task = bar.add_task("replay", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        if args.checkpoints is not None:
-            continued = await rebuild_continued(
-                config,
-                args.out,
-                args.checkpoints,
-                ledger=ledger,
-                margin_s=args.checkpoint_margin,
-                progress=progress,
-            )
-            result = continued.result
-            report |= {
-                "resumed_from": continued.resumed_from,
-                "events_before": continued.events_before,
-                "checkpoint": continued.checkpoint,
-                "skipped_checkpoints": continued.skipped,
-            }
-        else:
-            with LedgerStore(args.out) as store:
-                result = await rebuild_parallel(
-                    config,
-                    store,
-                    processes=args.processes,
-                    ledger=ledger,
-                    start=parse_offsets(args.offsets),
-                    progress=progress,
-                )
-    report |= {
-        "events": result.events,
-        "undecodable": result.undecodable,
-        "stored": result.stored,
-        "open_rollouts": result.open_rollouts,
-    }
-    if args.check:
-        with LedgerStore(args.out) as store, LedgerStore(args.out.with_suffix(".live.sqlite")) as live:
-            await materialize(config, live)
-            report["differences"] = compare(store, live)
-    return report
+    try:
+        job = replay_job(args)
+        for report in replays(config_from_args(args), job):
+            print_report(report, as_json=args.json)
+            if report.get("differences"):
+                return 1
+    except ConfigError as exc:
+        print(f"tokentrail replay: {exc}", file=sys.stderr)
+        return 2
+    except (ShardFailed, LogGone) as exc:
+        print(f"tokentrail replay: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -10,10 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import errno
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,13 +18,12 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from pipeline.dataplane.config import add_dataplane_addresses_argument
-from pipeline.kafka.config import ConfigError, KafkaConfig, add_kafka_arguments, config_from_args
-from pipeline.kafka.consumer import ConsumerLoop
-from pipeline.kafka.producer import KafkaEventSink
+from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.samples.archive import archive_path, read_archive
-from pipeline.samples.export import FORMATS, write_jsonl, write_parquet
-from pipeline.samples.rotation import ARCHIVE_GROUP, ArchiveStats, RotatingArchive, RotationSettings
+from pipeline.samples.export import FORMATS, export_summary, write_export
+from pipeline.samples.rotation import ARCHIVE_GROUP, RotationSettings
+from pipeline.stagehost.sample_archive import archive_samples
 from stages.ports import DataPlaneError
 
 EXAMPLES = """\
@@ -129,41 +125,13 @@ def run_archive(args: argparse.Namespace) -> int:
         print(f"tokentrail samples archive: {exc}", file=sys.stderr)
         return 2
     try:
-        stats = asyncio.run(_archive(kafka, settings, args.group, args.dataplane_addresses))
+        stats = asyncio.run(archive_samples(kafka, settings, args.group, args.dataplane_addresses))
     except (ConfigError, DataPlaneError, KafkaError, OSError) as exc:
         print(f"tokentrail samples archive: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"out": str(args.out), **dataclasses.asdict(stats)}, sort_keys=True))
     return 0
-
-
-async def _archive(
-    kafka: KafkaConfig, settings: RotationSettings, group: str, addresses: Path | None
-) -> ArchiveStats:
-    from pipeline.dataplane import attach_data_plane
-
-    async with (
-        attach_data_plane(addresses) as plane,
-        KafkaEventSink(kafka) as dead_letters,
-    ):
-        archive = RotatingArchive(plane, settings)
-        loop = ConsumerLoop(
-            kafka,
-            group_id=group,
-            topics=[kafka.names.finalized],
-            handler=archive,
-            dead_letters=dead_letters,
-            stage="archive",
-        )
-        running = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            running.add_signal_handler(sig, loop.request_stop)
-        try:
-            await loop.run()
-        finally:
-            archive.rotate()  # what was buffered is on disk; it is delivered again after a restart
-        return archive.stats
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,40 +150,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     try:
-        if args.format == "parquet":
-            count = write_parquet(contents.records, args.out)
-        elif args.out is None:
-            count = _to_stdout(contents.records)
-        else:
-            with args.out.open("wb") as handle:
-                count = write_jsonl(contents.records, handle)
+        count = write_export(contents.records, args.format, args.out)
     except OSError as exc:
         print(f"tokentrail samples export: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        document = {
-            "archive": str(source),
-            "format": args.format,
-            "out": str(args.out),
-            "samples": count,
-            "runs": contents.runs,
-            "skipped_lines": contents.skipped_lines,
-            "duplicates_dropped": contents.duplicates,
-        }
-        print(json.dumps(document, sort_keys=True))
+        print(json.dumps(export_summary(source, args.format, args.out, count, contents), sort_keys=True))
     return 0
-
-
-def _to_stdout(records: list[dict[str, Any]]) -> int:
-    """JSON lines on stdout; a reader that stops early (``| head``) is not an error."""
-    try:
-        return write_jsonl(records, sys.stdout.buffer)
-    except BrokenPipeError:
-        # Keep Python from complaining again when it flushes stdout at exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return len(records)
-    except OSError as exc:
-        if exc.errno == errno.EPIPE:
-            return len(records)
-        raise

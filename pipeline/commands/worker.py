@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from aiokafka.errors import KafkaError
 
 from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, tls_from_args
-from pipeline.auth.transport import check_bind
 from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.guard import guard_descendants
@@ -31,7 +29,7 @@ from stages.capture.retain import DEFAULT_BUDGET_BYTES
 from stages.ports import DataPlaneError
 
 if TYPE_CHECKING:
-    from pipeline.worker.main import WorkerConfig, WorkerServer
+    from pipeline.worker.main import WorkerConfig
 
 EXAMPLES = """\
 examples:
@@ -194,39 +192,6 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     )
 
 
-async def _serve(args: argparse.Namespace, config: WorkerConfig) -> None:
-    from pipeline.kafka import KafkaEventSink
-    from pipeline.worker.main import run_worker
-    from stages.capture.vllm.engine import VllmEngine
-
-    check_bind(config.host, config.credentials, insecure_no_auth=config.insecure_no_auth, what="worker")
-    kafka = config_from_args(args)
-
-    def ready(server: WorkerServer) -> None:
-        if args.json:
-            document = {
-                "url": server.url,
-                "port": server.port,
-                "worker_id": config.worker_id,
-                "model": config.model_name,
-                "ack": config.ack_policy.value,
-            }
-            print(json.dumps(document, sort_keys=True), flush=True)
-        else:
-            print(f"worker {config.worker_id} serving {config.model_name} on {server.url}", flush=True)
-
-    from pipeline.dataplane import attach_data_plane
-
-    # The engine first: it takes tens of seconds and blocks the loop while it starts,
-    # which must not happen under a live Kafka producer or data-plane client.
-    engine = VllmEngine.start(config.engine_settings())
-    try:
-        async with KafkaEventSink(kafka) as sink, attach_data_plane(args.dataplane_addresses) as plane:
-            await run_worker(config, data_plane=plane, sink=sink, engine=engine, on_ready=ready, kafka=kafka)
-    finally:
-        engine.shutdown()
-
-
 def run(args: argparse.Namespace) -> int:
     # stdout carries only this verb's own report; vLLM logs to stderr in our format.
     configure_logging(args.log_format)
@@ -240,9 +205,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tokentrail worker: {exc}", file=sys.stderr)
         return 2
+    from pipeline.worker.foreground import serve_worker  # vLLM: imported once a worker starts
+
     guard_descendants()  # the engine's processes die with the worker
     try:
-        asyncio.run(_serve(args, config))
+        kafka = config_from_args(args)
+        asyncio.run(serve_worker(config, kafka, args.dataplane_addresses, as_json=args.json))
     except (ConfigError, DataPlaneError, KafkaError, ValueError, OSError) as exc:
         print(f"tokentrail worker: {exc}", file=sys.stderr)
         return 1

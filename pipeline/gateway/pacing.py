@@ -121,4 +121,14 @@ class AdmissionPacer:
         return version if isinstance(version, int) and version >= 0 else None
 
 
-__all__ = ["AdmissionPacer", "Paced", "Pacing"]
+def optional_pacing(max_staleness: int | None, rollouts_per_step: int | None) -> Pacing | None:
+    """``--max-staleness`` and ``--rollouts-per-step``: both (pacing), or neither (none)."""
+    if max_staleness is None and rollouts_per_step is None:
+        return None
+    if max_staleness is None or rollouts_per_step is None:
+        missing = "max-staleness" if max_staleness is None else "rollouts-per-step"
+        raise ValueError(f"{missing}: pacing needs both --max-staleness and --rollouts-per-step")
+    return Pacing(max_staleness=max_staleness, rollouts_per_step=rollouts_per_step)
+
+
+__all__ = ["AdmissionPacer", "Paced", "Pacing", "optional_pacing"]

@@ -633,6 +633,18 @@ def _existing(out_dir: Path, spec: TinyModelSpec) -> bool:
     return True
 
 
+def tiny_model_report(model_dir: Path, *, created: bool) -> dict[str, Any]:
+    """Where the model is, whether this call built it, and what its manifest says it is."""
+    manifest = read_manifest(model_dir) or {}
+    return {
+        "model_dir": str(model_dir.resolve()),
+        "created": created,
+        "spec": manifest.get("spec"),
+        "token_ids": manifest.get("token_ids"),
+        "eos_token_ids": manifest.get("eos_token_ids"),
+    }
+
+
 def make_tiny_model(
     out_dir: Path,
     *,

@@ -7,13 +7,16 @@ has the right column types; logprobs stay float64 (the archive's exact values).
 
 from __future__ import annotations
 
+import errno
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
 import orjson
 
-from pipeline.samples.archive import ARCHIVE_FIELDS, record_sample
+from pipeline.samples.archive import ARCHIVE_FIELDS, ArchiveContents, record_sample
 from topics.records import TrainingSample
 
 ExportFormat = Literal["jsonl", "parquet"]
@@ -45,6 +48,48 @@ def write_jsonl(records: Sequence[dict[str, Any]], stream: IO[bytes]) -> int:
         stream.write(orjson.dumps(export_row(record)) + b"\n")
     stream.flush()
     return len(records)
+
+
+def write_export(records: Sequence[dict[str, Any]], format: ExportFormat, out: Path | None) -> int:
+    """``records`` into ``out`` (None: stdout, JSON lines only) in ``format``; the count written."""
+    if format == "parquet":
+        if out is None:
+            raise ValueError("parquet output needs a file")
+        return write_parquet(records, out)
+    if out is None:
+        return _to_stdout(records)
+    with out.open("wb") as handle:
+        return write_jsonl(records, handle)
+
+
+def _to_stdout(records: Sequence[dict[str, Any]]) -> int:
+    """JSON lines on stdout; a reader that stops early (``| head``) is not an error."""
+    try:
+        return write_jsonl(records, sys.stdout.buffer)
+    except BrokenPipeError:
+        # Keep Python from complaining again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return len(records)
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:
+            return len(records)
+        raise
+
+
+def export_summary(
+    source: Path, format: ExportFormat, out: Path | None, count: int, contents: ArchiveContents
+) -> dict[str, Any]:
+    """What an export wrote, and what it left out of the archive (``--json``)."""
+    return {
+        "archive": str(source),
+        "format": format,
+        "out": str(out),
+        "samples": count,
+        "runs": contents.runs,
+        "skipped_lines": contents.skipped_lines,
+        "duplicates_dropped": contents.duplicates,
+    }
 
 
 def parquet_schema() -> Any:

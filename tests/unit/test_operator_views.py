@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from pipeline import cli
-from pipeline.commands.lag import print_table, table
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import ConsumerLoop
 from pipeline.kafka.lag import PartitionLag
+from pipeline.kafka.lag_report import print_table, table
 from pipeline.process.jsonlog import configure_logging, vllm_logging
 from pipeline.replay.store import tree_order
 from topics.records import CallRecord, FailedCall

@@ -16,6 +16,7 @@ from aiokafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
 
 from pipeline import cli
 from pipeline.commands import lag as lag_command
+from pipeline.kafka import lag_report
 from pipeline.kafka.config import KafkaConfig, config_from_args
 from pipeline.kafka.consumer import ConsumerLoop
 from pipeline.kafka.lag import LostRange, PartitionLag, lost_range
@@ -203,10 +204,12 @@ def test_lag_names_each_lost_range_and_exits_4(
         PartitionLag("tokentrail-trainer", "tt.finalized", 1, committed=45, log_start=40, highwater=50),
     ]
 
-    async def read(args: argparse.Namespace) -> list[PartitionLag]:
+    async def read(
+        config: KafkaConfig, groups: list[str] | None, topics: list[str] | None
+    ) -> list[PartitionLag]:
         return rows
 
-    monkeypatch.setattr(lag_command, "_read", read)
+    monkeypatch.setattr(lag_command, "read_lag", read)
     for extra in ([], ["--json"]):
         args = cli.build_parser().parse_args(["lag", "--bootstrap", "k:9092", *extra])
         assert args.run(args) == lag_command.EXIT_RECORDS_LOST
@@ -217,7 +220,7 @@ def test_lag_names_each_lost_range_and_exits_4(
             "tokentrail lag: LOST: group tokentrail-trainer lost tt.finalized[0] offsets 10 to 39 "
             "(30 records): the log deleted them before the group read them"
         )
-    report = lag_command.report("k:9092", rows)
+    report = lag_report.report("k:9092", rows)
     assert report["lost"] == [
         {
             "group": "tokentrail-trainer",

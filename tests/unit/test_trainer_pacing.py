@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.commands.gateway import pacing_from_args
-from pipeline.gateway.pacing import Pacing
+from pipeline.gateway.pacing import Pacing, optional_pacing
 from stages.trainer.pacing import Pacer, admissible
 
 
@@ -92,12 +91,12 @@ def test_the_gateways_pacing_flags_come_together_and_are_checked(
     flags: tuple[int | None, int | None], named: str
 ) -> None:
     with pytest.raises(ValueError, match=f"^{named}:"):
-        pacing_from_args(*flags)
+        optional_pacing(*flags)
 
 
 def test_the_gateway_paces_only_when_asked_and_tells_a_whole_retry_after() -> None:
-    assert pacing_from_args(None, None) is None
-    pacing = pacing_from_args(0, 8)
+    assert optional_pacing(None, None) is None
+    pacing = optional_pacing(0, 8)
     assert pacing is not None and (pacing.max_staleness, pacing.rollouts_per_step) == (0, 8)
     assert Pacing(max_staleness=0, rollouts_per_step=1, retry_after_s=0.2).retry_after == "1"
     assert Pacing(max_staleness=0, rollouts_per_step=1, retry_after_s=2.5).retry_after == "3"
