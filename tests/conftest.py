@@ -90,7 +90,9 @@ def unconnected_loop() -> Callable[..., ConsumerLoop]:
     """Consumer loops that are never started (no broker): for their bookkeeping alone."""
 
     def make(
-        tuning: ConsumerTuning = DEFAULT_TUNING, log_time_order: list[str] | None = None
+        tuning: ConsumerTuning = DEFAULT_TUNING,
+        log_time_order: list[str] | None = None,
+        instance_id: str | None = None,
     ) -> ConsumerLoop:
         return ConsumerLoop(
             KafkaConfig("127.0.0.1:1"),
@@ -101,6 +103,7 @@ def unconnected_loop() -> Callable[..., ConsumerLoop]:
             stage="test",
             tuning=tuning,
             log_time_order=log_time_order,
+            instance_id=instance_id,
         )
 
     return make

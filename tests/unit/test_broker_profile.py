@@ -5,6 +5,7 @@ deviations stay with it."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -25,7 +26,7 @@ from pipeline.kafka.config import (
     config_from_args,
     kafka_arguments,
 )
-from pipeline.kafka.consumer import DEFAULT_TUNING, CollectingHandler, ConsumerLoop, ConsumerTuning
+from pipeline.kafka.consumer import DEFAULT_TUNING, ConsumerLoop, ConsumerTuning
 from pipeline.kafka.embedded.broker import BrokerError, EmbeddedBroker
 from pipeline.kafka.embedded.tansu import EMBEDDED_CLUSTER_PREFIX, TANSU
 from pipeline.kafka.kind import profile_of_cluster
@@ -34,7 +35,6 @@ from pipeline.kafka.profile import KAFKA
 from pipeline.run.config import RunConfig
 from pipeline.stagehost.processes import StageOptions, stage_command
 from stages.ledger.stage import LedgerConfig
-from stages.memory import RecordingSink
 
 
 def parsed_config(argv: list[str]) -> KafkaConfig:
@@ -117,18 +117,11 @@ def test_a_stage_takes_a_stable_instance_id() -> None:
     assert cli.build_parser().parse_args([*base, "--instance-id", "ledger-0"]).instance_id == "ledger-0"
 
 
-def test_static_membership_and_the_fetch_wait_follow_the_broker() -> None:
+def test_static_membership_and_the_fetch_wait_follow_the_broker(
+    unconnected_loop: Callable[..., ConsumerLoop],
+) -> None:
     def loop(instance_id: str | None, tuning: ConsumerTuning = DEFAULT_TUNING) -> ConsumerLoop:
-        return ConsumerLoop(
-            KafkaConfig("127.0.0.1:1"),
-            group_id="g",
-            topics=["t"],
-            handler=CollectingHandler(),
-            dead_letters=RecordingSink(),
-            stage="test",
-            tuning=tuning,
-            instance_id=instance_id,
-        )
+        return unconnected_loop(tuning, instance_id=instance_id)
 
     named, anonymous = loop("ledger-0"), loop(None)
     assert named._broker_settings(KAFKA) == {"group_instance_id": "ledger-0", "fetch_max_wait_ms": 500}
