@@ -33,6 +33,7 @@ from topics.names import TopicNames
 
 if TYPE_CHECKING:  # the engine kit imports vLLM: only the modules that ask for it load it
     from enginekit import EngineHost, HFOracle
+    from familykit import FamilyEngines
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -125,6 +126,18 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pipeline.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "chatml", seed=0)
+
+
+@pytest.fixture(scope="session")
+def family_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FamilyEngines]:
+    """Each template family's engine, shared by the family and framework matrices."""
+    from familykit import FamilyEngines
+
+    engines = FamilyEngines(tmp_path_factory.mktemp("families"))
+    try:
+        yield engines
+    finally:
+        engines.close()
 
 
 @pytest.fixture(scope="session")

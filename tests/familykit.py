@@ -10,9 +10,9 @@ README table.
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,15 +84,33 @@ class FamilyEngine:
     host: EngineHost
 
 
-@contextlib.contextmanager
-def family_engine_in(root: Path, family: str) -> Iterator[FamilyEngine]:
-    """The family's tiny model (seed 0) in ``root`` served by its own engine, closed after."""
-    model_dir = make_tiny_model(root / family, template=family)  # type: ignore[arg-type]
-    host = EngineHost(EngineSettings(model=str(model_dir)))
-    try:
-        yield FamilyEngine(family, model_dir, host)
-    finally:
-        host.close()
+class FamilyEngines:
+    """Each family's tiny model (seed 0) on its own engine, shared by every module that plays
+    the family (the family matrix, the framework matrix): an engine start costs more than
+    most of their tests. The ``keep`` most recently used stay open; the family matrix plays
+    last the families the framework tests use, so those start once."""
+
+    def __init__(self, root: Path, keep: int = 3) -> None:
+        self.root = root
+        self.keep = keep
+        self.open: collections.OrderedDict[str, FamilyEngine] = collections.OrderedDict()
+
+    def engine(self, family: str) -> FamilyEngine:
+        if family in self.open:
+            self.open.move_to_end(family)
+            return self.open[family]
+        while len(self.open) >= self.keep:
+            _, oldest = self.open.popitem(last=False)
+            oldest.host.close()
+        model_dir = self.root / family
+        if not model_dir.exists():
+            make_tiny_model(model_dir, template=family)  # type: ignore[arg-type]
+        self.open[family] = FamilyEngine(family, model_dir, EngineHost(EngineSettings(model=str(model_dir))))
+        return self.open[family]
+
+    def close(self) -> None:
+        while self.open:
+            self.open.popitem()[1].host.close()
 
 
 def admitting(rig: Rig, rollout_id: str, **extra: Any) -> Extra:

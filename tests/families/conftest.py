@@ -9,14 +9,13 @@ the options.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from familykit import FamilyEngine, FamilyReport, family_engine_in
+from familykit import FamilyEngine, FamilyEngines, FamilyReport
 from readme_tables import rewrite_between_markers
 
-FAMILIES = ("chatml", "qwen3", "llama3", "gemma", "deepseek_r1")
+FAMILIES = ("llama3", "gemma", "chatml", "qwen3", "deepseek_r1")
 """The formats no real model of ``tests/models`` plays on every route. Mistral's is played
 there through mistral_common, as vLLM serves Mistral models, on every route and streamed;
 the ``[INST]`` template written here for it is still checked without an engine
@@ -29,12 +28,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_engine(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FamilyEngine]:
-    """The family's tiny model (seed 0) served by its own engine."""
-    with family_engine_in(tmp_path_factory.mktemp("families"), request.param) as engine:
-        yield engine
+def family_engine(request: pytest.FixtureRequest, family_engines: FamilyEngines) -> FamilyEngine:
+    """The family's tiny model (seed 0) served by its own engine (the frameworks' last)."""
+    return family_engines.engine(request.param)
 
 
 _REPORT = FamilyReport()

@@ -9,11 +9,10 @@ the end of the run whatever the options.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from familykit import FamilyEngine, family_engine_in
+from familykit import FamilyEngine, FamilyEngines
 from readme_tables import rewrite_between_markers
 
 from pipeline.models.tiny import TemplateName
@@ -30,12 +29,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_engine(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FamilyEngine]:
+def family_engine(request: pytest.FixtureRequest, family_engines: FamilyEngines) -> FamilyEngine:
     """The family's tiny model (seed 0) served by its own engine, shared by every case."""
-    with family_engine_in(tmp_path_factory.mktemp("frameworks"), request.param) as engine:
-        yield engine
+    return family_engines.engine(request.param)
 
 
 _RESULTS: Results = {}
