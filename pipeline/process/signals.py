@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""What asks any long-lived tokentrail process to stop: threads wait on them here, event
+loops add them as handlers (the run, the worker, a stage)."""
 
 
 @contextmanager

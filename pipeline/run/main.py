@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +35,7 @@ from aiokafka.errors import KafkaError
 from pipeline.auth.credentials import CREDENTIALS_DIR, ROLE_FILES, Credentials, Role
 from pipeline.kafka.config import ConfigError
 from pipeline.kafka.embedded.broker import BrokerError
+from pipeline.process.signals import STOP_SIGNALS
 from pipeline.run.account import RunAccount, RunParts, summarize
 from pipeline.run.cluster import RunContext, Services, attach_services, start_services
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs
@@ -112,8 +112,7 @@ class Run:
 
     async def execute(self) -> RunSummary:
         loop = asyncio.get_running_loop()
-        signals = (signal.SIGINT, signal.SIGTERM)
-        for sig in signals:
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self.shutdown.on_signal, sig)
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -128,7 +127,7 @@ class Run:
             log.exception("run %s failed", self.run_id)
             self.account.error = f"{type(exc).__name__}: {exc}"
         finally:
-            for sig in signals:
+            for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
         self.progress.enter("stopped")
         summary = self.summary()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from dataclasses import replace
 from typing import Any
 
@@ -13,6 +12,7 @@ from pipeline.dataplane.config import OWNER_WAIT_S, RESTAGE_GRACE_S
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import ConfigError, KafkaConfig
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.process.signals import STOP_SIGNALS
 from pipeline.stagehost.metrics import Health, StageMetrics
 from pipeline.stagehost.outages import serve_through_outages
 from pipeline.stagehost.ready import ReadyNotice
@@ -34,7 +34,7 @@ async def host_stage(settings: StageHostSettings, kafka: KafkaConfig) -> None:
     server = _metrics_server(settings, metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     ready = ReadyNotice(settings.ready_fd)
 

@@ -5,12 +5,12 @@ until SIGTERM or SIGINT (what ``tokentrail samples archive`` runs)."""
 from __future__ import annotations
 
 import asyncio
-import signal
 from pathlib import Path
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import ConsumerLoop
 from pipeline.kafka.producer import KafkaEventSink
+from pipeline.process.signals import STOP_SIGNALS
 from pipeline.samples.rotation import ArchiveStats, RotatingArchive, RotationSettings
 
 
@@ -35,7 +35,7 @@ async def archive_samples(
             stage="archive",
         )
         running = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             running.add_signal_handler(sig, loop.request_stop)
         try:
             await loop.run()

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ from vllm.utils.mistral import is_mistral_tokenizer
 from pipeline.auth.credentials import Credentials
 from pipeline.auth.transport import TlsFiles, check_bind
 from pipeline.kafka.config import KafkaConfig
+from pipeline.process.signals import STOP_SIGNALS
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
 from pipeline.worker.reasoning import AUTO, reasoning_parser_for, tool_parser_for
 from pipeline.worker.retention import retaining
@@ -282,13 +282,12 @@ def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
         yield
         return
     loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop)
     try:
         yield
     finally:
-        for sig in signals:
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 
