@@ -40,7 +40,7 @@ from stages.ledger.stage import LedgerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSIONS = ["1.30.0", "1.37.0"]  # oldest and newest Kubernetes the manifests are held to
-STAGES = ("tokentrail-ledger", "tokentrail-finalizer")  # the stage Deployments
+STAGES = ("tokentrail-ledger", "tokentrail-finalizer")  # the stage StatefulSets
 GRAFANA_VARIABLES = re.compile(r"\$__(rate_interval|interval|range)\b|\$\{__(rate_interval|interval|range)\}")
 
 
@@ -277,13 +277,13 @@ def test_manifest_wiring() -> None:
     docs = [doc for _, doc in manifests()]
     config = manifest("ConfigMap", "tokentrail")
     service = manifest("Service", "tokentrail-stages-metrics")
-    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
-    assert set(deployments) == {*STAGES, "tokentrail-gateway-router"}
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"} == {"tokentrail-gateway-router"}
     for name in STAGES:
-        deployment = deployments[name]
-        pod = deployment["spec"]["template"]
+        stage = manifest("StatefulSet", name)
+        pod = stage["spec"]["template"]
         labels = pod["metadata"]["labels"]
-        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        assert stage["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        assert stage["spec"]["serviceName"] == service["metadata"]["name"], name
         assert service["spec"]["selector"].items() <= labels.items(), f"the metrics Service misses {name}"
         (container,) = pod["spec"]["containers"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -294,8 +294,13 @@ def test_manifest_wiring() -> None:
         line = " ".join(words)
         assert flag(shlex.split(line), "--metrics-port") == str(ports["metrics"])
         assert {ref["configMapRef"]["name"] for ref in container["envFrom"]} == {config["metadata"]["name"]}
+        from_pod = field_refs(container)
+        member = re.fullmatch(r"\$\((\w+)\)", flag(shlex.split(line), "--instance-id") or "")
+        assert member and from_pod.get(member.group(1)) == "metadata.name", (
+            f"{name}: --instance-id must be the pod's name, stable across its restarts (a static member)"
+        )
         for variable in re.findall(r"\$\((\w+)\)", line):
-            assert variable in config["data"], f"{name} uses $({variable}), which the ConfigMap lacks"
+            assert variable in config["data"] or variable in from_pod, f"{name} uses $({variable}), defined nowhere"
 
 
 def retention_settings(words: list[str], variables: dict[str, str]) -> list[tuple[str, int]]:
@@ -315,7 +320,7 @@ def test_both_stages_keep_every_topic_as_long_as_the_pipeline_needs() -> None:
     lines = [command_words(compose()["services"][stage]) for stage in ("ledger", "finalizer")]
     config = manifest("ConfigMap", "tokentrail")["data"]
     for name in STAGES:
-        (container,) = manifest("Deployment", name)["spec"]["template"]["spec"]["containers"]
+        (container,) = manifest("StatefulSet", name)["spec"]["template"]["spec"]["containers"]
         lines.append(shlex.split(" ".join([*container.get("command", []), *container["args"]])))
     seen = set()
     for words in lines:
@@ -393,7 +398,7 @@ def test_every_gateway_replica_is_named_after_its_pod() -> None:
     assert field_refs(container).get(replica.group(1)) == "metadata.name", "--replica must be the pod's name"
     config = manifest("ConfigMap", "tokentrail")["data"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    (ledger,) = manifest("Deployment", "tokentrail-ledger")["spec"]["template"]["spec"]["containers"]
+    (ledger,) = manifest("StatefulSet", "tokentrail-ledger")["spec"]["template"]["spec"]["containers"]
     names = set()
     for ordinal in range(statefulset["spec"]["replicas"]):
         pod = f"{GATEWAY}-{ordinal}"  # a StatefulSet's pod names
