@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX, WATERMARK, read_watermark, write_watermark
 
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 
 class Listing(Protocol):
     """What expiry needs of the store's folder index (``objectstore.FolderIndex``)."""
-
-    def entries(self, bucket_dir: Path, folder: str) -> Collection[Any]: ...
 
     def writing(self, path: Path, *, forget: bool) -> AbstractContextManager[None]: ...
 
@@ -139,8 +138,7 @@ def _expire_partition(
 ) -> tuple[int, int] | None:
     """Delete the partition's oldest batches past ``retention_ms``, never its newest;
     returns its new log start and how many went, or None when none did."""
-    records = (partition_dir / "records").relative_to(bucket_dir).as_posix()
-    batches = [entry.path for entry in index.entries(bucket_dir, records) if entry.key.endswith(BATCH_SUFFIX)]
+    batches = _batches(partition_dir / "records")
     doomed: list[Path] = []
     for path in batches[:-1]:
         try:
@@ -161,6 +159,17 @@ def _expire_partition(
 
     index.removed(bucket_dir, doomed, remove)
     return log_start, len(doomed)
+
+
+def _batches(records_dir: Path) -> list[Path]:
+    """The partition's batch objects in offset order (their names are zero-padded offsets),
+    read from the folder, so the index caches no folder that nobody lists."""
+    try:
+        with os.scandir(records_dir) as entries:
+            names = sorted(entry.name for entry in entries if entry.name.endswith(BATCH_SUFFIX))
+    except FileNotFoundError:
+        return []
+    return [records_dir / name for name in names]
 
 
 def _raise_log_start(
