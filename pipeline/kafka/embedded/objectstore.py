@@ -2,7 +2,7 @@
 
 tansu's durable engine keeps every record batch, watermark and committed offset as an
 object, so a broker's speed is its store's. localbucket (buckets as plain folders) is
-the store; its handler gets two changes here, both measured (bench/RESULTS.md):
+the store; its handler gets three changes here, the first two measured (bench/RESULTS.md):
 
 * replies go out without Nagle's delay: headers and body are two writes, and the second
   waited for the client's delayed acknowledgement, about 40 ms per request, which
