@@ -17,6 +17,12 @@ partition from its first batch, within the fetch's wait, so the further the log,
 fewer batches a fetch returns, and past some length none (DESIGN §3).
 
     tokentrail bench broker-storage --tail --batches 3000 --json
+
+``--expired`` (with ``--tail``) lets the durable store delete all but the last
+``TAIL_BATCHES`` by retention before they are read: whether a partition as long but
+mostly deleted reads like a short one (the listing is what grows; DESIGN §3).
+
+    tokentrail bench broker-storage --tail --expired --batches 6000 --json
 """
 
 from __future__ import annotations
@@ -40,12 +46,17 @@ from pipeline.kafka.embedded.tansu import TANSU
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.kafka.reader import assigned_reader
+from pipeline.kafka.retention import ROLES, TopicRetention
 from topics.names import TopicNames
 
 PARTITIONS = 4
 READ_LIMIT_S = 60.0
 TAIL_BATCHES = 300
 TAIL_LIMIT_S = 30.0
+EXPIRED_RETENTION_MS = 10_000
+"""``--expired``: long enough for the tail to be read before it expires too."""
+EXPIRY_CHECK_S = 0.5
+EXPIRY_LIMIT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +65,8 @@ class BrokerStorageConfig:
     """Single-record batches written, then read."""
     tail: bool = False
     """Read the last ``TAIL_BATCHES`` of one partition, as a live consumer, instead of all from the start."""
+    expired: bool = False
+    """With ``tail``: the batches before the tail are past retention, deleted (durable storage) before it is read."""
 
 
 QUICK = Quick("100 batches", BrokerStorageConfig(batches=100))
@@ -61,6 +74,11 @@ OPTIONS = (
     Option("--batches", "single-record batches to write and read (default 300)", int),
     Option(
         "--tail", f"read the last {TAIL_BATCHES} batches of one partition, as a live consumer", switch=True
+    ),
+    Option(
+        "--expired",
+        f"with --tail: the durable store deletes all but the last {TAIL_BATCHES} by retention before they are read",
+        switch=True,
     ),
 )
 
@@ -97,42 +115,70 @@ async def _measure(bootstrap: str, batches: int, store_pid: int | None) -> dict[
     return numbers
 
 
-async def _measure_tail(bootstrap: str, batches: int, store_pid: int | None) -> dict[str, float]:
-    config = KafkaConfig(bootstrap_servers=bootstrap, names=TopicNames(prefix="bench-tail", partitions=1))
+async def _measure_tail(
+    bootstrap: str, batches: int, store_pid: int | None, expired: bool = False
+) -> dict[str, float]:
+    retention = TopicRetention(**dict.fromkeys(ROLES, EXPIRED_RETENTION_MS)) if expired else TopicRetention()
+    config = KafkaConfig(
+        bootstrap_servers=bootstrap, names=TopicNames(prefix="bench-tail", partitions=1), retention=retention
+    )
     await ensure_topics(config)
-    await _publish_one_per_batch(config, batches)
     tp = TopicPartition(config.names.admission, 0)
-    store_cpu_before = process_cpu_s(store_pid) if store_pid is not None else None
     start = max(0, batches - TAIL_BATCHES)
+    await _publish_one_per_batch(config, start)
+    numbers: dict[str, float] = {}
+    if expired and store_pid is not None:
+        numbers["log_start"] = await _expired_up_to(config, tp, start - 1)
+    await _publish_one_per_batch(config, batches - start)
+    store_cpu_before = process_cpu_s(store_pid) if store_pid is not None else None
     async with assigned_reader(config, {tp: start}, fetch_max_wait_ms=TANSU.fetch_wait_ms) as consumer:
         read, began = 0, time.monotonic()
         while read < batches - start and time.monotonic() - began < TAIL_LIMIT_S:
             fetched = await consumer.getmany(timeout_ms=200)
             read += sum(len(records) for records in fetched.values())
         read_s = time.monotonic() - began
-    numbers = {"read": read, "of": batches - start, "read_per_s": read / read_s}
+    numbers |= {"read": read, "of": batches - start, "read_per_s": read / read_s}
     store_cpu_after = process_cpu_s(store_pid) if store_pid is not None else None
     if store_cpu_before is not None and store_cpu_after is not None:
         numbers["store_cpu_ms_per_batch"] = (store_cpu_after - store_cpu_before) * 1000 / max(read, 1)
     return numbers
 
 
+async def _expired_up_to(config: KafkaConfig, tp: TopicPartition, log_start: int) -> int:
+    """Wait until the store has deleted the partition up to ``log_start``; the log start then."""
+    began = time.monotonic()
+    async with LagReader(config) as lag:
+        while (marks := (await lag.watermarks([tp]))[tp]).log_start < log_start:
+            if time.monotonic() - began > EXPIRY_LIMIT_S:
+                raise RuntimeError(f"the store did not delete {tp.topic}[0] up to {log_start}: {marks}")
+            await asyncio.sleep(EXPIRY_CHECK_S)
+    return marks.log_start
+
+
 def run(config: BrokerStorageConfig = BrokerStorageConfig()) -> dict[str, Any]:
-    measure = _measure_tail if config.tail else _measure
     results: dict[str, Any] = {}
     for storage in ("memory", "durable"):
         mode: StorageMode = "durable" if storage == "durable" else "memory"
         with (
             tempfile.TemporaryDirectory() as data_dir,
-            EmbeddedBroker(storage=mode, data_dir=data_dir if mode == "durable" else None) as broker,
+            EmbeddedBroker(
+                storage=mode,
+                data_dir=data_dir if mode == "durable" else None,
+                retention_check_s=EXPIRY_CHECK_S if config.expired else None,
+            ) as broker,
         ):
-            results[storage] = asyncio.run(measure(broker.bootstrap, config.batches, broker.bucket_pid))
+            if config.tail:
+                measured = _measure_tail(broker.bootstrap, config.batches, broker.bucket_pid, config.expired)
+            else:
+                measured = _measure(broker.bootstrap, config.batches, broker.bucket_pid)
+            results[storage] = asyncio.run(measured)
     ratio = results["memory"]["read_per_s"] / max(results["durable"]["read_per_s"], 1e-9)
     return {
         "machine": machine(),
         "versions": versions(),
         "batches": config.batches,
         "tail": config.tail,
+        "expired": config.expired,
         "results": results,
         "read_ratio_memory_to_durable": ratio,
     }
@@ -149,8 +195,9 @@ def render(report: dict[str, Any]) -> str:
             if "store_cpu_ms_per_batch" in numbers
             else ""
         )
+        start = f", log start {numbers['log_start']:.0f}" if "log_start" in numbers else ""
         lines.append(
-            f"{storage:8s} {produced}read {numbers['read_per_s']:8.0f} records/s ({numbers['read']:.0f} read){store}"
+            f"{storage:8s} {produced}read {numbers['read_per_s']:8.0f} records/s ({numbers['read']:.0f} read{start}){store}"
         )
     lines.append(f"read ratio memory/durable: {report['read_ratio_memory_to_durable']:.0f}x")
     return "\n".join(lines)

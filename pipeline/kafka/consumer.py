@@ -17,7 +17,9 @@ from the sought positions), so no record is handled twice by one member.
 No position is ever reset silently (aiokafka's ``auto_offset_reset`` is ``none``): a
 position below the log start, a commit the log deleted by retention, is a lost range,
 logged as an error naming group, partition and offsets and counted (``LoopStats.lost``)
-before the loop goes on from the log start (DESIGN §7.6).
+before the loop goes on from the log start (DESIGN §7.6). A broker that answers such a
+fetch with the records after the gap (``BrokerProfile.fetch_out_of_range`` false) has
+the gap counted the same way, from where the loop asked to where the records start.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from aiokafka.structs import ConsumerRecord
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.kind import broker_of
-from pipeline.kafka.lag import lost_range
+from pipeline.kafka.lag import LostRange, lost_range
 from pipeline.kafka.logtime import LogTimeMerge
 from pipeline.kafka.profile import BrokerProfile
 from stages.ports import Consumed, EventSink, StageHandler
@@ -210,6 +212,8 @@ class ConsumerLoop:
         self._behind: dict[TopicPartition, float] = {}
         self._enforced: set[TopicPartition] = set()  # partitions the last release stopped waiting for
         self._committed: dict[TopicPartition, int] = {}
+        self._fetch_from: dict[TopicPartition, int] = {}  # where the next fetched record should be
+        self._gap_is_loss = False  # the broker answers a fetch below its log start with later records
         self._epoch = 0  # bumped by every revocation and assignment
         self.stats = LoopStats()
 
@@ -242,6 +246,7 @@ class ConsumerLoop:
     async def run(self) -> None:
         """Consume until ``request_stop()``; a handler error propagates (nothing is committed)."""
         broker = await broker_of(self.config)
+        self._gap_is_loss = not broker.fetch_out_of_range
         consumer = AIOKafkaConsumer(
             **self.config.client_kwargs(), **self._consumer_settings, **self._broker_settings(broker)
         )
@@ -353,6 +358,7 @@ class ConsumerLoop:
         for tp, offset in offsets.items():
             start = starts[tp]
             consumer.seek(tp, start)
+            self._fetch_from[tp] = start
             if offset is None:
                 continue
             lost = lost_range(self.group_id, tp.topic, tp.partition, offset, start)
@@ -367,11 +373,25 @@ class ConsumerLoop:
                     start,
                 )
                 continue
-            log.error("%s: %s; going on from offset %d", self.stage, lost, start)
-            key = (tp.topic, tp.partition)
-            self.stats.lost[key] = self.stats.lost.get(key, 0) + lost.records
-            if self._held.empty(key):
+            self._count_lost(tp, lost, start)
+            if self._held.empty((tp.topic, tp.partition)):
                 self._positions[tp] = start  # nothing before the gap waits: commits may pass it
+
+    def _count_lost(self, tp: TopicPartition, lost: LostRange, start: int) -> None:
+        log.error("%s: %s; going on from offset %d", self.stage, lost, start)
+        key = (tp.topic, tp.partition)
+        self.stats.lost[key] = self.stats.lost.get(key, 0) + lost.records
+
+    def _check_gap(self, tp: TopicPartition, records: Sequence[Record]) -> None:
+        """Where the broker answers a fetch below its log start with the records after it,
+        a partition whose records start past where this member asked lost what lies between."""
+        expected = self._fetch_from.get(tp)
+        self._fetch_from[tp] = records[-1].offset + 1
+        if not self._gap_is_loss or expected is None:
+            return
+        lost = lost_range(self.group_id, tp.topic, tp.partition, expected, records[0].offset)
+        if lost is not None:
+            self._count_lost(tp, lost, records[0].offset)
 
     def _poll_ms(self) -> float:
         """How long the next poll may wait for records: ``idle_poll_ms``, but in log-time
@@ -390,6 +410,8 @@ class ConsumerLoop:
         (as ``None``), so positions, and therefore commits, only pass it in order."""
         dead: list[DeadLetter] = []
         for tp, records in batch.items():
+            if records:
+                self._check_gap(tp, records)
             entries: list[tuple[float, _Fetched]] = []
             for record in records:
                 stamp = record.timestamp / 1000
@@ -505,6 +527,7 @@ class ConsumerLoop:
             for tp in revoked:
                 self._behind.pop(tp, None)
                 self._positions.pop(tp, None)
+                self._fetch_from.pop(tp, None)
                 self._read_up_to.pop(tp, None)
                 self._committed.pop(tp, None)
         if revoked:  # a member's first join revokes nothing: no rebalance has happened yet
@@ -529,10 +552,12 @@ class ConsumerLoop:
                     offset = committed[tp]
                     if offset is None:
                         consumer.seek(tp, starts[tp])
+                        self._fetch_from.pop(tp, None)  # from the log start, wherever it is: nothing lost
                         self._positions.pop(tp, None)
                         self._committed.pop(tp, None)
                     else:
                         consumer.seek(tp, offset)
+                        self._fetch_from[tp] = offset
                         self._positions[tp] = offset
                         self._committed[tp] = offset
                 if self._on_assigned_hook is not None:

@@ -31,6 +31,11 @@ class BrokerProfile:
     exact_list_offsets: bool
     """ListOffsets(latest) is the high watermark. Where it is not, lag reads the high
     watermark a Fetch response carries instead (``LagReader.watermarks``)."""
+    fetch_out_of_range: bool
+    """A fetch below the log start is refused (OffsetOutOfRange), so the consumer loop
+    learns of records deleted before it read them. Where it is not (the fetch answers
+    the records after them), the loop takes a fetched partition that starts past where
+    it asked for a lost range."""
     fetch_wait_ms: int
     """Default for how long the broker may hold a fetch with nothing new
     (``fetch.max.wait.ms``). A broker that answers as soon as records arrive makes it
@@ -43,6 +48,7 @@ KAFKA = BrokerProfile(
     static_membership=True,
     unknown_error_is_write_conflict=False,
     exact_list_offsets=True,
+    fetch_out_of_range=True,
     fetch_wait_ms=500,
 )
 """Apache Kafka, and any broker that keeps its contract: what a deployment attaching to

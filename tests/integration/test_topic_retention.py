@@ -2,10 +2,9 @@
 created with its retention and reads it back; an existing topic's other retention is
 reported, not altered; and what tansu does with retention, measured (DESIGN §3).
 
-A lost range (a group's commit below the log start) cannot be made here: tansu never
-moves a log start (it deletes nothing by retention, and DeleteRecords is not
-implemented), so that rule is tested on LagReader's numbers and on the consumer
-loop's repositioning in ``tests/unit/test_topic_retention.py``."""
+tansu itself deletes nothing (DeleteRecords is not implemented), so the memory engine
+keeps every record; the durable store deletes what retention says, and the lost
+ranges that makes are tested in ``test_embedded_retention.py``."""
 
 from __future__ import annotations
 

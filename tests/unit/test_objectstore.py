@@ -1,11 +1,15 @@
 """The durable store's indexed listing answers exactly what localbucket's full walk does,
-and sees every write the server acknowledged."""
+and sees every write the server acknowledged; a stale conditional write is refused; and
+what retention has passed is deleted from the log's start."""
 
 from __future__ import annotations
 
 import base64
 import http.client
+import json
+import os
 import threading
+import time
 import xml.etree.ElementTree as ET
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -13,7 +17,8 @@ from pathlib import Path
 import localbucket
 import pytest
 
-from pipeline.kafka.embedded.objectstore import FastS3Handler
+from pipeline.kafka.embedded.expiry import Expired, expire
+from pipeline.kafka.embedded.objectstore import FastS3Handler, FolderIndex
 
 KEYS = [
     "clusters/c1/meta.json",
@@ -196,3 +201,107 @@ def canonical(xml: bytes) -> str:
 def handler() -> FastS3Handler:
     """A handler outside any request: listings only need the index."""
     return FastS3Handler.__new__(FastS3Handler)
+
+
+def test_a_write_naming_a_version_that_is_gone_is_refused(bucket: Path) -> None:
+    """tansu updates a watermark naming the version it read (``If-Match``); a stale one is
+    refused, so a log start the store raised meanwhile is read again, not written over."""
+    FastS3Handler.data_root = bucket.parent
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FastS3Handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=5)
+    key = "clusters/c1/topics/t.a/partitions/0000000000/watermark.json"
+
+    def put(body: bytes, version: str) -> tuple[int, str | None]:
+        connection.request("PUT", f"/{bucket.name}/{key}", body=body, headers={"If-Match": f'"{version}"'})
+        reply = connection.getresponse()
+        reply.read()
+        return reply.status, reply.getheader("ETag")
+
+    try:
+        current = localbucket.object_etag(bucket / key)
+        status, etag = put(b'{"low":null,"high":5}', current)
+        assert status == 200 and etag is not None
+        assert put(b'{"low":null,"high":6}', current)[0] == 412  # the version it named is gone
+        assert (bucket / key).read_bytes() == b'{"low":null,"high":5}'
+        assert put(b'{"low":null,"high":6}', etag.strip('"'))[0] == 200
+        (bucket / key).unlink()
+        assert put(b"{}", etag.strip('"'))[0] == 412  # nothing to replace
+    finally:
+        connection.close()
+        server.shutdown()
+        server.server_close()
+
+
+PARTITION = "clusters/c1/topics/t.a/partitions/0000000000"
+
+
+def kept_for(bucket: Path, retention: dict[str, str]) -> None:
+    """Topic ``t.a``'s configs in tansu's ``meta.json``."""
+    configs = [{"name": name, "value": value} for name, value in retention.items()]
+    meta = {"topics": {"t.a": {"topic": {"name": "t.a", "configs": configs}}}}
+    (bucket / "clusters/c1/meta.json").write_text(json.dumps(meta))
+
+
+def aged(bucket: Path, ages_s: list[float], now: float) -> list[Path]:
+    """Batches at offsets 0, 1, ... appended ``ages_s`` before ``now``; the watermark past them."""
+    records = bucket / PARTITION / "records"
+    for path in records.glob("*.batch"):
+        path.unlink()
+    paths = []
+    for offset, age in enumerate(ages_s):
+        path = records / f"{offset:020d}.batch"
+        path.write_bytes(b"batch")
+        os.utime(path, (now - age, now - age))
+        paths.append(path)
+    (bucket / PARTITION / "watermark.json").write_text(json.dumps({"low": None, "high": len(ages_s)}))
+    return paths
+
+
+def held(bucket: Path, index: FolderIndex) -> list[str]:
+    return [entry.path.name for entry in index.entries(bucket, f"{PARTITION}/records")]
+
+
+def test_expiry_deletes_the_oldest_batches_past_retention_and_moves_the_log_start(bucket: Path) -> None:
+    now, index = time.time(), FolderIndex()
+    kept_for(bucket, {"retention.ms": "10000", "cleanup.policy": "delete"})
+    aged(bucket, [60, 50, 40, 5, 30, 1], now)  # the 5 s one stops it: only the log's start goes
+    assert len(held(bucket, index)) == 6  # cached before: the deletion updates the index
+    assert expire(bucket, index, threading.Lock(), now) == [Expired("t.a", 0, log_start=3, batches=3)]
+    assert held(bucket, index) == [f"{offset:020d}.batch" for offset in (3, 4, 5)]
+    assert sorted(path.name for path in (bucket / PARTITION / "records").glob("*.batch")) == held(
+        bucket, index
+    )
+    assert json.loads((bucket / PARTITION / "watermark.json").read_text()) == {"low": 3, "high": 6}
+    assert expire(bucket, index, threading.Lock(), now) == []
+
+
+def test_expiry_keeps_the_newest_batch_and_never_lowers_the_log_start(bucket: Path) -> None:
+    now, index = time.time(), FolderIndex()
+    kept_for(bucket, {"retention.ms": "1000"})
+    aged(bucket, [60, 50, 40], now)
+    assert expire(bucket, index, threading.Lock(), now) == [Expired("t.a", 0, log_start=2, batches=2)]
+    assert held(bucket, index) == [f"{2:020d}.batch"]
+    (bucket / PARTITION / "watermark.json").write_text(json.dumps({"low": 9, "high": 10}))
+    (bucket / PARTITION / "records" / f"{9:020d}.batch").write_bytes(b"batch")
+    index = FolderIndex()
+    assert expire(bucket, index, threading.Lock(), now) == [Expired("t.a", 0, log_start=9, batches=1)]
+    assert json.loads((bucket / PARTITION / "watermark.json").read_text())["low"] == 9
+
+
+@pytest.mark.parametrize(
+    "retention", [{"retention.ms": "-1"}, {"retention.ms": "1000", "cleanup.policy": "compact"}, {}]
+)
+def test_expiry_spares_what_its_topic_keeps(bucket: Path, retention: dict[str, str]) -> None:
+    """Kept forever, compacted (not deleted), or kept Kafka's default of 7 days."""
+    now = time.time()
+    kept_for(bucket, retention)
+    aged(bucket, [3600, 3600, 1], now)
+    assert expire(bucket, FolderIndex(), threading.Lock(), now) == []
+    assert len(list((bucket / PARTITION / "records").glob("*.batch"))) == 3
+
+
+def test_a_retention_that_does_not_read_is_refused_naming_the_topic(bucket: Path) -> None:
+    kept_for(bucket, {"retention.ms": "soon"})
+    with pytest.raises(ValueError, match=r"topic t\.a: retention\.ms 'soon' is not an integer"):
+        expire(bucket, FolderIndex(), threading.Lock())

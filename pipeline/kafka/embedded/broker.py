@@ -19,7 +19,8 @@ Two storage modes: ``memory`` (tests, benchmarks) and ``durable``, which runs ta
 (``pipeline.kafka.embedded.objectstore``: localbucket, tuned for the broker) rooted in the data
 directory. Topics, records and committed offsets then survive a restart, as long as
 the cluster id stays the same; it is therefore stored in the data directory on first
-start.
+start. The store deletes what the topics' retention has passed
+(``pipeline.kafka.embedded.expiry``), so the directory's log stays bounded.
 """
 
 from __future__ import annotations
@@ -230,6 +231,7 @@ class EmbeddedBroker:
         cluster_id: str | None = None,
         startup_timeout: float = 30.0,
         stop_timeout: float = 10.0,
+        retention_check_s: float | None = None,
     ) -> None:
         if storage not in STORAGE_MODES:
             raise BrokerError(f"storage: {storage!r} is not one of {', '.join(STORAGE_MODES)}")
@@ -239,6 +241,8 @@ class EmbeddedBroker:
             raise BrokerError(
                 f"cluster_id: must start with {EMBEDDED_CLUSTER_PREFIX!r} (clients tell the broker by it)"
             )
+        if retention_check_s is not None and not retention_check_s > 0:
+            raise BrokerError(f"retention_check_s: {retention_check_s} is not a number of seconds above 0")
         if port is not None and not 0 < port < 65536:
             raise BrokerError(f"port: {port} is not a TCP port (port 0 is not allowed: tansu advertises it)")
         self.storage: StorageMode = storage
@@ -249,6 +253,8 @@ class EmbeddedBroker:
         self._requested_cluster_id = cluster_id
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
+        self.retention_check_s = retention_check_s
+        """How often the durable store deletes what retention has passed (None: its default)."""
         self._port: int | None = None
         self._cluster_id: str | None = None
         self._tansu: _Child | None = None
@@ -500,6 +506,8 @@ class EmbeddedBroker:
             "--port",
             str(port),
         ]
+        if self.retention_check_s is not None:
+            argv += ["--retention-check-s", str(self.retention_check_s)]
         child = _Child(
             "localbucket",
             argv,

@@ -2,7 +2,7 @@
 
 tansu's durable engine keeps every record batch, watermark and committed offset as an
 object, so a broker's speed is its store's. localbucket (buckets as plain folders) is
-the store; its handler gets two changes here, both measured (bench/RESULTS.md):
+the store; its handler gets three changes here, the first two measured (bench/RESULTS.md):
 
 * replies go out without Nagle's delay: headers and body are two writes, and the second
   waited for the client's delayed acknowledgement, about 40 ms per request, which
@@ -12,7 +12,14 @@ the store; its handler gets two changes here, both measured (bench/RESULTS.md):
   every fetch, and a walk, a stat and an XML element of every object made each fetch
   slower as the log grew; entries are now rendered once, when written, a page starts
   where its marker falls (a bisection), and the pages after the first (a partition of
-  over 1,000 batches) come from the index too.
+  over 1,000 batches) come from the index too;
+* a write that names the version it replaces (``If-Match``, how tansu updates a watermark)
+  is refused when the object has changed since (localbucket ignores the header), so a
+  watermark the store moves itself (``pipeline.kafka.embedded.expiry``) is read again,
+  never written back over.
+
+It also deletes what the topics' retention says (``pipeline.kafka.embedded.expiry``),
+every ``--retention-check-s``, through the same index.
 
 ``EmbeddedBroker`` runs it as ``python -m pipeline.kafka.embedded.objectstore ROOT --host HOST
 --port PORT``. The handler overrides localbucket's own methods, so the project pins its
@@ -29,7 +36,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
@@ -39,6 +46,8 @@ from urllib.parse import unquote, urlsplit
 from xml.sax.saxutils import escape
 
 import localbucket
+
+from pipeline.kafka.embedded.expiry import RETENTION_CHECK_S, expire_every, positive_seconds
 
 
 class Entry(NamedTuple):
@@ -101,6 +110,23 @@ class FolderIndex:
                 if cached is not None:
                     self._entries[folder] = replaced(cached, key, entry)
 
+    def removed(self, bucket_dir: Path, paths: Collection[Path], remove: Callable[[], None]) -> None:
+        """Call ``remove`` (which deletes ``paths`` from disk); every cached folder above
+        them stops showing them, in one copy per folder, so a listing being answered
+        never sees entries move."""
+        gone = {path.relative_to(bucket_dir).as_posix() for path in paths}
+        folders = sorted({folder for path in paths for folder in path.parents})
+        self._mark(folders, 1, False)
+        try:
+            remove()
+            with self._lock:
+                for folder in folders:
+                    cached = self._entries.get(folder)
+                    if cached is not None:
+                        self._entries[folder] = [entry for entry in cached if entry.key not in gone]
+        finally:
+            self._mark(folders, -1, False)
+
     def _mark(self, folders: list[Path], step: int, forget: bool) -> None:
         with self._lock:
             for folder in folders:
@@ -112,6 +138,9 @@ class FolderIndex:
 
 INDEX = FolderIndex()
 WRITING_METHODS = frozenset({"PUT", "POST", "DELETE"})
+CONDITIONAL_WRITES = threading.Lock()
+"""Held from reading an object's version to replacing it: by a write with ``If-Match``
+and by the store's own read-modify-writes, so neither passes the other."""
 
 
 class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library ships no types
@@ -129,7 +158,21 @@ class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library
             super()._dispatch(action)
 
     def _write_object(self, bucket: str, key: str, write: Callable[[IO[bytes]], str]) -> str:
-        """Every write of an object; the index shows it before the write is acknowledged."""
+        """Every write of an object; the index shows it before the write is acknowledged.
+        One naming the version it replaces (``If-Match``) is refused when that is not
+        the object's version now, or there is no object: the writer reads it again."""
+        expected = self.headers.get("If-Match")
+        if expected is None:
+            return self._write_indexed(bucket, key, write)
+        with CONDITIONAL_WRITES:
+            target = self._object_path(bucket, key)
+            if not target.is_file() or not localbucket.etag_matches(
+                expected, localbucket.object_etag(target)
+            ):
+                raise self._precondition_failed_error()
+            return self._write_indexed(bucket, key, write)
+
+    def _write_indexed(self, bucket: str, key: str, write: Callable[[IO[bytes]], str]) -> str:
         etag: str = super()._write_object(bucket, key, write)
         INDEX.written(self.data_root / bucket, self._object_path(bucket, key))
         return etag
@@ -282,18 +325,28 @@ def _element(tag: str, text: str) -> str:
     return f"<{tag}>{escape(text)}</{tag}>"
 
 
-def serve(root: Path, host: str, port: int) -> None:
-    """Serve ``root``'s folders as buckets until interrupted; only warnings are logged."""
+def serve(root: Path, host: str, port: int, retention_check_s: float = RETENTION_CHECK_S) -> None:
+    """Serve ``root``'s folders as buckets until interrupted, deleting what retention
+    says every ``retention_check_s``; only warnings are logged."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s [%(levelname)s]: %(message)s")
     root = root.resolve()
     root.mkdir(parents=True, exist_ok=True)
     FastS3Handler.data_root = root
     server = ThreadingHTTPServer((host, port), FastS3Handler)
+    stopped = threading.Event()
+    expiring = threading.Thread(
+        target=expire_every,
+        args=(root, INDEX, CONDITIONAL_WRITES, retention_check_s, stopped),
+        name="expiry",
+        daemon=True,
+    )
+    expiring.start()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        stopped.set()
         server.server_close()
 
 
@@ -304,8 +357,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("root", type=Path, help="folder holding the buckets")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
+    parser.add_argument(
+        "--retention-check-s",
+        type=positive_seconds,
+        default=RETENTION_CHECK_S,
+        help="how often records past their topic's retention are deleted (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
-    serve(args.root, args.host, args.port)
+    serve(args.root, args.host, args.port, args.retention_check_s)
 
 
 if __name__ == "__main__":

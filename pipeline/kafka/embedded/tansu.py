@@ -29,6 +29,10 @@ TANSU = BrokerProfile(
     # ListOffsets(latest) answers the base offset of the last batch plus one (memory
     # engine) or a stale value (durable engine) once producers batch: too small a lag.
     exact_list_offsets=False,
+    # A fetch below the log start (records the store deleted by retention) is answered
+    # with the records after it, never OffsetOutOfRange; offsets are otherwise gapless
+    # (the unwritten ones are given back), so a fetch that starts later is a lost range.
+    fetch_out_of_range=False,
     # tansu answers a fetch only once its wait is over, even when records arrived, so
     # the wait is added to every hop of an event through the stages; 25 ms keeps that
     # small at about 5% of a core per idle consumer.

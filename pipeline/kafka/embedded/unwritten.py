@@ -57,7 +57,7 @@ def give_back_unwritten(cluster_dir: Path) -> list[GivenBack]:
     given_back: list[GivenBack] = []
     for watermark_path in sorted(cluster_dir.glob(f"topics/*/partitions/*/{WATERMARK}")):
         partition_dir = watermark_path.parent
-        watermark = _read_watermark(watermark_path)
+        watermark = read_watermark(watermark_path)
         claimed = watermark.get("high")
         if not isinstance(claimed, int):
             continue
@@ -65,7 +65,7 @@ def give_back_unwritten(cluster_dir: Path) -> list[GivenBack]:
         written = max(written_end(partition_dir / "records"), low if isinstance(low, int) else 0)
         if claimed <= written:
             continue
-        _write_watermark(watermark_path, {**watermark, "high": written})
+        write_watermark(watermark_path, {**watermark, "high": written})
         given_back.append(
             GivenBack(partition_dir.parent.parent.name, int(partition_dir.name), written, claimed)
         )
@@ -88,14 +88,14 @@ def written_end(records_dir: Path) -> int:
     return base + int.from_bytes(header[LAST_OFFSET_DELTA], "big", signed=True) + 1
 
 
-def _read_watermark(path: Path) -> dict[str, Any]:
+def read_watermark(path: Path) -> dict[str, Any]:
     watermark = json.loads(path.read_bytes())
     if not isinstance(watermark, dict):
         raise ValueError(f"{path}: a watermark is a JSON object, got {type(watermark).__name__}")
     return watermark
 
 
-def _write_watermark(path: Path, watermark: dict[str, Any]) -> None:
+def write_watermark(path: Path, watermark: dict[str, Any]) -> None:
     """Replace the object whole, as the store writes: a crash leaves the old or the new,
     and a temporary file left behind is one the store's listings already skip."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=localbucket.TEMP_PREFIX)
