@@ -149,7 +149,7 @@ def add_flags(
                 name, type=_converter(info.annotation, info, flag), choices=choices, **options
             )
             continue
-        options |= {"dest": name, "default": default}
+        options |= {"dest": name, "default": default, "required": info.is_required()}
         if flag.metavar is not None or _without_none(info.annotation) is not bool:
             options["metavar"] = (
                 flag.metavar or flag_name(model, name).removeprefix("--").replace("-", "_").upper()
