@@ -111,7 +111,9 @@ def _converter(annotation: Any, info: FieldInfo, flag: Flag) -> Callable[[str], 
         try:
             return adapter.validate_python(flag.parse(text) if flag.parse is not None else text)
         except ValidationError as exc:
-            raise argparse.ArgumentTypeError("; ".join(error["msg"] for error in exc.errors())) from None
+            raise argparse.ArgumentTypeError(
+                "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in exc.errors())
+            ) from None
         except (ValueError, OSError) as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
