@@ -11,7 +11,6 @@ stays fast to load.
 
 from __future__ import annotations
 
-import argparse
 from typing import Annotated
 
 from pydantic import Field
@@ -31,21 +30,3 @@ MaxBodyBytes = Annotated[
     Flag(metavar="N"),
 ]
 """``--max-body-bytes``, the same on every HTTP verb (worker, gateway)."""
-
-
-def add_body_limit_argument(parser: argparse.ArgumentParser) -> None:
-    """``--max-body-bytes``, the same on every HTTP verb (worker, gateway)."""
-
-    def positive(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-        return value
-
-    parser.add_argument(
-        "--max-body-bytes",
-        type=positive,
-        default=DEFAULT_MAX_BODY_BYTES,
-        metavar="N",
-        help="larger request bodies are answered 413 before they are read (default: %(default)s, 8 MiB)",
-    )
