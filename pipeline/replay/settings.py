@@ -1,6 +1,7 @@
-"""What one ``tokentrail replay`` rebuilds, from where, and how often: its settings, written once.
+"""What one ``tokentrail replay`` rebuilds, from where, and how often, and which rollout
+``tokentrail ledger show`` prints from the result: their settings, written once.
 
-The verb's flags and help come from this model (``pipeline.process.flags``); the Kafka
+Each verb's flags and help come from its model (``pipeline.process.flags``); the Kafka
 connection travels with its own flags (``pipeline.kafka.config``).
 """
 
@@ -79,3 +80,14 @@ class ReplaySettings(BaseModel):
         if self.processes != 1:
             raise ValueError("processes: a rebuild from checkpoints runs in one process")
         return self
+
+
+class ShowSettings(BaseModel):
+    """Each field is a ``tokentrail ledger show`` flag."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    rollout_id: Annotated[str, Flag(positional=True)]
+    """the rollout to show"""
+    db: Path = Path(".tokentrail/ledger.sqlite")
+    """ledger SQLite file"""
