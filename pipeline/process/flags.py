@@ -148,7 +148,11 @@ def add_flags(
         choices = _choices(info.annotation, flag)
         if flag.positional:
             target.add_argument(
-                name, type=_converter(info.annotation, info, flag), choices=choices, **options
+                name,
+                type=_converter(info.annotation, info, flag),
+                choices=choices,
+                metavar=flag.metavar,
+                **options,
             )
             continue
         options |= {"dest": name, "default": default, "required": info.is_required()}
