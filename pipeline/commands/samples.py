@@ -16,14 +16,13 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
 from pipeline.process.flags import FlagError, add_flags, from_flags
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.samples.archive import archive_path, read_archive
 from pipeline.samples.export import export_summary, write_export
-from pipeline.samples.settings import ArchiveSettings, ExportSettings
-from pipeline.stagehost.sample_archive import archive_samples
+from pipeline.samples.settings import ExportSettings
+from pipeline.stagehost.sample_archive import ArchiveSettings, archive_samples
 from stages.ports import DataPlaneError
 
 EXAMPLES = """\
@@ -78,7 +77,6 @@ def _add_archive(actions: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_flags(archive, ArchiveSettings)
-    add_dataplane_addresses_argument(archive)
     add_kafka_arguments(archive, bootstrap_required=True)
     archive.add_argument("--json", action="store_true", help="print one JSON summary on stdout when stopped")
     add_log_format_argument(archive)
@@ -94,7 +92,7 @@ def run_archive(args: argparse.Namespace) -> int:
         print(f"tokentrail samples archive: {exc}", file=sys.stderr)
         return 2
     try:
-        stats = asyncio.run(archive_samples(kafka, settings, settings.group, args.dataplane_addresses))
+        stats = asyncio.run(archive_samples(kafka, settings))
     except (ConfigError, DataPlaneError, KafkaError, OSError) as exc:
         print(f"tokentrail samples archive: {exc}", file=sys.stderr)
         return 1

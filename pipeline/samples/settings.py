@@ -1,7 +1,7 @@
-"""The settings of ``tokentrail samples export`` and ``tokentrail samples archive``, written once.
+"""What ``tokentrail samples export`` writes, and where: its settings, written once.
 
-Each verb's flags and help come from its model (``pipeline.process.flags``); the archive's
-Kafka connection, data plane and log format travel with their own flags.
+The verb's flags and help come from this model (``pipeline.process.flags``); the archive's
+are ``pipeline.stagehost.sample_archive.ArchiveSettings``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from pipeline.process.flags import Flag
 from pipeline.samples.export import ExportFormat
-from pipeline.samples.rotation import ARCHIVE_GROUP, RotationSettings
 
 
 class ExportSettings(BaseModel):
@@ -39,10 +38,3 @@ class ExportSettings(BaseModel):
         if self.out is None and self.as_json:
             raise ValueError("out: required with --json (stdout carries the summary)")
         return self
-
-
-class ArchiveSettings(RotationSettings):
-    """The rotated files, and the consumer group that fills them."""
-
-    group: str = ARCHIVE_GROUP
-    """consumer group"""

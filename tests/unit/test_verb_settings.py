@@ -16,7 +16,8 @@ from pipeline.kafka.embedded.settings import BrokerSettings
 from pipeline.kafka.lag_settings import LagSettings
 from pipeline.process.flags import from_flags, to_argv
 from pipeline.replay.settings import ReplaySettings
-from pipeline.samples.settings import ArchiveSettings, ExportSettings
+from pipeline.samples.settings import ExportSettings
+from pipeline.stagehost.sample_archive import ArchiveSettings
 from pipeline.worker.settings import WorkerSettings
 
 KAFKA = ["--bootstrap", "127.0.0.1:1"]
@@ -97,7 +98,13 @@ ROUND_TRIPS: list[tuple[list[str], BaseModel]] = [
     (
         ["samples", "archive", *KAFKA],
         ArchiveSettings(
-            out_dir=Path("archive"), format="parquet", rotate_records=5, rotate_s=0.5, label="exp", group="g"
+            out_dir=Path("archive"),
+            format="parquet",
+            rotate_records=5,
+            rotate_s=0.5,
+            label="exp",
+            group="g",
+            dataplane_addresses=Path("dp.json"),
         ),
     ),
 ]
