@@ -10,14 +10,19 @@ import pytest
 from pydantic import BaseModel
 
 from pipeline import cli
+from pipeline.commands.make_tiny_model import TinyModelSettings
+from pipeline.dataplane.settings import DataPlaneSettings
 from pipeline.gateway.quotas import Quotas
 from pipeline.gateway.settings import GatewaySettings
+from pipeline.inspect.settings import InspectSettings
 from pipeline.kafka.embedded.settings import BrokerSettings
 from pipeline.kafka.lag_settings import LagSettings
 from pipeline.process.flags import from_flags, to_argv
-from pipeline.replay.settings import ReplaySettings
+from pipeline.replay.settings import ReplaySettings, ShowSettings
+from pipeline.run.config import Attach
 from pipeline.samples.settings import ExportSettings
 from pipeline.stagehost.sample_archive import ArchiveSettings
+from pipeline.trainer.audit_settings import AuditSettings
 from pipeline.worker.settings import WorkerSettings
 
 KAFKA = ["--bootstrap", "127.0.0.1:1"]
@@ -96,6 +101,26 @@ ROUND_TRIPS: list[tuple[list[str], BaseModel]] = [
         ),
     ),
     (
+        ["mismatch"],
+        AuditSettings(
+            samples=Path("s.jsonl"),
+            model_dir=Path("m"),
+            dtype="bfloat16",
+            replay="none",
+            policy_version=2,
+            worst=0,
+            batch_size=3,
+        ),
+    ),
+    (["dataplane"], DataPlaneSettings(data_dir=Path("runs/x"), host="127.0.0.2")),
+    (["ledger", "show"], ShowSettings(rollout_id="r-42", db=Path("l.sqlite"))),
+    (["inspect"], InspectSettings(data_dir=Path("runs/x"), host="0.0.0.0", port=0, model_dir=Path("m"))),
+    (
+        ["make-tiny-model"],
+        TinyModelSettings(dir=Path("tiny"), seed=3, vocab_size=300, template="llama3", moe=True),
+    ),
+    (["drive", *KAFKA], Attach(gateway_url="http://g", model="tiny", dataplane_addresses=Path("dp.json"))),
+    (
         ["samples", "archive", *KAFKA],
         ArchiveSettings(
             out_dir=Path("archive"),
@@ -135,6 +160,10 @@ def test_the_command_line_parses_back_into_the_same_settings(verb: list[str], se
         (["broker", "--port", "70000"], "--port"),
         (["samples", "archive", *KAFKA, "--out", "d", "--rotate-records", "0"], "--rotate-records"),
         (["samples", "archive", *KAFKA, "--out", "d", "--rotate-seconds", "0"], "--rotate-seconds"),
+        (["mismatch", "s.jsonl", "--model", "m", "--batch-size", "0"], "--batch-size"),
+        (["mismatch", "s.jsonl", "--model", "m", "--dtype", "float16"], "--dtype"),
+        (["make-tiny-model", "tiny", "--template", "nope"], "--template"),
+        (["inspect", "runs/x", "--port", "-1"], "--port"),
     ],
 )
 def test_a_bad_value_is_refused_as_it_is_parsed(
@@ -163,6 +192,8 @@ def test_a_bad_value_is_refused_as_it_is_parsed(
         (["broker", "--retention", "admission=5d"], "--retention: sets the topics --create-topics creates"),
         (["samples", "export", "--format", "parquet"], "--out: required with parquet output"),
         (["samples", "export", "--json"], "--out: required with --json"),
+        (["drive", *KAFKA], "--worker: give it or --gateway, one of them"),
+        (["drive", *KAFKA, "--gateway", "http://g"], "--model-name: driving through a gateway"),
     ],
 )
 def test_settings_that_do_not_go_together_are_a_usage_error_naming_the_flag(
