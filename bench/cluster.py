@@ -27,8 +27,10 @@ from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.embedded.broker import EmbeddedBroker, free_port
 from pipeline.kafka.lag import LagReader
+from pipeline.process.flags import to_argv
 from pipeline.replay.rebuild import read_log
 from pipeline.stagehost.lag import StageLagProbe
+from pipeline.stagehost.settings import StageHostSettings, StageName
 from topics.names import TopicNames
 
 # Well past the longest stall the faults cause a worker's staged events (a data-plane stop
@@ -143,18 +145,32 @@ class Cluster:
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "pipeline.cli", *args]
 
-    def _stage(self, name: str) -> list[str]:
-        port = self.metrics_ports.setdefault(name, free_port())
+    def _stage(self, name: StageName) -> list[str]:
+        bounds = {
+            field: value
+            for field, value in (
+                ("retain_samples_bytes", self.retain_bytes),
+                ("closed_budget_mib", self.closed_budget_mib),
+                ("fetch_wait_ms", self.fetch_wait_ms),
+            )
+            if value is not None
+        }
+        settings = StageHostSettings(
+            name=name,
+            metrics_port=self.metrics_ports.setdefault(name, free_port()),
+            seal_grace_s=SEAL_GRACE_S,
+            max_open_s=self.max_open_s,
+            session_timeout_ms=1000,
+            heartbeat_ms=300,
+            dataplane_mode="attach",
+            data_dir=self.root,
+            remember=self.remember,
+            staging_sweep_s=STAGING_SWEEP_S,
+            **bounds,
+        )
         return self._cli(
-            "stage", name, "--bootstrap", self.broker.bootstrap, "--topic-prefix", self.names.prefix,
-            "--metrics-port", str(port),
-            "--partitions", str(self.names.partitions), "--seal-grace", str(SEAL_GRACE_S),
-            "--max-open", str(self.max_open_s), "--session-timeout-ms", "1000", "--heartbeat-ms", "300",
-            "--dataplane-mode", "attach", "--data-dir", str(self.root), "--remember", str(self.remember),
-            "--staging-sweep", str(STAGING_SWEEP_S),
-            *(("--retain-samples-bytes", str(self.retain_bytes)) if self.retain_bytes is not None else ()),
-            *(("--closed-budget-mib", str(self.closed_budget_mib)) if self.closed_budget_mib is not None else ()),
-            *(("--fetch-wait-ms", str(self.fetch_wait_ms)) if self.fetch_wait_ms is not None else ()),
+            "stage", *to_argv(settings), "--bootstrap", self.broker.bootstrap,
+            "--topic-prefix", self.names.prefix, "--partitions", str(self.names.partitions),
         )  # fmt: skip
 
     def _worker(self) -> list[str]:

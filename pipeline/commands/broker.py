@@ -14,17 +14,13 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from pipeline.kafka.config import ConfigError, add_topic_layout_arguments, topic_names_from_args
-from pipeline.kafka.embedded.broker import STORAGE_MODES, BrokerError, StoreLockedError
-from pipeline.kafka.embedded.foreground import (
-    ForegroundBroker,
-    TopicsToCreate,
-    serve_in_foreground,
-    storage_for,
-)
+from pipeline.kafka.embedded.broker import BrokerError, StoreLockedError
+from pipeline.kafka.embedded.foreground import ForegroundBroker, TopicsToCreate, serve_in_foreground
+from pipeline.kafka.embedded.settings import BrokerSettings
 from pipeline.kafka.retention import add_retention_argument, retention_from_args
+from pipeline.process.flags import FlagError, add_flags, from_flags
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
-from stages.ledger.stage import LedgerConfig
 
 EXIT_STORE_LOCKED = 3
 """Exit code when the durable store is held by another live broker."""
@@ -56,28 +52,9 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    parser.add_argument("--port", type=int, help="listen port (default: a free port)")
-    parser.add_argument(
-        "--storage",
-        choices=STORAGE_MODES,
-        help="storage engine (default: durable with --data-dir, else memory)",
-    )
-    parser.add_argument("--data-dir", help="data directory (required for durable storage; holds logs)")
-    parser.add_argument(
-        "--create-topics", action="store_true", help="create the tokentrail topics once the broker is up"
-    )
+    add_flags(parser, BrokerSettings)
     add_topic_layout_arguments(parser)
     add_retention_argument(parser)
-    parser.add_argument(
-        "--max-open",
-        type=float,
-        default=LedgerConfig().max_open_s,
-        help=(
-            "with --create-topics: the --max-open of the ledger these topics serve; no topic may keep "
-            "its records for less than that plus 1h (default %(default)s, tokentrail stage's)"
-        ),
-    )
     parser.add_argument("--json", action="store_true", help="print one JSON document when ready")
     add_log_format_argument(parser)
     parser.set_defaults(run=run)
@@ -85,33 +62,27 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
-    if args.retention and not args.create_topics:
-        print(
-            "tokentrail broker: --retention sets the topics --create-topics creates; add it", file=sys.stderr
-        )
-        return 2
-    retention = retention_from_args(args.retention)
+    given = retention_from_args(args.retention) if args.retention else None
     try:
-        if args.create_topics:
-            retention.check(args.max_open)
-    except ValueError as exc:
+        broker = from_flags(BrokerSettings, args, retention=given)
+    except FlagError as exc:
         print(f"tokentrail broker: {exc}", file=sys.stderr)
         return 2
     try:
-        topics = TopicsToCreate(topic_names_from_args(args), retention) if args.create_topics else None
+        names = topic_names_from_args(args)
     except ConfigError as exc:
         print(f"tokentrail broker: {exc}", file=sys.stderr)
         return 1
     settings = ForegroundBroker(
-        storage=storage_for(args.storage, args.data_dir),
-        data_dir=args.data_dir,
-        host=args.host,
-        port=args.port,
-        topics=topics,
+        storage=broker.resolved_storage,
+        data_dir=broker.data_dir,
+        host=broker.host,
+        port=broker.port,
+        topics=TopicsToCreate(names, broker.topic_retention) if broker.create_topics else None,
         as_json=args.json,
     )
     guard_descendants(
-        Path(args.data_dir) if args.data_dir else None, role="broker"
+        Path(broker.data_dir) if broker.data_dir else None, role="broker"
     )  # tansu and its store die with this process
     try:
         serve_in_foreground(settings)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from pipeline.dataplane.config import DEFAULT_HOST, DataPlaneConfig
 from pipeline.dataplane.foreground import DataPlaneInUse, limit_transferqueue_threads, serve_in_foreground
+from pipeline.dataplane.settings import DataPlaneSettings
+from pipeline.process.flags import add_flags, from_flags
 from pipeline.process.heap import collect_per_batch
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 
@@ -37,15 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="directory for dataplane.json (default: $TOKENTRAIL_DATA_DIR or .tokentrail)",
-    )
-    parser.add_argument(
-        "--host", default=DEFAULT_HOST, help="loopback address to bind (default: %(default)s)"
-    )
+    add_flags(parser, DataPlaneSettings)
     parser.add_argument("--json", action="store_true", help="print the addresses as one JSON document")
     add_log_format_argument(parser)
     parser.set_defaults(run=run)
@@ -55,12 +47,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     collect_per_batch()  # it serves rows and samples for as long as the pipeline runs
     limit_transferqueue_threads()
-    overrides: dict[str, object] = {"mode": "embedded", "host": args.host}
-    if args.data_dir is not None:
-        overrides["data_dir"] = args.data_dir
-        overrides["addresses_file"] = None
     try:
-        config = DataPlaneConfig.from_env(**overrides)
+        config = from_flags(DataPlaneSettings, args).config()
     except ValueError as exc:
         sys.stderr.write(f"tokentrail dataplane: {exc}\n")
         return 2

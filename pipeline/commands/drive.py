@@ -17,10 +17,9 @@ from typing import Any
 
 from pipeline.auth.arguments import add_auth_arguments
 from pipeline.commands.run import ROLLOUT_GROUPS, run_config
-from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments
 from pipeline.kafka.retention import add_retention_argument
-from pipeline.process.flags import add_flags
+from pipeline.process.flags import add_flags, from_flags
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.run.config import Attach, RunConfig
 from pipeline.run.launch import execute_and_report
@@ -43,15 +42,7 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     defaults = RunConfig()
-    target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument(
-        "--worker", metavar="URL", help="a capture worker: the built-in driver plays against it"
-    )
-    target.add_argument(
-        "--gateway", metavar="URL", help="a gateway: an agent that only uses the openai SDK plays through it"
-    )
-    parser.add_argument("--model-name", help="the model the workers serve (required with --gateway)")
-    add_dataplane_addresses_argument(parser)
+    add_flags(parser, Attach)
     parser.add_argument(
         "--data-dir",
         type=Path,
@@ -70,15 +61,9 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     try:
-        attach = Attach(
-            worker_url=args.worker,
-            gateway_url=args.gateway,
-            model=args.model_name,
-            dataplane_addresses=args.dataplane_addresses,
-            credentials_dir=args.credentials_dir,
-        )
+        attach = from_flags(Attach, args, credentials_dir=args.credentials_dir)
         config = run_config(
-            args, data_dir=args.data_dir, attach=attach, agent="sdk" if args.gateway else "driver"
+            args, data_dir=args.data_dir, attach=attach, agent="sdk" if attach.gateway_url else "driver"
         )
     except (ConfigError, ValueError) as exc:
         print(f"tokentrail drive: {exc}", file=sys.stderr)

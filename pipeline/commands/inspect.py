@@ -12,8 +12,10 @@ from pipeline.auth.arguments import add_auth_arguments, credentials_from_args, t
 from pipeline.auth.credentials import CREDENTIALS_DIR, Credentials
 from pipeline.auth.transport import InsecureBind, check_bind
 from pipeline.inspect.serve import serve_inspector
+from pipeline.inspect.settings import InspectSettings
 from pipeline.inspect.source import NotADataDir
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.process.flags import add_flags, from_flags
 from pipeline.process.guard import guard_descendants
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 
@@ -40,37 +42,26 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "data_dir",
-        type=Path,
-        metavar="DATA_DIR",
-        help="a run's data directory; with --bootstrap, where the deployment archives samples",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8200, help="listen port (default: %(default)s)")
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        help="tokenizer to decode tokens with (default: DATA_DIR/tiny-model)",
-    )
+    add_flags(parser, InspectSettings)
     add_auth_arguments(parser, server=True, client=False)
     add_kafka_arguments(parser)  # --bootstrap: a running deployment's log, read once at start
     add_log_format_argument(parser)
     parser.set_defaults(run=run)
 
 
-def credentials_for(args: argparse.Namespace) -> Credentials:
+def credentials_for(args: argparse.Namespace, data_dir: Path) -> Credentials:
     """``--credentials-dir``, else the ones the run minted in the data directory."""
-    if args.credentials_dir is None and (args.data_dir / CREDENTIALS_DIR).is_dir():
-        args.credentials_dir = args.data_dir / CREDENTIALS_DIR
+    if args.credentials_dir is None and (data_dir / CREDENTIALS_DIR).is_dir():
+        args.credentials_dir = data_dir / CREDENTIALS_DIR
     return credentials_from_args(args)
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
+    settings = from_flags(InspectSettings, args)
     try:
-        credentials = credentials_for(args)
-        check_bind(args.host, credentials, insecure_no_auth=args.insecure_no_auth, what="inspector")
+        credentials = credentials_for(args, settings.data_dir)
+        check_bind(settings.host, credentials, insecure_no_auth=args.insecure_no_auth, what="inspector")
         tls = tls_from_args(args)
     except (InsecureBind, ValueError) as exc:
         print(f"tokentrail inspect: {exc}", file=sys.stderr)
@@ -78,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
     guard_descendants(role="inspect")  # the broker it reads the log's copy through dies with it
     try:
         serve_inspector(
-            args.data_dir,
-            model_dir=args.model_dir,
+            settings.data_dir,
+            model_dir=settings.model_dir,
             kafka=config_from_args(args) if args.bootstrap else None,
             credentials=credentials,
             tls=tls,
-            host=args.host,
-            port=args.port,
+            host=settings.host,
+            port=settings.port,
         )
     except (NotADataDir, ConfigError) as exc:
         print(f"tokentrail inspect: {exc}", file=sys.stderr)

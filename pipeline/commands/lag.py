@@ -21,6 +21,8 @@ from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_
 from pipeline.kafka.errors import BROKER_UNREACHABLE
 from pipeline.kafka.lag import LagError
 from pipeline.kafka.lag_report import down_report, lost_ranges, print_table, read_lag, report, table
+from pipeline.kafka.lag_settings import LagSettings
+from pipeline.process.flags import add_flags, from_flags
 
 EXIT_BROKER_DOWN = 3
 """Exit code when the broker cannot be reached (lag unknown, not zero)."""
@@ -52,15 +54,15 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_kafka_arguments(parser, bootstrap_required=True, topic_layout=False)
-    parser.add_argument("--group", action="append", metavar="GROUP", help="consumer group (repeatable)")
-    parser.add_argument("--topic", action="append", metavar="TOPIC", help="topic (repeatable)")
+    add_flags(parser, LagSettings)
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    settings = from_flags(LagSettings, args)
     try:
-        rows = asyncio.run(read_lag(config_from_args(args), args.group, args.topic))
+        rows = asyncio.run(read_lag(config_from_args(args), settings.group, settings.topic))
     except BROKER_UNREACHABLE as exc:
         if args.json:
             print(json.dumps(down_report(args.bootstrap, exc), sort_keys=True))

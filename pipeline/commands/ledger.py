@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
+from pipeline.process.flags import add_flags, from_flags
+from pipeline.replay.settings import ShowSettings
 from pipeline.replay.show import print_rollout, rollout_document
 from pipeline.replay.store import LedgerStore, tree_order
 
@@ -28,27 +29,27 @@ def add_parser(subparsers: Any) -> None:
     )
     verbs = parser.add_subparsers(dest="ledger_verb", required=True)
     show = verbs.add_parser("show", help="print one rollout's calls and receipt")
-    show.add_argument("rollout_id", help="the rollout to show")
-    show.add_argument("--db", type=Path, default=Path(".tokentrail/ledger.sqlite"), help="ledger SQLite file")
+    add_flags(show, ShowSettings)
     show.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     show.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.db.exists():
+    settings = from_flags(ShowSettings, args)
+    if not settings.db.exists():
         print(
-            f"tokentrail ledger: no ledger at {args.db}; run 'tokentrail replay --out {args.db}'",
+            f"tokentrail ledger: no ledger at {settings.db}; run 'tokentrail replay --out {settings.db}'",
             file=sys.stderr,
         )
         return 2
-    with LedgerStore(args.db) as store:
-        found, receipt = store.rollout(args.rollout_id)
+    with LedgerStore(settings.db) as store:
+        found, receipt = store.rollout(settings.rollout_id)
     ordered = tree_order(found)
     if not ordered and receipt is None:
-        print(f"tokentrail ledger: rollout {args.rollout_id!r} not in {args.db}", file=sys.stderr)
+        print(f"tokentrail ledger: rollout {settings.rollout_id!r} not in {settings.db}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(rollout_document(args.rollout_id, ordered, receipt), sort_keys=True))
+        print(json.dumps(rollout_document(settings.rollout_id, ordered, receipt), sort_keys=True))
     else:
-        print_rollout(args.rollout_id, ordered, receipt)
+        print_rollout(settings.rollout_id, ordered, receipt)
     return 0

@@ -10,11 +10,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.models import tekken
 from pipeline.models.tiny import TEMPLATES, family
 from pipeline.models.vocabularies import VOCABULARIES
+from pipeline.process.flags import Flag, add_flags, from_flags
 
 EXAMPLE = """\
 example:
@@ -25,6 +28,38 @@ example:
   tokentrail make-tiny-model /tmp/tiny-qwen3 --vocab qwen3
   tokentrail make-tiny-model /tmp/tiny-tekken --vocab mistral_tekken
 """
+
+
+VOCABS = [*(vocab.name for vocab in VOCABULARIES), tekken.TEKKEN_VOCAB]
+
+
+class TinyModelSettings(BaseModel):
+    """Each field is a ``tokentrail make-tiny-model`` flag (here: ``pipeline.models`` sits
+    below the flags' floor, and only this verb builds a model from flags)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    dir: Annotated[Path, Flag(positional=True, metavar="DIR")]
+    """output directory"""
+    seed: int = 0
+    """weight seed"""
+    vocab_size: Annotated[int | None, Field(ge=1)] = None
+    """tokenizer vocabulary size"""
+    template: Annotated[str, Flag(metavar="NAME", choices=TEMPLATES)] = Field(
+        default="chatml",
+        description="chat-template family, with its special tokens and stop tokens: "
+        + "; ".join(f"{name}: {family(name).summary}" for name in TEMPLATES),
+    )
+    vocab: Annotated[str | None, Flag(metavar="NAME", choices=VOCABS)] = Field(
+        default=None,
+        description="a real model's vocabulary and that model's own chat template, read from the package that "
+        "ships them (tokentrail's 'models' extra) instead of the trained toy vocabulary and --template: "
+        + "; ".join(f"{vocab.name}: {vocab.summary}" for vocab in VOCABULARIES)
+        + f"; {tekken.TEKKEN_VOCAB}: {tekken.SUMMARY} (tekken.json from mistral_common, no Jinja template: "
+        "serve it with the worker's mistral tokenizer mode)",
+    )
+    moe: bool = False
+    """a mixture-of-experts model instead (Qwen2-MoE architecture, 4 experts, top-2 routing)"""
 
 
 def add_parser(subparsers: Any) -> None:
@@ -41,33 +76,7 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("dir", type=Path, metavar="DIR", help="output directory")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    parser.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size")
-    parser.add_argument(
-        "--template",
-        choices=TEMPLATES,
-        default="chatml",
-        metavar="NAME",
-        help="chat-template family, with its special tokens and stop tokens: "
-        + "; ".join(f"{name}: {family(name).summary}" for name in TEMPLATES),
-    )
-    parser.add_argument(
-        "--vocab",
-        choices=[*(vocab.name for vocab in VOCABULARIES), tekken.TEKKEN_VOCAB],
-        default="",
-        metavar="NAME",
-        help="a real model's vocabulary and that model's own chat template, read from the package that ships "
-        "them (tokentrail's 'models' extra) instead of the trained toy vocabulary and --template: "
-        + "; ".join(f"{vocab.name}: {vocab.summary}" for vocab in VOCABULARIES)
-        + f"; {tekken.TEKKEN_VOCAB}: {tekken.SUMMARY} (tekken.json from mistral_common, no Jinja template: "
-        "serve it with the worker's mistral tokenizer mode)",
-    )
-    parser.add_argument(
-        "--moe",
-        action="store_true",
-        help="a mixture-of-experts model instead (Qwen2-MoE architecture, 4 experts, top-2 routing)",
-    )
+    add_flags(parser, TinyModelSettings)
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(run=run)
 
@@ -76,16 +85,17 @@ def run(args: argparse.Namespace) -> int:
     """Build the model and report where it is; exit 1 if DIR holds something else."""
     from pipeline.models import tiny as tinymodel
 
-    out_dir: Path = args.dir
+    settings = from_flags(TinyModelSettings, args)
+    out_dir = settings.dir
     existed = tinymodel.read_manifest(out_dir) is not None
     options: dict[str, Any] = {
-        "seed": args.seed,
-        "template": args.template,
-        "experts": 4 if args.moe else 0,
-        "vocab": args.vocab,
+        "seed": settings.seed,
+        "template": settings.template,
+        "experts": 4 if settings.moe else 0,
+        "vocab": settings.vocab or "",
     }
-    if args.vocab_size is not None:
-        options["vocab_size"] = args.vocab_size
+    if settings.vocab_size is not None:
+        options["vocab_size"] = settings.vocab_size
     try:
         tinymodel.make_tiny_model(out_dir, **options)
     except (FileExistsError, ValueError) as exc:

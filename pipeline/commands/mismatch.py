@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from stages.trainer.settings import REPLAY_MODES, TRAINER_DTYPES
+from pipeline.process.flags import add_flags, from_flags
+from pipeline.trainer.audit_settings import AuditSettings
 
 EXAMPLES = """\
 examples:
@@ -38,26 +38,7 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("samples", type=Path, help="a JSON-lines or Parquet export, or a run's samples.jsonl")
-    parser.add_argument("--model", type=Path, required=True, help="the trainer's model directory")
-    parser.add_argument("--dtype", choices=TRAINER_DTYPES, default="float32", help="(default: %(default)s)")
-    parser.add_argument(
-        "--replay",
-        choices=REPLAY_MODES,
-        default="full",
-        help="replay each call's temperature and filters (full), its temperature only, or nothing "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--policy-version",
-        type=int,
-        default=None,
-        help="the model's weight version, for the lag buckets (default: the newest version in the samples)",
-    )
-    parser.add_argument("--worst", type=int, default=10, help="worst tokens to list (default: %(default)s)")
-    parser.add_argument(
-        "--batch-size", type=int, default=8, help="samples per forward (default: %(default)s)"
-    )
+    add_flags(parser, AuditSettings)
     parser.set_defaults(run=run)
 
 
@@ -66,27 +47,30 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.trainer.offline_audit import audit_offline, provenance_note
     from stages.trainer.mismatch import Bounds
 
-    if not (args.model / "config.json").is_file():
-        print(f"tokentrail mismatch: {args.model} is not a model directory (no config.json)", file=sys.stderr)
+    settings = from_flags(AuditSettings, args)
+    if not (settings.model_dir / "config.json").is_file():
+        print(
+            f"tokentrail mismatch: {settings.model_dir} is not a model directory (no config.json)",
+            file=sys.stderr,
+        )
         return 2
     try:
-        bounds = Bounds(worst=args.worst)
-        samples = read_export(args.samples)
+        samples = read_export(settings.samples)
     except (ExportReadError, ValueError, OSError) as exc:
         print(f"tokentrail mismatch: {exc}", file=sys.stderr)
         return 2
     if not samples:
-        print(f"tokentrail mismatch: {args.samples} holds no samples", file=sys.stderr)
+        print(f"tokentrail mismatch: {settings.samples} holds no samples", file=sys.stderr)
         return 1
     try:
         report = audit_offline(
-            args.model,
+            settings.model_dir,
             samples,
-            dtype=args.dtype,
-            policy_version=args.policy_version,
-            mode=args.replay,
-            batch_size=args.batch_size,
-            bounds=bounds,
+            dtype=settings.dtype,
+            policy_version=settings.policy_version,
+            mode=settings.replay,
+            batch_size=settings.batch_size,
+            bounds=Bounds(worst=settings.worst),
         )
     except ValueError as exc:
         print(f"tokentrail mismatch: {exc}", file=sys.stderr)

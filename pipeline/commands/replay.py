@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.process.flags import FlagError, add_flags, from_flags
 from pipeline.process.heap import collect_per_batch
-from pipeline.replay.continued import DEFAULT_MARGIN_S
-from pipeline.replay.job import ReplayJob, parse_start_offsets, print_report, replays
+from pipeline.replay.job import print_report, replays
 from pipeline.replay.parallel import ShardFailed
 from pipeline.replay.rebuild import LogGone
+from pipeline.replay.settings import ReplaySettings
 
 EXAMPLES = """\
 examples:
@@ -40,88 +40,20 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_kafka_arguments(parser, bootstrap_required=True)
-    parser.add_argument("--out", type=Path, required=True, help="SQLite file to write")
-    parser.add_argument(
-        "--from",
-        dest="offsets",
-        action="append",
-        default=[],
-        metavar="TOPIC:PARTITION=OFFSET",
-        help="start that partition at that offset instead of its beginning (repeatable)",
-    )
-    parser.add_argument(
-        "--seal-grace", type=float, default=10.0, help="seconds a seal waited live (default 10)"
-    )
-    parser.add_argument(
-        "--processes",
-        type=_at_least_one,
-        default=1,
-        help="rebuild the partitions in this many processes, each its share (default 1)",
-    )
-    parser.add_argument(
-        "--checkpoints",
-        type=Path,
-        metavar="DIR",
-        help="continue from the newest checkpoint in DIR (else the log's start) and cut a new one",
-    )
-    parser.add_argument(
-        "--checkpoint-margin",
-        type=_seconds,
-        default=DEFAULT_MARGIN_S,
-        metavar="SECONDS",
-        help=f"the new checkpoint covers the log up to this long before the replay began "
-        f"(default {DEFAULT_MARGIN_S:g})",
-    )
-    parser.add_argument(
-        "--every",
-        type=_seconds,
-        metavar="SECONDS",
-        help="with --checkpoints: rebuild again this long after each rebuild ends, until stopped",
-    )
-    parser.add_argument(
-        "--check", action="store_true", help="compare with the live ledger; exit 1 on a difference"
-    )
+    add_flags(parser, ReplaySettings)
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(run=run)
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
-    return value
-
-
-def replay_job(args: argparse.Namespace) -> ReplayJob:
-    return ReplayJob(
-        out=args.out,
-        start=parse_start_offsets(args.offsets),
-        seal_grace_s=args.seal_grace,
-        processes=args.processes,
-        checkpoints=args.checkpoints,
-        checkpoint_margin_s=args.checkpoint_margin,
-        every_s=args.every,
-        check=args.check,
-        show_progress=not args.json,
-    )
 
 
 def run(args: argparse.Namespace) -> int:
     collect_per_batch()
     try:
-        job = replay_job(args)
+        job = from_flags(ReplaySettings, args, show_progress=not args.json)
         for report in replays(config_from_args(args), job):
             print_report(report, as_json=args.json)
             if report.get("differences"):
                 return 1
-    except ConfigError as exc:
+    except (ConfigError, FlagError) as exc:
         print(f"tokentrail replay: {exc}", file=sys.stderr)
         return 2
     except (ShardFailed, LogGone) as exc:

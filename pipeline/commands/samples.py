@@ -12,18 +12,17 @@ import asyncio
 import dataclasses
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from pipeline.dataplane.config import add_dataplane_addresses_argument
 from pipeline.kafka.config import ConfigError, add_kafka_arguments, config_from_args
+from pipeline.process.flags import FlagError, add_flags, from_flags
 from pipeline.process.jsonlog import add_log_format_argument, configure_logging
 from pipeline.samples.archive import archive_path, read_archive
-from pipeline.samples.export import FORMATS, export_summary, write_export
-from pipeline.samples.rotation import ARCHIVE_GROUP, RotationSettings
-from pipeline.stagehost.sample_archive import archive_samples
+from pipeline.samples.export import export_summary, write_export
+from pipeline.samples.settings import ExportSettings
+from pipeline.stagehost.sample_archive import ArchiveSettings, archive_samples
 from stages.ports import DataPlaneError
 
 EXAMPLES = """\
@@ -61,20 +60,7 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    export.add_argument(
-        "--data-dir", type=Path, default=Path(".tokentrail"), help="data directory (default: %(default)s)"
-    )
-    export.add_argument(
-        "--format", choices=FORMATS, default="jsonl", help="output format (default: %(default)s)"
-    )
-    export.add_argument(
-        "--out",
-        type=Path,
-        metavar="FILE",
-        help="output file (default: stdout; required for parquet and --json)",
-    )
-    export.add_argument("--run", dest="run_id", metavar="RUN_ID", help="only the samples of this run")
-    export.add_argument("--json", action="store_true", help="print one JSON summary document on stdout")
+    add_flags(export, ExportSettings)
     export.set_defaults(run=run)
     _add_archive(actions)
 
@@ -90,24 +76,7 @@ def _add_archive(actions: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    archive.add_argument("--out", type=Path, required=True, metavar="DIR", help="directory for the files")
-    archive.add_argument(
-        "--format", choices=FORMATS, default="jsonl", help="file format (default: %(default)s)"
-    )
-    archive.add_argument(
-        "--rotate-records", type=int, default=10_000, help="samples per file at most (default: %(default)s)"
-    )
-    archive.add_argument(
-        "--rotate-seconds",
-        type=float,
-        default=3600.0,
-        help="seconds a file stays open at most (default: %(default)s)",
-    )
-    archive.add_argument(
-        "--label", default="cluster", help="the run_id every archived record carries (default: %(default)s)"
-    )
-    archive.add_argument("--group", default=ARCHIVE_GROUP, help="consumer group (default: %(default)s)")
-    add_dataplane_addresses_argument(archive)
+    add_flags(archive, ArchiveSettings)
     add_kafka_arguments(archive, bootstrap_required=True)
     archive.add_argument("--json", action="store_true", help="print one JSON summary on stdout when stopped")
     add_log_format_argument(archive)
@@ -117,43 +86,44 @@ def _add_archive(actions: Any) -> None:
 def run_archive(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     try:
-        settings = RotationSettings(
-            args.out, args.format, args.rotate_records, args.rotate_seconds, label=args.label
-        )
+        settings = from_flags(ArchiveSettings, args)
         kafka = config_from_args(args)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, FlagError) as exc:
         print(f"tokentrail samples archive: {exc}", file=sys.stderr)
         return 2
     try:
-        stats = asyncio.run(archive_samples(kafka, settings, args.group, args.dataplane_addresses))
+        stats = asyncio.run(archive_samples(kafka, settings))
     except (ConfigError, DataPlaneError, KafkaError, OSError) as exc:
         print(f"tokentrail samples archive: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"out": str(args.out), **dataclasses.asdict(stats)}, sort_keys=True))
+        print(json.dumps({"out": str(settings.out_dir), **dataclasses.asdict(stats)}, sort_keys=True))
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.out is None and (args.format == "parquet" or args.json):
-        reason = "parquet output" if args.format == "parquet" else "--json (stdout carries the summary)"
-        print(f"tokentrail samples export: --out is required with {reason}", file=sys.stderr)
+    try:
+        settings = from_flags(ExportSettings, args)
+    except FlagError as exc:
+        print(f"tokentrail samples export: {exc}", file=sys.stderr)
         return 2
-    source = archive_path(args.data_dir)
-    if not args.data_dir.is_dir():
-        print(f"tokentrail samples export: {args.data_dir} is not a directory", file=sys.stderr)
+    source = archive_path(settings.data_dir)
+    if not settings.data_dir.is_dir():
+        print(f"tokentrail samples export: {settings.data_dir} is not a directory", file=sys.stderr)
         return 1
-    contents = read_archive(source, run_id=args.run_id)
+    contents = read_archive(source, run_id=settings.run_id)
     if contents.skipped_lines:
         print(
             f"tokentrail samples export: skipped {contents.skipped_lines} unreadable line(s) in {source}",
             file=sys.stderr,
         )
     try:
-        count = write_export(contents.records, args.format, args.out)
+        count = write_export(contents.records, settings.format, settings.out)
     except OSError as exc:
         print(f"tokentrail samples export: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(export_summary(source, args.format, args.out, count, contents), sort_keys=True))
+    if settings.as_json:
+        print(
+            json.dumps(export_summary(source, settings.format, settings.out, count, contents), sort_keys=True)
+        )
     return 0

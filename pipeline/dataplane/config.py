@@ -16,7 +16,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import Annotated, Literal, cast, get_args
+
+from pydantic import Field
+
+from pipeline.process.flags import Flag
 
 DataPlaneMode = Literal["embedded", "attach", "ray"]
 
@@ -34,17 +38,17 @@ ENV_TIMEOUT_S = "TOKENTRAIL_DATAPLANE_TIMEOUT_S"
 ENV_RAY_ADDRESS = "TOKENTRAIL_RAY_ADDRESS"
 
 
-def add_dataplane_addresses_argument(parser: Any) -> None:
-    """``--dataplane-addresses FILE``: how every verb that reads or writes rows names the data plane."""
-    parser.add_argument(
-        "--dataplane-addresses",
-        type=Path,
-        metavar="FILE",
-        help=(
+AddressesFlag = Annotated[
+    Path | None,
+    Flag(metavar="FILE"),
+    Field(
+        description=(
             f"address file the data plane published (`tokentrail dataplane`); default: ${ENV_ADDRESSES_FILE}, "
             f"else ${ENV_DATA_DIR}/{ADDRESSES_FILE_NAME} (.tokentrail when unset)"
-        ),
-    )
+        )
+    ),
+]
+"""``--dataplane-addresses FILE``: how every verb that reads or writes rows names the data plane."""
 
 
 def is_loopback(host: str) -> bool:

@@ -111,7 +111,9 @@ def _converter(annotation: Any, info: FieldInfo, flag: Flag) -> Callable[[str], 
         try:
             return adapter.validate_python(flag.parse(text) if flag.parse is not None else text)
         except ValidationError as exc:
-            raise argparse.ArgumentTypeError("; ".join(error["msg"] for error in exc.errors())) from None
+            raise argparse.ArgumentTypeError(
+                "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in exc.errors())
+            ) from None
         except (ValueError, OSError) as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -146,10 +148,14 @@ def add_flags(
         choices = _choices(info.annotation, flag)
         if flag.positional:
             target.add_argument(
-                name, type=_converter(info.annotation, info, flag), choices=choices, **options
+                name,
+                type=_converter(info.annotation, info, flag),
+                choices=choices,
+                metavar=flag.metavar,
+                **options,
             )
             continue
-        options |= {"dest": name, "default": default}
+        options |= {"dest": name, "default": default, "required": info.is_required()}
         if flag.metavar is not None or _without_none(info.annotation) is not bool:
             options["metavar"] = (
                 flag.metavar or flag_name(model, name).removeprefix("--").replace("-", "_").upper()

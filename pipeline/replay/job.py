@@ -9,61 +9,20 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from aiokafka import TopicPartition
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from pipeline.kafka.config import ConfigError, KafkaConfig
-from pipeline.replay.continued import DEFAULT_MARGIN_S, rebuild_continued
+from pipeline.kafka.config import KafkaConfig
+from pipeline.replay.continued import rebuild_continued
 from pipeline.replay.parallel import rebuild_parallel
 from pipeline.replay.rebuild import compare, materialize
+from pipeline.replay.settings import ReplaySettings
 from pipeline.replay.store import LedgerStore
 from stages.ledger.stage import LedgerConfig
 
 
-def parse_start_offsets(values: list[str]) -> dict[TopicPartition, int]:
-    """``TOPIC:PARTITION=OFFSET`` each (``--from``): where a partition's rebuild starts."""
-    offsets: dict[TopicPartition, int] = {}
-    for value in values:
-        try:
-            where, offset = value.rsplit("=", 1)
-            topic, partition = where.rsplit(":", 1)
-            offsets[TopicPartition(topic, int(partition))] = int(offset)
-        except ValueError:
-            raise ConfigError(f"--from: {value!r} is not TOPIC:PARTITION=OFFSET") from None
-    return offsets
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayJob:
-    """What to rebuild, from where, and how often. Settings that do not go together are
-    a ``ConfigError`` naming the flag."""
-
-    out: Path
-    start: dict[TopicPartition, int] = field(default_factory=dict)
-    seal_grace_s: float = 10.0
-    processes: int = 1
-    checkpoints: Path | None = None
-    checkpoint_margin_s: float = DEFAULT_MARGIN_S
-    every_s: float | None = None
-    check: bool = False
-    show_progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.checkpoints is None:
-            if self.every_s is not None:
-                raise ConfigError("--every: keeps a checkpoint current, so it needs --checkpoints")
-            return
-        if self.start:
-            raise ConfigError("--from: a rebuild from checkpoints starts where the newest one ends")
-        if self.processes != 1:
-            raise ConfigError("--processes: a rebuild from checkpoints runs in one process")
-
-
-def replays(config: KafkaConfig, job: ReplayJob) -> Iterator[dict[str, Any]]:
+def replays(config: KafkaConfig, job: ReplaySettings) -> Iterator[dict[str, Any]]:
     """Each rebuild's report: one, or with ``every_s`` one after another, that long apart,
     for as long as the caller keeps asking."""
     while True:
@@ -73,7 +32,7 @@ def replays(config: KafkaConfig, job: ReplayJob) -> Iterator[dict[str, Any]]:
         time.sleep(job.every_s)
 
 
-async def replay_once(config: KafkaConfig, job: ReplayJob) -> dict[str, Any]:
+async def replay_once(config: KafkaConfig, job: ReplaySettings) -> dict[str, Any]:
     """Rebuild once; the report names what was read and stored (and, with ``check``, every
     difference from the live ledger)."""
     ledger = LedgerConfig(seal_grace_s=job.seal_grace_s)

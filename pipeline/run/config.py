@@ -11,12 +11,12 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import ConfigDict, Field, InstanceOf, model_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
 
+from pipeline.dataplane.config import AddressesFlag
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.kafka.embedded.broker import StorageMode
@@ -40,24 +40,28 @@ StageHosting = Literal["processes", "inline"]
 TrainerKind = Literal["builtin", "trl"]
 
 
-@dataclass(frozen=True, slots=True)
-class Attach:
-    """The running services ``tokentrail drive`` plays against."""
+class Attach(BaseModel):
+    """The running services ``tokentrail drive`` plays against: its own flags."""
 
-    worker_url: str | None = None
-    gateway_url: str | None = None
-    """Through a gateway: an agent that only uses the openai SDK plays (``model`` names the model)."""
-    model: str | None = None
-    dataplane_addresses: Path | None = None
-    """Where accepted samples are read back for the archive (None: ``TOKENTRAIL_DATAPLANE_*``)."""
-    credentials_dir: Path | None = None
-    """The cluster's role secrets, one file each; ``TOKENTRAIL_*`` variables override them."""
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    def __post_init__(self) -> None:
+    worker_url: Annotated[str | None, Flag("--worker", metavar="URL")] = None
+    """a capture worker: the built-in driver plays against it"""
+    gateway_url: Annotated[str | None, Flag("--gateway", metavar="URL")] = None
+    """a gateway: an agent that only uses the openai SDK plays through it"""
+    model: Annotated[str | None, Flag("--model-name")] = None
+    """the model the workers serve (required with --gateway)"""
+    dataplane_addresses: AddressesFlag = None
+    credentials_dir: Annotated[Path | None, NOT_A_FLAG] = None
+    """The cluster's role secrets, one file each (``--credentials-dir``); ``TOKENTRAIL_*`` variables override them."""
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Self:
         if (self.worker_url is None) == (self.gateway_url is None):
-            raise ValueError("worker: give a worker URL or a gateway URL, one of them")
+            raise ValueError("worker_url: give it or --gateway, one of them")
         if self.gateway_url is not None and self.model is None:
-            raise ValueError("model-name: driving through a gateway needs the served model's name")
+            raise ValueError("model: driving through a gateway needs the served model's name")
+        return self
 
 
 ROLLOUTS = "rollouts"

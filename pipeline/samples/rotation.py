@@ -20,10 +20,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Annotated, Any
 
 import orjson
+from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.process.flags import Flag
 from pipeline.samples.archive import sample_record
 from pipeline.samples.export import ExportFormat, export_row, write_parquet
 from stages.ports import Consumed, DataPlane, TopicPartition, read_samples
@@ -34,18 +36,22 @@ log = logging.getLogger(__name__)
 ARCHIVE_GROUP = "tokentrail-archive"
 
 
-@dataclass(frozen=True, slots=True)
-class RotationSettings:
-    out_dir: Path
-    format: ExportFormat = "jsonl"
-    rotate_records: int = 10_000
-    rotate_s: float = 3600.0
-    label: str = "cluster"
-    """The ``run_id`` every archived record carries."""
+class RotationSettings(BaseModel):
+    """Where the files go and when each is closed; each field is a ``tokentrail samples
+    archive`` flag (``pipeline.process.flags``)."""
 
-    def __post_init__(self) -> None:
-        if self.rotate_records < 1 or not self.rotate_s > 0:
-            raise ValueError("rotate: after at least 1 record and more than 0 seconds")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    out_dir: Annotated[Path, Flag("--out", metavar="DIR")]
+    """directory for the files"""
+    format: ExportFormat = "jsonl"
+    """file format"""
+    rotate_records: Annotated[int, Field(ge=1)] = 10_000
+    """samples per file at most"""
+    rotate_s: Annotated[float, Field(gt=0), Flag("--rotate-seconds")] = 3600.0
+    """seconds a file stays open at most"""
+    label: str = "cluster"
+    """the run_id every archived record carries"""
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.dataplane.config import ADDRESSES_FILE_NAME, DEFAULT_DATA_DIR, ENV_ADDRESSES_FILE, ENV_DATA_DIR
+from pipeline.dataplane.config import DEFAULT_DATA_DIR, AddressesFlag
 from pipeline.kafka.consumer import DEFAULT_TUNING, ConsumerTuning
 from pipeline.process.flags import Flag
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S
@@ -97,13 +97,7 @@ class StageHostSettings(StageBounds):
     dataplane_mode: StageDataPlaneMode = "attach"
     """attach: to a local data plane through its address file; ray: to TransferQueue on a Ray
     cluster; embedded: own one in this process (tests)"""
-    dataplane_addresses: Annotated[Path | None, Flag(metavar="FILE")] = Field(
-        default=None,
-        description=(
-            f"address file the data plane published (`tokentrail dataplane`); default: ${ENV_ADDRESSES_FILE}, "
-            f"else ${ENV_DATA_DIR}/{ADDRESSES_FILE_NAME} (.tokentrail when unset)"
-        ),
-    )
+    dataplane_addresses: AddressesFlag = None
     data_dir: Path = DEFAULT_DATA_DIR
     """where dataplane.json lives"""
     ray_address: str | None = None

@@ -5,31 +5,28 @@ renderer; ``pipeline.worker.routes`` serves them with capture opened before and 
 coordinates attached after; ``pipeline.worker.server.create_app`` adds refit admin,
 health and metrics around a ``stages.capture.vllm.worker.VllmWorker``;
 ``pipeline.worker.main`` wires engine, ports and an in-loop uvicorn server
-(``run_worker``, ``WorkerServer``). Only argparse is imported here, so the CLI stays fast to load.
+(``run_worker``, ``WorkerServer``). Only the flag types are imported here, so the CLI
+stays fast to load.
 """
 
 from __future__ import annotations
 
-import argparse
+from typing import Annotated
+
+from pydantic import Field
+
+from pipeline.process.flags import Flag
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 """Largest request body a worker accepts (``--max-body-bytes``); a long agentic chat is
 well under a megabyte of JSON. Bigger bodies are answered 413 before they are read."""
 
-
-def add_body_limit_argument(parser: argparse.ArgumentParser) -> None:
-    """``--max-body-bytes``, the same on every HTTP verb (worker, gateway)."""
-
-    def positive(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-        return value
-
-    parser.add_argument(
-        "--max-body-bytes",
-        type=positive,
-        default=DEFAULT_MAX_BODY_BYTES,
-        metavar="N",
-        help="larger request bodies are answered 413 before they are read (default: %(default)s, 8 MiB)",
-    )
+MaxBodyBytes = Annotated[
+    int,
+    Field(
+        ge=1,
+        description=f"larger request bodies are answered 413 before they are read (default: {DEFAULT_MAX_BODY_BYTES}, 8 MiB)",
+    ),
+    Flag(metavar="N"),
+]
+"""``--max-body-bytes``, the same on every HTTP verb (worker, gateway)."""

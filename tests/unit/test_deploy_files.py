@@ -34,7 +34,9 @@ from pipeline.auth.gate import PUBLIC, ROLLOUT_PARAM
 from pipeline.commands import gateway as gateway_command
 from pipeline.gateway.app import gateway_policy
 from pipeline.gateway.main import GatewayConfig
+from pipeline.gateway.settings import GatewaySettings
 from pipeline.kafka.retention import ROLES, retention_from_args, retention_setting
+from pipeline.process.flags import from_flags
 from pipeline.stagehost.metrics import StageMetrics
 from stages.ledger.stage import LedgerConfig
 
@@ -403,10 +405,11 @@ def test_every_gateway_replica_is_named_after_its_pod() -> None:
     for ordinal in range(statefulset["spec"]["replicas"]):
         pod = f"{GATEWAY}-{ordinal}"  # a StatefulSet's pod names
         args = gateway_arguments(expanded(container["args"], {**config, replica.group(1): pod}))
-        config_of_replica = GatewayConfig(workers=tuple(args.workers.split(",")), replica=args.replica)
+        settings = from_flags(GatewaySettings, args)
+        config_of_replica = GatewayConfig(workers=settings.worker_urls, replica=settings.replica)
         names.add(config_of_replica.replica)
-        assert args.port == ports["http"] and args.host == "0.0.0.0"
-        assert args.max_open == float(flag(ledger["args"], "--max-open") or LedgerConfig().max_open_s)
+        assert settings.port == ports["http"] and settings.host == "0.0.0.0"
+        assert settings.max_open_s == float(flag(ledger["args"], "--max-open") or LedgerConfig().max_open_s)
     assert len(names) == statefulset["spec"]["replicas"], "two replicas share a name (and a bookmark)"
 
 

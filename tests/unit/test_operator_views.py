@@ -144,7 +144,7 @@ def test_a_first_join_is_not_counted_as_a_rebalance(unconnected_loop: Callable[.
     [
         ({}, "k:9092", "worker"),
         ({"worker_url": "http://w", "gateway_url": "http://g", "model": "m"}, "k:9092", "worker"),
-        ({"gateway_url": "http://g"}, "k:9092", "model-name"),
+        ({"gateway_url": "http://g"}, "k:9092", "model: driving through a gateway"),
         ({"worker_url": "http://w"}, None, "bootstrap"),
     ],
 )
@@ -159,7 +159,7 @@ def test_drive_plays_against_running_services_with_runs_flags() -> None:
     args = cli.build_parser().parse_args(
         ["drive", "--bootstrap", "k:9092", "--gateway", "http://g", "--model-name", "m", "--rollouts", "4"]
     )
-    assert (args.gateway, args.model_name, args.rollouts, args.group_size) == ("http://g", "m", 4, 4)
+    assert (args.gateway_url, args.model, args.rollouts, args.group_size) == ("http://g", "m", 4, 4)
 
 
 def test_drive_and_run_play_a_tasks_file_group_size_times_each(tmp_path: Path) -> None:

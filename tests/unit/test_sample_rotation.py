@@ -57,7 +57,7 @@ def test_jsonl_files_rotate_and_commits_follow_the_disk(tmp_path: Path) -> None:
     async def go() -> RotatingArchive:
         plane = MemoryDataPlane()
         await plane.put_samples([sample(f"r{i}") for i in range(5) if i != 3])  # r3's is gone
-        archive = RotatingArchive(plane, RotationSettings(tmp_path, rotate_records=2))
+        archive = RotatingArchive(plane, RotationSettings(out_dir=tmp_path, rotate_records=2))
         await archive.handle(batch([finalized("r0"), finalized("r1"), finalized("x", accepted=False)], 0))
         assert archive.committable({("fin", 0): 3}) == {("fin", 0): 3}
         await archive.handle(batch([finalized("r2"), finalized("r3"), finalized("r4")], 3))
@@ -78,7 +78,9 @@ def test_parquet_is_committed_only_once_its_file_is_written(tmp_path: Path) -> N
     async def go() -> None:
         plane = MemoryDataPlane()
         await plane.put_samples([sample("r0"), sample("r1")])
-        archive = RotatingArchive(plane, RotationSettings(tmp_path, "parquet", rotate_records=10))
+        archive = RotatingArchive(
+            plane, RotationSettings(out_dir=tmp_path, format="parquet", rotate_records=10)
+        )
         await archive.handle(batch([finalized("r0"), finalized("r1")], 0))
         assert archive.committable({("fin", 0): 2}) == {}
         archive.rotate()

@@ -39,11 +39,6 @@ class ForegroundBroker:
     as_json: bool
 
 
-def storage_for(storage: StorageMode | None, data_dir: str | None) -> StorageMode:
-    """Durable when asked, or when a data directory is given without a storage; else memory."""
-    return "durable" if storage == "durable" or (storage is None and data_dir) else "memory"
-
-
 def serve_in_foreground(settings: ForegroundBroker) -> None:
     """Serve until SIGINT or SIGTERM. Raises ``BrokerError`` when the broker does not start
     (``StoreLockedError``: another live broker holds the store) or dies while serving, and
