@@ -6,6 +6,8 @@ says nothing about a run with a trainer. This process stands in for the trainer:
 reads ``tokentrail.finalized`` in the trainer feed's group, fetches each batch's
 samples and acknowledges the batch at once (the samples are deleted, the group
 commits), so that every long-lived process of the soak sees what a training run does.
+Acknowledgements run beside the next batches: one waits until the group can commit past
+it, which an earlier group still incomplete holds back (up to ``GROUP_TIMEOUT_S``).
 
 A process of its own, like ``bench.loadgen``, so that its memory is measured apart;
 its settings reach it as arguments. It runs until stopped (SIGTERM).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import traceback
@@ -24,7 +27,11 @@ from pathlib import Path
 from pipeline.dataplane import DataPlaneConfig, open_data_plane
 from pipeline.kafka.config import KafkaConfig
 from pipeline.trainer.feed import FeedSettings, TrainerFeed
+from stages.ports import DataPlaneError
+from stages.trainer.batch import TrainBatch
 from topics.names import TopicNames
+
+log = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 10.0
 """A group missing members (their rollouts died with a killed worker) is taken partial
@@ -42,9 +49,21 @@ async def main(args: argparse.Namespace) -> None:
         group_size=args.group_size, group_timeout_s=GROUP_TIMEOUT_S, batch_wait_s=BATCH_WAIT_S
     )
     plane_config = DataPlaneConfig(mode="attach", data_dir=args.data_dir, timeout_s=args.dataplane_timeout)
+    acknowledging: set[asyncio.Task[None]] = set()
     async with open_data_plane(plane_config) as plane, TrainerFeed(kafka, plane, settings) as feed:
         async for batch in feed.batches():
-            await feed.ack(batch)
+            task = asyncio.create_task(_acknowledge(feed, batch))
+            acknowledging.add(task)
+            task.add_done_callback(acknowledging.discard)
+
+
+async def _acknowledge(feed: TrainerFeed, batch: TrainBatch) -> None:
+    """Acknowledge a batch; one whose samples could not be deleted is said, not fatal
+    (the group commits past it only once acknowledged, so it comes again after a restart)."""
+    try:
+        await feed.ack(batch)
+    except DataPlaneError as exc:
+        log.warning("acknowledging a batch of %d group(s) failed: %s", len(batch.groups), exc)
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
