@@ -1,13 +1,11 @@
-"""Soak: sustained load on the pipeline as separate processes; the stages' and the capture
-worker's memory must not grow with finished rollouts, lag must stay bounded and return to 0.
+"""Soak: sustained load on the pipeline as separate processes; memory must not grow with
+finished rollouts, lag must stay bounded and return to 0.
 
 ``--soak-seconds`` sets the length (CI: a minute; ``tokentrail bench soak`` is the long
 one). Every bound of the stages is small here: they remember a few hundred answered
 rollouts, the ledger keeps the call ids of about as many closed ones, and the finalizer
-keeps copies of about as many samples (nobody consumes them, DESIGN §7.4); the worker
-keeps rows and chain links only for the rollouts in flight and remembers as few
-finalized ones, so that their bounded memory is full early and any growth after that is
-a leak. Every sample
+keeps copies of about as many samples (nobody consumes them, DESIGN §7.4), so that
+their bounded memory is full early and any growth after that is a leak. Every sample
 (time, rollouts finished, lag, resident memory of each stage) is printed, and a summary
 goes to the fault table.
 """
@@ -30,8 +28,6 @@ SAMPLE_EVERY_S = 5.0
 REMEMBER = 300
 RETAIN_BYTES = 512 * 1024
 """About 200 of the load's samples: the copies' budget fills in the first third."""
-WATCHED = ("ledger", "finalizer", "worker")
-"""The processes whose memory is checked (the data plane keeps the samples nobody takes here)."""
 CLOSED_BUDGET_MIB = 0.125
 """About 400 closed rollouts' call ids: the ledger's budget fills in the first third."""
 GROWTH_LIMIT_MIB = 12.0
@@ -71,7 +67,7 @@ def test_memory_stays_flat_under_sustained_load(
                     at_s=time.monotonic() - began,
                     finished=events_on(cluster.kafka, cluster.names.finalized),
                     lag=group_lags(cluster.kafka),
-                    rss_mib={name: _rss_mib(cluster.procs[name].pid) for name in WATCHED},
+                    rss_mib={name: _rss_mib(cluster.procs[name].pid) for name in ("ledger", "finalizer")},
                 )
             )
         restarts = {name: proc.restarts for name, proc in cluster.procs.items() if proc.restarts}
