@@ -2,10 +2,11 @@
 
 A ``Cluster`` runs the embedded broker (in this process, so its tansu child can be
 killed and a new broker started on the same port and store), the data-plane owner, the
-ledger and finalizer stages and a capture worker with its driver (``loadgen.py``) as
-child processes. It supervises them as an orchestrator would: a process that dies on its
-own (the finalizer when the data plane stops answering) is started again. The fault
-suite injects its faults into it; ``tokentrail bench soak`` watches it for hours.
+ledger and finalizer stages, a capture worker with its driver (``loadgen.py``) and, if
+asked, the samples' owner (``sample_owner.py``) as child processes. It supervises them
+as an orchestrator would: a process that dies on its own (the finalizer when the data
+plane stops answering) is started again. The fault suite injects its faults into it;
+``tokentrail bench soak`` watches it for hours.
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ class Cluster:
     """The ledger's budget for closed rollouts' call ids (None: its default)."""
     fetch_wait_ms: int | None = None
     """The stages' fetch wait (None: their default)."""
+    group_size: int = 4
+    """Rollouts per GRPO group, in the driver's numbering and the sample owner's feed."""
+    sample_owner: bool = False
+    """Run a trainer feed that takes and acknowledges every sample (``bench.sample_owner``);
+    without one the data plane keeps every sample (the fault suite checks them there)."""
     names: TopicNames = field(init=False)
     broker: EmbeddedBroker = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -180,7 +186,16 @@ class Cluster:
             "--data-dir", str(self.root), "--truth", str(self.truth), "--state", str(self.root / "next"),
             "--stop-file", str(self.stop_file), "--seed", str(self.seed), "--corrupt-every", "11",
             "--dataplane-timeout", str(DATAPLANE_TIMEOUT_S), "--concurrency", str(self.concurrency),
-            "--think-s", str(self.think_s),
+            "--think-s", str(self.think_s), "--remember", str(self.remember),
+            "--group-size", str(self.group_size),
+        ]  # fmt: skip
+
+    def _sample_owner(self) -> list[str]:
+        return [
+            sys.executable, "-m", "bench.sample_owner", "--bootstrap", self.broker.bootstrap,
+            "--prefix", self.names.prefix, "--partitions", str(self.names.partitions),
+            "--data-dir", str(self.root), "--group-size", str(self.group_size),
+            "--dataplane-timeout", str(DATAPLANE_TIMEOUT_S),
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -190,6 +205,8 @@ class Cluster:
         self._wait_dataplane(self.procs["dataplane"].pid)
         self._proc("ledger", self._stage("ledger"))
         self._proc("finalizer", self._stage("finalizer"))
+        if self.sample_owner:
+            self._proc("owner", self._sample_owner())
         self._proc("worker", self._worker())
         self.wait_flowing()
 

@@ -52,6 +52,7 @@ from stages.capture.retain import RetainedRows
 from stages.capture.writer import StagingWriter
 from stages.client import RolloutClient
 from stages.ports import DataPlane
+from stages.recent import DEFAULT_REMEMBER
 from topics.names import TopicNames
 from topics.records import CommitCoords, StagedCall, TrainingSample
 from topics.staging import CallRow
@@ -125,7 +126,7 @@ class Load:
     async def play(self, number: int) -> None:
         args = self.args
         rollout_id = f"s{args.seed}-{number}"
-        group = f"g{number // 4}"
+        group = f"g{number // args.group_size}"
         corrupt = args.corrupt_every > 0 and number % args.corrupt_every == args.corrupt_every - 1
         rng = random.Random(f"{args.seed}:{rollout_id}")
         ids: list[int] = []
@@ -215,12 +216,16 @@ async def main(args: argparse.Namespace) -> None:
         plane = DyingDataPlane(attached)
         cache = ChainCache()
         writer = StagingWriter(
-            plane, sink, worker_id=f"loadgen-{os.getpid()}", batch_delay_s=0.02, retained=RetainedRows()
+            plane,
+            sink,
+            worker_id=f"loadgen-{os.getpid()}",
+            batch_delay_s=0.02,
+            retained=RetainedRows(remember=args.remember),
         )
         core = CaptureCore(PrefixResolver(plane, cache), writer, cache, ack_policy=AckPolicy.ENQUEUED)
         writer.start()
         try:
-            async with retaining(writer, attached, kafka):  # rows survive a data-plane restart
+            async with retaining(core, attached, kafka):  # rows survive a data-plane restart
                 if isinstance(attached, ReattachingDataPlane):
                     attached.on_reattach(_announce_restaged(args.state.with_name("restaged")))
                 await Load(args, core, RolloutClient(sink), plane).run()
@@ -242,6 +247,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--think-s", type=float, default=0.05)
     parser.add_argument("--corrupt-every", type=int, default=0)
     parser.add_argument("--dataplane-timeout", type=float, default=3.0)
+    parser.add_argument("--group-size", type=int, default=4, help="rollouts per GRPO group")
+    parser.add_argument(
+        "--remember", type=int, default=DEFAULT_REMEMBER, help="finalized rollouts remembered"
+    )
     return parser.parse_args(argv)
 
 

@@ -3,16 +3,20 @@
 A stage that keeps anything per finished rollout grows without end in a long-lived
 deployment, however slowly, so this watches what a sustained run costs over time
 (``bench.cluster``: embedded broker, data plane, ledger, finalizer, a capture worker
-with its driver). Every stage bound is set small (``--remember``,
-``--closed-budget-mib``, the finalizer's retained samples), so each is full within the
-first minute and any growth after that is a leak, not a structure still filling.
+with its driver, and the samples' owner: a trainer feed that takes and acknowledges
+every sample, as a trainer would, unless ``--without-owner``; no gateway: the driver
+calls the capture core directly). Every bound is set small (``--remember``,
+``--closed-budget-mib``, the finalizer's retained samples, the worker's finalized
+rollouts), so each is full within the first minute and any growth after that is a leak,
+not a structure still filling.
 
 Per process it samples resident memory and CPU time, and reports the memory's slope per
-10,000 finished rollouts (least squares over the samples past the first third, all of
-them after the bounds filled). For the stages it also scrapes the interpreter's heap
+10,000 finished rollouts (least squares): over the samples past the first third, all of
+them after the bounds filled, and over each half of the run apart (a process is flat
+when its second half's slope is near 0 and below its first's). For the stages it also scrapes the interpreter's heap
 (``tokentrail_python_allocated_blocks``) and full collections: resident memory that rises
-while the blocks stay flat is the allocator keeping pages, not a leak. Then the stages'
-consumer lag over time (mean per third, max);
+while the blocks stay flat is the allocator keeping pages, not a leak. Then the stages' and
+the owner's consumer lag over time (mean per third, max);
 and what lies on disk per call: the log (the broker's data dir, with ``--storage
 durable``; none in memory) and the finalizer's spool of sample copies. The ledger keeps
 no store and this cluster runs no archive: both are reported as absent.
@@ -20,6 +24,7 @@ no store and this cluster runs no archive: both are reported as absent.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import tempfile
 import time
@@ -33,10 +38,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cluster import Cluster, events_on, group_lags, running
 from bench.command import Benchmark, Option, Quick
+from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.lag import LagReader, total_lag
 from pipeline.process.guard import guard_descendants
+from stages.finalize.retain import TRAINER_GROUP
 
 SPOOL_DIR = "retained-samples"
 """Where ``tokentrail stage finalizer --data-dir D`` spools its sample copies (D/retained-samples)."""
+OWNER_SETTLE_S = 60.0
+"""After the drain, how long the owner may take to acknowledge the last (partial) groups."""
 MAX_BOUND_FILL_ROLLOUTS = 1_000
 """The small bounds below are full by this many finished rollouts (the largest is the
 closed rollouts': 0.125 MiB at ~330 accounted bytes each is ~400)."""
@@ -57,6 +67,8 @@ class SoakConfig:
     remember: int = 300
     closed_budget_mib: float = 0.125
     retain_bytes: int = 512 * 1024
+    without_owner: bool = False
+    """No sample owner: nobody takes the samples, the data plane keeps every one."""
 
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.sample_every_s <= 0:
@@ -75,6 +87,7 @@ OPTIONS = (
     Option("--storage", "the broker's storage (default memory)", choices=("memory", "durable")),
     Option("--concurrency", "rollouts the worker plays at once (default 6)", int),
     Option("--fetch-wait-ms", "the stages' fetch wait (default: theirs)", int),
+    Option("--without-owner", "run no sample owner (the data plane keeps every sample)", switch=True),
 )
 
 
@@ -147,6 +160,7 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
         remember=config.remember,
         retain_bytes=config.retain_bytes,
         closed_budget_mib=config.closed_budget_mib,
+        sample_owner=not config.without_owner,
     )
     samples: list[dict[str, Any]] = []
     with running(cluster):
@@ -163,7 +177,7 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
                     "at_s": round(time.monotonic() - began, 1),
                     "finished": finished,
                     "calls": events_on(cluster.kafka, cluster.names.committed) - finished,
-                    "lag": group_lags(cluster.kafka),
+                    "lag": _lags(cluster.kafka, owner=not config.without_owner),
                     "ledger_inputs": events_on(cluster.kafka, cluster.names.admission)
                     + events_on(cluster.kafka, cluster.names.staged),
                     "rss_mib": rss,
@@ -179,10 +193,35 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
             drain_error = None
         except TimeoutError as exc:  # a finding of the run, not a reason to lose its samples
             drain_error = str(exc)
-        after_drain = group_lags(cluster.kafka)
+        after_drain = _lags(cluster.kafka, owner=not config.without_owner)
+        if after_drain.get("owner"):
+            after_drain["owner"] = _owner_settled(cluster)
         log_tails = _log_tails(root / "logs") if drain_error else {}
     report = _report(config, samples, restarts, after_drain)
     return {**report, "drain_error": drain_error, "log_tails": log_tails}
+
+
+def _lags(config: KafkaConfig, *, owner: bool) -> dict[str, int]:
+    """Consumer lag of every stage and, when it runs, of the sample owner (the trainer
+    feed's group on the finalized topic)."""
+    lags = group_lags(config)
+    return (lags | {"owner": asyncio.run(_owner_lag(config))}) if owner else lags
+
+
+async def _owner_lag(config: KafkaConfig) -> int:
+    async with LagReader(config) as reader:
+        return total_lag(await reader.group_lag(TRAINER_GROUP, [config.names.finalized]))
+
+
+def _owner_settled(cluster: Cluster) -> int:
+    """The owner's lag once it took the last groups (a partial one waits for its timeout),
+    or after ``OWNER_SETTLE_S``."""
+    deadline = time.monotonic() + OWNER_SETTLE_S
+    lag = asyncio.run(_owner_lag(cluster.kafka))
+    while lag and time.monotonic() < deadline:
+        cluster.supervise(2.0)
+        lag = asyncio.run(_owner_lag(cluster.kafka))
+    return lag
 
 
 def _log_tails(logs: Path, lines: int = 30) -> dict[str, list[str]]:
@@ -198,11 +237,9 @@ def _report(
 ) -> dict[str, Any]:
     last = samples[-1]
     steady = [s for s in samples[len(samples) // 3 :] if s["finished"] >= MAX_BOUND_FILL_ROLLOUTS]
+    halves = samples[: len(samples) // 2], samples[len(samples) // 2 :]
     processes = {}
     for name in last["rss_mib"]:
-        fitted = (
-            slope([s["finished"] for s in steady], [s["rss_mib"][name] for s in steady]) if steady else None
-        )
         first = steady[0] if steady else samples[0]
         rollouts = last["finished"] - first["finished"]
         processes[name] = {
@@ -210,7 +247,8 @@ def _report(
             "rss_mib_first": samples[0]["rss_mib"][name],
             "rss_mib_steady_from": first["rss_mib"][name],
             "rss_mib_last": last["rss_mib"][name],
-            "slope_mib_per_10k_rollouts": None if fitted is None else round(fitted * 10_000, 3),
+            "slope_mib_per_10k_rollouts": _rss_slope(steady, name),
+            "slope_by_half_mib_per_10k_rollouts": [_rss_slope(half, name) for half in halves],
             "cpu_ms_per_rollout": round(1000 * (last["cpu_s"][name] - first["cpu_s"][name]) / rollouts, 2)
             if rollouts > 0
             else None,
@@ -246,6 +284,12 @@ def _report(
     }
 
 
+def _rss_slope(samples: list[dict[str, Any]], name: str) -> float | None:
+    """A process's resident MiB per 10,000 finished rollouts over ``samples``, least squares."""
+    fitted = slope([s["finished"] for s in samples], [s["rss_mib"][name] for s in samples])
+    return None if fitted is None else round(fitted * 10_000, 3)
+
+
 def _heap_report(samples: list[dict[str, Any]], steady: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """A stage's interpreter heap over the run: blocks first, last and their slope per
     10,000 rollouts over the steady samples, and the full collections it ran."""
@@ -277,16 +321,17 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         f"soak {report['config']['minutes']:g} min ({report['config']['storage']} broker): "
         f"{report['rollouts']} rollouts, {report['calls']} calls, {report['rollouts_per_s']}/s; "
-        f"slopes over the samples from {report['steady_from_rollouts']} rollouts on",
-        f"{'process':<10} {'RSS first':>10} {'steady':>8} {'last':>8} {'MiB/10k':>9} {'CPU ms/r':>9}",
+        f"slopes (MiB per 10k rollouts) over the samples from {report['steady_from_rollouts']} rollouts on, "
+        "and over each half of the run",
+        f"{'process':<10} {'RSS first':>10} {'steady':>8} {'last':>8} {'MiB/10k':>9} {'1st half':>9} "
+        f"{'2nd half':>9} {'CPU ms/r':>9}",
     ]
     for name, p in report["processes"].items():
-        per_10k = (
-            "n/a" if p["slope_mib_per_10k_rollouts"] is None else f"{p['slope_mib_per_10k_rollouts']:+.3f}"
-        )
+        first_half, second_half = p["slope_by_half_mib_per_10k_rollouts"]
         lines.append(
             f"{name:<10} {p['rss_mib_first']:>10.1f} {p['rss_mib_steady_from']:>8.1f} {p['rss_mib_last']:>8.1f} "
-            f"{per_10k:>9} {p['cpu_ms_per_rollout']!s:>9}"
+            f"{_signed(p['slope_mib_per_10k_rollouts']):>9} {_signed(first_half):>9} {_signed(second_half):>9} "
+            f"{p['cpu_ms_per_rollout']!s:>9}"
         )
     for name, p in report["processes"].items():
         if "blocks_first" in p:
@@ -310,6 +355,10 @@ def render(report: dict[str, Any]) -> str:
     if report["restarts"]:
         lines.append(f"restarts: {report['restarts']}")
     return "\n".join(lines)
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.3f}"
 
 
 BENCHMARK = Benchmark("soak", __doc__, DEFAULT, QUICK, OPTIONS, run, render)

@@ -319,11 +319,7 @@ async def run_worker(
             graceful_timeout_s=config.graceful_timeout_s,
             tls=config.tls,
         )
-        keeping = (
-            retaining(worker.core.writer, data_plane, kafka)
-            if kafka is not None
-            else contextlib.nullcontext()
-        )
+        keeping = retaining(worker.core, data_plane, kafka) if kafka is not None else contextlib.nullcontext()
         async with keeping:
             with stop_on_signals(server.request_stop):
                 await server.start()

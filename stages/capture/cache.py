@@ -4,6 +4,10 @@ A child call usually lands on the worker that served its parent, whose row may s
 be in the writer queue; the cache lets that child resolve its prefix without any
 data-plane read. Entries are per call (delta ids + chain hash), so a chain costs its
 token count once, not once per turn.
+
+A finalized rollout takes no more calls, so its links are forgotten then
+(``forget_rollout``): the cache holds the rollouts in flight, not every rollout the
+worker ever served until the byte bound (hours of a long run) is reached.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ class ChainLink:
     def nbytes(self) -> int:
         return int(self.delta_ids.nbytes) + 160
 
+    @property
+    def rollout_id(self) -> str:
+        """The rollout of the call (a staging key is ``{rollout_id}/{call_id}``; ids hold no ``/``)."""
+        return self.key.partition("/")[0]
+
 
 class ChainCache:
     """Least-recently-used links, evicted once their bytes exceed ``max_bytes``."""
@@ -38,6 +47,7 @@ class ChainCache:
             raise ValueError(f"max_bytes: must be > 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._links: OrderedDict[str, ChainLink] = OrderedDict()
+        self._by_rollout: dict[str, set[str]] = {}
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -50,10 +60,10 @@ class ChainCache:
     def put(self, link: ChainLink) -> None:
         self.discard(link.key)
         self._links[link.key] = link
+        self._by_rollout.setdefault(link.rollout_id, set()).add(link.key)
         self._bytes += link.nbytes
         while self._bytes > self.max_bytes and len(self._links) > 1:
-            _, evicted = self._links.popitem(last=False)
-            self._bytes -= evicted.nbytes
+            self.discard(next(iter(self._links)))
 
     def get(self, key: str) -> ChainLink | None:
         link = self._links.get(key)
@@ -63,8 +73,18 @@ class ChainCache:
 
     def discard(self, key: str) -> None:
         link = self._links.pop(key, None)
-        if link is not None:
-            self._bytes -= link.nbytes
+        if link is None:
+            return
+        self._bytes -= link.nbytes
+        keys = self._by_rollout[link.rollout_id]
+        keys.discard(key)
+        if not keys:
+            del self._by_rollout[link.rollout_id]
+
+    def forget_rollout(self, rollout_id: str) -> None:
+        """Drop every link of a rollout that takes no more calls (it was finalized)."""
+        for key in list(self._by_rollout.get(rollout_id, ())):
+            self.discard(key)
 
     def cached_prefix(self, chain: Sequence[str]) -> list[ChainLink]:
         """The longest run of cached links from the root of ``chain``."""

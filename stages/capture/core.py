@@ -152,6 +152,12 @@ class CaptureCore:
         self.writer.submit_failure(PendingCall(coords, None, response_id, done))
         return Completion(coords, done)
 
+    def finalized(self, rollout_id: str) -> list[str]:
+        """A finalized rollout takes no more calls: let go of its cached links and its held
+        rows; returns the held rows' keys, for the caller to delete."""
+        self.cache.forget_rollout(rollout_id)
+        return [] if self.writer.retained is None else self.writer.retained.release(rollout_id)
+
     def refuse(self, admission: CaptureAdmission, weight_version: int) -> Completion:
         """An admitted call whose request was refused before the engine: ``not_served`` at once."""
         return self.fail(PreparedCall(admission, _EMPTY, None), WorkerFailure.NOT_SERVED, weight_version)

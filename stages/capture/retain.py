@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stages.recent import RecentIds
+from stages.recent import DEFAULT_REMEMBER, RecentIds
 from topics.staging import CallRow
 
 DEFAULT_BUDGET_BYTES = 256 * 2**20
@@ -44,16 +44,17 @@ class RetainedStats:
 
 
 class RetainedRows:
-    """Staged rows by key, oldest first, within ``budget_bytes``."""
+    """Staged rows by key, oldest first, within ``budget_bytes``; the last ``remember``
+    finalized rollouts are recognised, so that a row of theirs written late is handed back."""
 
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES, *, remember: int = DEFAULT_REMEMBER) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes: must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.stats = RetainedStats()
         self._rows: OrderedDict[str, CallRow] = OrderedDict()
         self._by_rollout: dict[str, set[str]] = {}
-        self._finalized = RecentIds()
+        self._finalized = RecentIds(remember)
 
     def add(self, rows: Sequence[CallRow]) -> list[str]:
         """Hold rows just written; returns the keys of those whose rollout is finalized

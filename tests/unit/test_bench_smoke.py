@@ -621,9 +621,9 @@ def test_soak_smallest_configuration() -> None:
 
     report = soak.run(soak.SoakConfig(minutes=0.25, sample_every_s=3.0))
     assert report["benchmark"] == "soak" and report["rollouts"] > 0 and report["calls"] > report["rollouts"]
-    assert {"ledger", "finalizer", "dataplane", "worker", "broker"} <= set(report["processes"])
-    assert set(report["lag"]) == {"ledger", "finalizer"}
-    assert all(lag["after_drain"] == 0 for lag in report["lag"].values())
+    assert {"ledger", "finalizer", "dataplane", "worker", "owner", "broker"} <= set(report["processes"])
+    assert set(report["lag"]) == {"ledger", "finalizer", "owner"}
+    assert all(lag["after_drain"] == 0 for lag in report["lag"].values())  # the owner took every sample
     assert report["disk_bytes_per_call"]["log"] is None  # a memory broker writes no log to disk
     assert report["restarts"] == {} and "ledger" in soak.render(report)
 
@@ -659,6 +659,10 @@ def test_soak_slope_is_least_squares_per_finished_rollout() -> None:
     report = soak._report(soak.SoakConfig(minutes=1.5), samples, {}, {"ledger": 0, "finalizer": 0})
     ledger = report["processes"]["ledger"]
     assert ledger["slope_mib_per_10k_rollouts"] == 0.1 and ledger["cpu_ms_per_rollout"] == 1.0
+    for i, sample in enumerate(samples, start=1):  # filling over the first half, then flat
+        sample["rss_mib"] = {"ledger": 60.0 + 0.01 * min(i, 5)}
+    halves = soak._report(soak.SoakConfig(minutes=1.5), samples, {}, {})["processes"]["ledger"]
+    assert halves["slope_by_half_mib_per_10k_rollouts"] == [0.1, 0.0]
     assert ledger["blocks_slope_per_10k_rollouts"] == 20 and ledger["full_collections"] == 1
     assert ledger["blocks_first"] == 1002.0 and ledger["blocks_last"] == 1018.0
     assert ledger["unread_by_third"] == [10.0, 10.0, 10.0]

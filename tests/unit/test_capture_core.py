@@ -318,6 +318,19 @@ def test_cache_is_bounded_by_bytes() -> None:
     assert cache.cached_prefix(["r/c0", "r/c9"]) == []
 
 
+def test_a_finalized_rollouts_links_are_forgotten_and_only_its() -> None:
+    cache = ChainCache(max_bytes=4 * (8 * 10 + 160))
+    for key in ("r/c0", "q/c0", "r/c1", "q/c1"):
+        cache.put(ChainLink(key, np.zeros(10, dtype=np.int64), "0" * 64, 10))
+    cache.forget_rollout("r")
+    assert [link.key for link in cache.cached_prefix(["q/c0", "q/c1"])] == ["q/c0", "q/c1"]
+    assert len(cache) == 2 and cache.nbytes == 2 * (8 * 10 + 160)
+    cache.put(ChainLink("p/c0", np.zeros(30, dtype=np.int64), "0" * 64, 30))  # evicts q's links
+    cache.forget_rollout("q")  # evicted already: nothing left to drop, nothing broken
+    cache.forget_rollout("p")
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
 def test_client_admission_and_stripping() -> None:
     sink = RecordingSink()
     client = RolloutClient(sink)

@@ -1,4 +1,5 @@
-"""A worker's held rows: bounded, released when finalized, late rows handed back to delete."""
+"""A worker's held rows: bounded, released when finalized, late rows handed back to delete;
+with its cached links, nothing of a finalized rollout stays."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import asyncio
 
 import numpy as np
 
-from stages.capture.core import CapturedRow, PreparedCall, capture_row
+from stages.capture.cache import ChainCache
+from stages.capture.core import AckPolicy, CaptureCore, CapturedRow, PreparedCall, capture_row
+from stages.capture.resolve import PrefixResolver
 from stages.capture.retain import RetainedRows, row_bytes
 from stages.capture.writer import PendingCall, StagingWriter
+from stages.client import RolloutClient
 from stages.memory import MemoryDataPlane, RecordingSink
 from topics.records import CaptureAdmission, StagedCall
 
@@ -67,3 +71,41 @@ def test_the_writer_holds_what_it_staged_deletes_late_rows_and_stages_again() ->
     assert set(plane.calls) == {"r/c0"}  # the late row was deleted again at once
     assert set(restarted.calls) == {"r/c0"} and writer.retained is not None
     assert writer.retained.stats.restaged == 1 and writer.retained.stats.late == 1
+
+
+def test_a_worker_holds_nothing_of_its_rollouts_once_they_are_finalized() -> None:
+    """Rows and chain links are kept for the rollouts in flight only: kept per rollout
+    served, they grew with every rollout of a long run (about 2 KB each)."""
+    rollouts, turns = 40, 3
+
+    async def go() -> tuple[int, int, list[list[str]], CaptureCore]:
+        plane, sink = MemoryDataPlane(), RecordingSink()
+        cache = ChainCache()
+        writer = StagingWriter(
+            plane, sink, worker_id="w", batch_delay_s=0.001, retained=RetainedRows(remember=5)
+        )
+        core = CaptureCore(PrefixResolver(plane, cache), writer, cache, ack_policy=AckPolicy.ENQUEUED)
+        client = RolloutClient(sink)
+        writer.start()
+        for number in range(rollouts):
+            coords, seen = None, []
+            for turn in range(turns):
+                prepared = await core.prepare(client.admit(f"r{number}", coords, call_id=f"c{turn}"))
+                prompt = [*seen, 7, 8]
+                coords = core.complete(
+                    prepared, prompt, [9, 10 + turn], [-0.5, -0.5], weight_version=0
+                ).coords
+                assert coords.disposition == "staged"
+                seen = [*prompt, 9, 10 + turn]
+        await writer.stop()
+        assert writer.retained is not None
+        held, linked = len(writer.retained), len(cache)
+        released = [core.finalized(f"r{number}") for number in range(rollouts)]
+        return held, linked, released, core
+
+    held, linked, released, core = asyncio.run(go())
+    assert held == linked == rollouts * turns  # in flight: every row and link is kept
+    assert released[3] == ["r3/c0", "r3/c1", "r3/c2"]  # handed back, to delete
+    retained = core.writer.retained
+    assert retained is not None and len(retained) == 0 and retained.stats.held_bytes == 0
+    assert len(core.cache) == 0 and core.cache.nbytes == 0
