@@ -518,6 +518,46 @@ async def test_delete_is_idempotent(plane: TransferQueueDataPlane, rng: np.rando
 
 
 @pytest.mark.anyio
+async def test_a_late_second_delete_of_a_row_leaves_the_rows_written_after_the_first(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several deleters remove one staged row (the finalizer, the worker once its rollout is
+    finalized, the janitor), each in two steps: look the key up, then clear what it found.
+    When one has looked up and the other deletes first, the rows written next must not take
+    the freed slot: the late clear would delete them (a live rollout's row gone before the
+    finalizer read it). A fresh plane, so no slot freed earlier stands in the way."""
+    with EmbeddedDataPlane.start() as owner:
+        async with (
+            await TransferQueueDataPlane.attach(owner.addresses, timeout_s=20.0) as quick,
+            await TransferQueueDataPlane.attach(owner.addresses, timeout_s=20.0) as late,
+        ):
+            done = build_rollout(rng, unique("done"), [60, 60])
+            keys = [call.staging_key for call in done]
+            await quick.put_calls(done)
+            looked_up = anyio.Event()
+            go_on = anyio.Event()
+            clear = late.client.async_clear_samples
+
+            async def clear_later(meta: Any) -> None:
+                looked_up.set()
+                await go_on.wait()
+                await clear(meta)
+
+            monkeypatch.setattr(late.client, "async_clear_samples", clear_later)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(late.delete_calls, keys)
+                await looked_up.wait()
+                await quick.delete_calls(keys)
+                live = build_rollout(rng, unique("live"), [60, 60, 60, 60])
+                await quick.put_calls(live)
+                go_on.set()
+            assert not set(keys) & set(await quick.list_keys("staging"))
+            got = await quick.get_calls([call.staging_key for call in live])
+            for call in live:
+                assert_same_call(got[call.staging_key], call)
+
+
+@pytest.mark.anyio
 async def test_a_put_the_controller_never_registers_is_reported(
     plane: TransferQueueDataPlane, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
