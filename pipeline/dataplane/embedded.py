@@ -22,7 +22,7 @@ This leans on TransferQueue and Ray internals (pinned: transferqueue 0.1.11, ray
 - the controller's ``index_manager`` (a ``PartitionIndexManager``) hands out row slots
   (global indexes) and takes freed ones back through ``release_indexes`` and
   ``release_partition`` into ``reusable_indexes``, from which ``allocate_indexes`` takes
-  first. Here a freed slot is held back ``SLOT_REUSE_AFTER_S`` first (``_held_slots``).
+  first. Here a freed slot is held back ``SLOT_REUSE_AFTER_S`` first (``held_slot_manager``).
 
 Why slots are held back: a delete is a lookup (key to slot) and then a clear of that slot,
 and one row has several deleters (the finalizer, the worker once its rollout is finalized,
@@ -183,7 +183,7 @@ class EmbeddedDataPlane:
         try:
             with _bound_to(host):
                 controller = controller_cls()
-                controller.index_manager = _held_slots(SLOT_REUSE_AFTER_S)
+                controller.index_manager = held_slot_manager(SLOT_REUSE_AFTER_S)
                 try:
                     storage_unit = storage_cls(config)
                 except BaseException:
@@ -251,7 +251,7 @@ class EmbeddedDataPlane:
         self.stop()
 
 
-def _held_slots(hold_s: float, clock: Callable[[], float] = time.monotonic) -> Any:
+def held_slot_manager(hold_s: float, clock: Callable[[], float] = time.monotonic) -> Any:
     """TransferQueue's slot manager, holding each freed slot back ``hold_s`` before reuse
     (the module's docstring says why). Runs on the controller's request thread only."""
     from transfer_queue.controller import PartitionIndexManager

@@ -30,7 +30,12 @@ from pipeline.dataplane import columns, packed
 from pipeline.dataplane import encoding as codec
 from pipeline.dataplane.addresses import DataPlaneAddresses
 from pipeline.dataplane.config import ADDRESSES_FILE_NAME, DataPlaneConfig
-from pipeline.dataplane.embedded import TESTED_TRANSFERQUEUE_VERSION, EmbeddedDataPlane, actor_class
+from pipeline.dataplane.embedded import (
+    TESTED_TRANSFERQUEUE_VERSION,
+    EmbeddedDataPlane,
+    actor_class,
+    held_slot_manager,
+)
 from pipeline.dataplane.reattach import ReattachingDataPlane
 from pipeline.dataplane.runtime import open_data_plane
 from pipeline.dataplane.transferqueue import CorruptRows, TransferQueueDataPlane
@@ -515,6 +520,20 @@ async def test_delete_is_idempotent(plane: TransferQueueDataPlane, rng: np.rando
     await plane.put_calls(calls)  # a deleted key can be written again
     assert list(await plane.get_calls(keys)) == keys
     await plane.delete_calls(keys)
+
+
+def test_a_freed_slot_goes_to_a_new_row_only_after_the_hold() -> None:
+    now = [0.0]
+    slots = held_slot_manager(10.0, clock=lambda: now[0])
+    first = slots.allocate_indexes("staging", 3)
+    slots.release_indexes("staging", first[:2])
+    now[0] = 5.0
+    slots.release_partition("staging")  # the third, freed later
+    assert set(slots.allocate_indexes("samples", 3)).isdisjoint(first)
+    now[0] = 10.0
+    assert slots.allocate_indexes("samples", 3) == [*first[:2], max(first) + 4]  # the third still held
+    now[0] = 15.0
+    assert slots.allocate_indexes("staging", 1) == first[2:]
 
 
 @pytest.mark.anyio
