@@ -3,7 +3,9 @@
 
 Built once the services and the players exist: the trainer feed (its own consumer group
 on ``tokentrail.finalized``, this run's rollouts only) and the trainer's copy of the
-weights. ``train`` plays the run's rollouts step by step through the scenario.
+weights. ``train`` plays the run's rollouts step by step through the scenario; with
+``--max-staleness K`` both trainers pace alike (``pipeline.run.paced``): every step's
+rollouts play all along, at most ``K`` versions ahead, and each step trains its own groups.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ on its samples (``--train-steps``); the third interrupts a run with SIGINT and c
 nothing it started is left running; the fourth kills a stage process and checks that the
 run reports it as its failure; the fifth trains with TRL's GRPOTrainer (``--trainer trl``),
 on policy; the sixth lets generation run ahead of a deliberately slow trainer, paced; the seventh
-serves a model whose generation config carries sampling defaults. The training runs
+paces TRL the same way; the eighth serves a model whose generation config carries sampling
+defaults. The training runs
 sample with truncation (temperature 0.7, top-p 0.8, top-k 20) and check that both
 trainers replay it and report the mismatch of every step.
 """
