@@ -61,6 +61,9 @@ def is_loopback(host: str) -> bool:
 
 RESTAGE_GRACE_S = 10.0
 """How long the finalizer waits for rows missing from a data plane that has just started."""
+SLOT_REUSE_AFTER_S = 120.0
+"""How long an embedded data plane holds a deleted row's slot before a new row may take it;
+every client's deadline (``timeout_s``) must stay below it (``pipeline.dataplane.embedded``)."""
 OWNER_WAIT_S = 30.0
 """How long the finalizer waits for a dead owner's successor instead of failing its batch:
 a stage that died with the owner would lose the sample copies it keeps (DESIGN §7.4)."""

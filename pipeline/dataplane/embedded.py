@@ -18,7 +18,18 @@ This leans on TransferQueue and Ray internals (pinned: transferqueue 0.1.11, ray
   ``transfer_queue.storage.simple_storage`` (replaced during construction, to bind loopback);
 - the controller has no shutdown method: terminating its ZMQ context ends its two
   threads (``wait_connection_thread``, ``process_request_thread``), after which its
-  sockets (``handshake_socket``, ``request_handle_socket``) can be closed.
+  sockets (``handshake_socket``, ``request_handle_socket``) can be closed;
+- the controller's ``index_manager`` (a ``PartitionIndexManager``) hands out row slots
+  (global indexes) and takes freed ones back through ``release_indexes`` and
+  ``release_partition`` into ``reusable_indexes``, from which ``allocate_indexes`` takes
+  first. Here a freed slot is held back ``SLOT_REUSE_AFTER_S`` first (``held_slot_manager``).
+
+Why slots are held back: a delete is a lookup (key to slot) and then a clear of that slot,
+and one row has several deleters (the finalizer, the worker once its rollout is finalized,
+the janitor). A deleter that looked up before another deleted would clear the slot after
+it was handed to a new row, deleting a live rollout's row before the finalizer read it.
+Every client's lookup and clear run under its deadline, which stays below the hold
+(``pipeline.dataplane.transferqueue``), so a late clear finds its slot still empty.
 
 ``tests/integration/test_dataplane.py`` fails loudly when any of this changes.
 """
@@ -26,17 +37,25 @@ This leans on TransferQueue and Ray internals (pinned: transferqueue 0.1.11, ray
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from pipeline.dataplane.addresses import DataPlaneAddresses, Endpoint, remove_if_owned
 from pipeline.dataplane.client import run_blocking
-from pipeline.dataplane.config import ADDRESSES_FILE_NAME, DEFAULT_HOST, DEFAULT_TIMEOUT_S, is_loopback
+from pipeline.dataplane.config import (
+    ADDRESSES_FILE_NAME,
+    DEFAULT_HOST,
+    DEFAULT_TIMEOUT_S,
+    SLOT_REUSE_AFTER_S,
+    is_loopback,
+)
 from pipeline.dataplane.transferqueue import TransferQueueDataPlane
 from stages.ports import SAMPLES_PARTITION, STAGING_PARTITION, DataPlaneError
 
@@ -164,6 +183,7 @@ class EmbeddedDataPlane:
         try:
             with _bound_to(host):
                 controller = controller_cls()
+                controller.index_manager = held_slot_manager(SLOT_REUSE_AFTER_S)
                 try:
                     storage_unit = storage_cls(config)
                 except BaseException:
@@ -229,6 +249,44 @@ class EmbeddedDataPlane:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def held_slot_manager(hold_s: float, clock: Callable[[], float] = time.monotonic) -> Any:
+    """TransferQueue's slot manager, holding each freed slot back ``hold_s`` before reuse
+    (the module's docstring says why). Runs on the controller's request thread only."""
+    from transfer_queue.controller import PartitionIndexManager
+
+    class HeldSlots(PartitionIndexManager):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.held: collections.deque[tuple[float, list[int]]] = collections.deque()
+            """Freed slots, oldest first, each batch with the time it may be reused."""
+
+        def allocate_indexes(self, partition_id: str, count: int = 1) -> list[int]:
+            now = clock()
+            while self.held and self.held[0][0] <= now:
+                self.reusable_indexes.extend(self.held.popleft()[1])
+            indexes: list[int] = super().allocate_indexes(partition_id, count)
+            return indexes
+
+        def release_indexes(self, partition_id: str, indexes_to_release: list[int]) -> Any:
+            return self._hold(
+                lambda: super(HeldSlots, self).release_indexes(partition_id, indexes_to_release)
+            )
+
+        def release_partition(self, partition_id: str) -> Any:
+            return self._hold(lambda: super(HeldSlots, self).release_partition(partition_id))
+
+        def _hold(self, release: Callable[[], Any]) -> Any:
+            ripe = len(self.reusable_indexes)
+            released = release()
+            freed = self.reusable_indexes[ripe:]
+            del self.reusable_indexes[ripe:]
+            if freed:
+                self.held.append((clock() + hold_s, freed))
+            return released
+
+    return HeldSlots()
 
 
 async def start_embedded(

@@ -44,7 +44,7 @@ from tensordict import TensorDict
 from pipeline.dataplane import encoding as codec
 from pipeline.dataplane.addresses import DataPlaneAddresses
 from pipeline.dataplane.client import close_client, connect, connect_ray
-from pipeline.dataplane.config import DEFAULT_RAY_NAMESPACE, DEFAULT_TIMEOUT_S
+from pipeline.dataplane.config import DEFAULT_RAY_NAMESPACE, DEFAULT_TIMEOUT_S, SLOT_REUSE_AFTER_S
 from stages.ports import (
     SAMPLES_PARTITION,
     STAGING_PARTITION,
@@ -146,6 +146,12 @@ class TransferQueueDataPlane:
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        if addresses is not None and addresses.mode == "embedded" and timeout_s >= SLOT_REUSE_AFTER_S:
+            raise ValueError(
+                f"timeout_s: must be below {SLOT_REUSE_AFTER_S:g}s on an embedded data plane (a deleted "
+                f"row's slot is held that long, so a delete that looked up before it cannot clear a new "
+                f"row), got {timeout_s}"
+            )
         self._client = client
         self.timeout_s = timeout_s
         self.addresses = addresses

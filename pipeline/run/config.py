@@ -223,11 +223,6 @@ class RunConfig(StageBounds):
             raise ValueError("reward: scores generated tasks; a --tasks file is scored by its answers")
         if self.trainer == "trl" and not self.train_steps:
             raise ValueError("trainer: trl trains only with --train-steps N")
-        if self.trainer == "trl" and self.max_staleness is not None:
-            raise ValueError(
-                "max_staleness: pacing TRL is not offered yet (a paced TRL run lost a group's staged rows "
-                "before the finalizer read them, DESIGN §11); --max-staleness paces the built-in trainer"
-            )
         if self.train_steps < 0:
             raise ValueError(f"train_steps: must be >= 0, got {self.train_steps}")
         if self.train_steps and self.keep:

@@ -8,7 +8,7 @@ so the next step's rollouts carry the next weight version. Only then is the batc
 acknowledged: its samples leave the data plane and the feed commits past them.
 
 Paced (``--max-staleness K``): generation runs ahead of the trainer instead of waiting
-for each step, held back by the pacer (``stages.trainer.pacing``): the rollouts of step
+for each step, held back by the pacer (``pipeline.run.paced``): the rollouts of step
 ``s`` start only once the worker serves version ``s - 1 - K`` or later, and step ``s``
 trains exactly step ``s``'s groups, so none of its samples is more than ``K`` versions
 behind the trainer and none is dropped for staleness.
@@ -17,7 +17,6 @@ behind the trainer and none is dropped for staleness.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -29,11 +28,11 @@ from typing import Any
 
 import httpx
 
+from pipeline.run.paced import PacedGeneration, advance
 from pipeline.trainer.feed import TrainerFeed
 from pipeline.trainer.grpo import GrpoTrainer
 from pipeline.trainer.steplog import StepWriter
 from stages.trainer.batch import TrainBatch
-from stages.trainer.pacing import admissible
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +94,8 @@ class ClosedLoop:
         self.weights_dir = data_dir / WEIGHTS_DIR
         self.trainer_delay_s = trainer_delay_s
         self.steps: list[TrainStep] = []
-        self.gate: VersionGate | None = None
-        """Paced: what holds rollouts back until the policy version allows them."""
+        self.generation: PacedGeneration | None = None
+        """Paced: every step's rollouts, playing beside the steps."""
 
     async def run_step(
         self,
@@ -121,24 +120,13 @@ class ClosedLoop:
         """Train one step per entry of ``steps`` (each its groups' ids) while ``play`` plays
         every step's rollouts, awaiting ``pace(index)`` before the ``index``-th starts."""
 
-        self.gate = gate = VersionGate(
-            self.feed, max_staleness=max_staleness, rollouts_per_step=rollouts_per_step
+        self.generation = generation = PacedGeneration(
+            self.feed, play, max_staleness=max_staleness, rollouts_per_step=rollouts_per_step
         )
-        generation = asyncio.create_task(play(gate.pace), name="paced-generation")
-        try:
+        async with generation:
             for step, groups in enumerate(steps, start=1):
-                batch = asyncio.create_task(self._train(step, archived, {}, groups=groups))
-                await asyncio.wait({batch, generation}, return_when=asyncio.FIRST_COMPLETED)
-                if generation.done() and generation.exception() is not None:
-                    batch.cancel()
-                    generation.result()  # the rollouts failed: so does the loop
-                await batch
-            await generation
-        finally:
-            if not generation.done():
-                generation.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await generation
+                await generation.beside(self._train(step, archived, {}, groups=groups))
+            await generation.finished()
 
     async def _train(
         self,
@@ -183,7 +171,7 @@ class ClosedLoop:
         marks.append(time.monotonic())
         spans = zip(("wait", "optimizer", "refit"), itertools.pairwise(marks), strict=True)
         seconds.update({name: end - start for name, (start, end) in spans})
-        await advance(self.feed, self.gate, step)  # the worker serves ``step`` now
+        await advance(self.feed, self.generation, step)  # the worker serves ``step`` now
         await self.feed.ack(batch)
         record = TrainStep(
             step=step,
@@ -212,45 +200,6 @@ class ClosedLoop:
         )
         self.steps.append(record)
         return record
-
-
-class VersionGate:
-    """Paced generation (``stages.trainer.pacing``): ``pace(index)`` returns once the
-    ``index``-th rollout may start at the feed's policy version; ``advance`` wakes it."""
-
-    def __init__(self, feed: TrainerFeed, *, max_staleness: int, rollouts_per_step: int) -> None:
-        self.feed = feed
-        self.max_staleness = max_staleness
-        self.rollouts_per_step = rollouts_per_step
-        self.waits = 0
-        """Rollouts that waited for the policy version before they started."""
-        self.advanced = asyncio.Condition()
-
-    async def pace(self, index: int) -> None:
-        def allowed() -> bool:
-            return admissible(
-                index,
-                self.feed.policy_version,
-                max_staleness=self.max_staleness,
-                rollouts_per_step=self.rollouts_per_step,
-            )
-
-        if allowed():
-            return
-        self.waits += 1
-        self.feed.metrics.paced.inc()
-        async with self.advanced:
-            await self.advanced.wait_for(allowed)
-
-
-async def advance(feed: TrainerFeed, gate: VersionGate | None, version: int) -> None:
-    """Move the feed's policy version (the workers serve ``version`` now), waking held rollouts."""
-    if gate is None:
-        feed.policy_version = version
-        return
-    async with gate.advanced:
-        feed.policy_version = version
-        gate.advanced.notify_all()
 
 
 async def refit(

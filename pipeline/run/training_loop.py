@@ -3,7 +3,9 @@
 
 Built once the services and the players exist: the trainer feed (its own consumer group
 on ``tokentrail.finalized``, this run's rollouts only) and the trainer's copy of the
-weights. ``train`` plays the run's rollouts step by step through the scenario.
+weights. ``train`` plays the run's rollouts step by step through the scenario; with
+``--max-staleness K`` both trainers pace alike (``pipeline.run.paced``): every step's
+rollouts play all along, at most ``K`` versions ahead, and each step trains its own groups.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from typing import Any, Protocol
 
 from pipeline.auth.credentials import Role
 from pipeline.run.cluster import RunContext, Services
+from pipeline.run.paced import PacedGeneration, advance
 from pipeline.run.scenario import Scenario
-from pipeline.run.training import WEIGHTS_DIR, ClosedLoop, advance, refit
+from pipeline.run.training import WEIGHTS_DIR, ClosedLoop, refit
 from pipeline.trainer.feed import FeedSettings, TrainerFeed
 from pipeline.trainer.grpo import GrpoTrainer
 from pipeline.trainer.steplog import StepWriter
@@ -127,12 +130,14 @@ class BuiltinTraining:
         return [step.as_json() for step in self.loop.steps]
 
     def paced_waits(self) -> int | None:
-        return self.loop.gate.waits if self.loop.gate is not None else None
+        generation = self.loop.generation
+        return generation.gate.waits if generation is not None else None
 
 
 class TrlTraining:
-    """TRL's GRPOTrainer asks for each step's groups by prompt; each is played, verified and
-    archived, and TRL's weights refit the worker after every step."""
+    """TRL's GRPOTrainer asks for each step's groups by prompt; each is played (with
+    ``--max-staleness``, already playing, paced, since TRL asks in the planned order),
+    verified and archived, and TRL's weights refit the worker after every step."""
 
     def __init__(
         self,
@@ -153,16 +158,30 @@ class TrlTraining:
             unplayed[prompt_key(group[0].task.prompt())].append(group)
         operator = run.credentials.authorization(Role.OPERATOR)
         timeout_s = config.finalize_timeout_s
+        self.generation: PacedGeneration | None = None
+        if config.max_staleness is not None:
+
+            async def play_paced(pace: Callable[[int], Awaitable[None]]) -> None:
+                await scenario.play(jobs, pace=pace)
+
+            self.generation = PacedGeneration(
+                feed, play_paced, max_staleness=config.max_staleness, rollouts_per_step=config.rollouts
+            )
 
         async def play(prompts: list[list[dict[str, Any]]]) -> list[str]:
             groups = [unplayed[prompt_key(prompt)].popleft() for prompt in prompts]
             run.progress.enter(f"train step {len(self.bridge.steps) + 1}/{config.train_steps}")
-            await scenario.play([job for group in groups for job in group])
+            if self.generation is None:
+                await scenario.play([job for group in groups for job in group])
             return [group[0].group_id for group in groups]
 
         async def next_batch(group_ids: list[str]) -> TrainBatch:
+            taking = feed.next_batch(group_ids)
             try:
-                batch = await asyncio.wait_for(feed.next_batch(group_ids), timeout_s)
+                if self.generation is None:
+                    batch = await asyncio.wait_for(taking, timeout_s)
+                else:
+                    batch = await self.generation.beside(asyncio.wait_for(taking, timeout_s))
             except TimeoutError:
                 raise TimeoutError(f"rollouts not finalized within {timeout_s:.0f}s") from None
             await services.outcomes.archived(batch, timeout_s)
@@ -170,7 +189,7 @@ class TrlTraining:
 
         async def refit_to(path: Path, version: int) -> None:
             await refit(worker_url, path, version=version, headers=operator)
-            await advance(feed, None, version)
+            await advance(feed, self.generation, version)
 
         self.bridge = TrlBridge(
             asyncio.get_running_loop(),
@@ -184,6 +203,15 @@ class TrlTraining:
         )
 
     async def train(self) -> None:
+        if self.generation is None:
+            await self._train()
+            return
+        self.run.progress.enter(f"training {self.run.config.train_steps} steps, paced")
+        async with self.generation:
+            await self._train()
+            await self.generation.finished()
+
+    async def _train(self) -> None:
         config = self.run.config
         await asyncio.to_thread(
             train_with_trl,
@@ -203,4 +231,4 @@ class TrlTraining:
         return [step.as_json() for step in self.bridge.steps]
 
     def paced_waits(self) -> int | None:
-        return None
+        return self.generation.gate.waits if self.generation is not None else None

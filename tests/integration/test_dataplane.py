@@ -30,7 +30,12 @@ from pipeline.dataplane import columns, packed
 from pipeline.dataplane import encoding as codec
 from pipeline.dataplane.addresses import DataPlaneAddresses
 from pipeline.dataplane.config import ADDRESSES_FILE_NAME, DataPlaneConfig
-from pipeline.dataplane.embedded import TESTED_TRANSFERQUEUE_VERSION, EmbeddedDataPlane, actor_class
+from pipeline.dataplane.embedded import (
+    TESTED_TRANSFERQUEUE_VERSION,
+    EmbeddedDataPlane,
+    actor_class,
+    held_slot_manager,
+)
 from pipeline.dataplane.reattach import ReattachingDataPlane
 from pipeline.dataplane.runtime import open_data_plane
 from pipeline.dataplane.transferqueue import CorruptRows, TransferQueueDataPlane
@@ -515,6 +520,60 @@ async def test_delete_is_idempotent(plane: TransferQueueDataPlane, rng: np.rando
     await plane.put_calls(calls)  # a deleted key can be written again
     assert list(await plane.get_calls(keys)) == keys
     await plane.delete_calls(keys)
+
+
+def test_a_freed_slot_goes_to_a_new_row_only_after_the_hold() -> None:
+    now = [0.0]
+    slots = held_slot_manager(10.0, clock=lambda: now[0])
+    first = slots.allocate_indexes("staging", 3)
+    slots.release_indexes("staging", first[:2])
+    now[0] = 5.0
+    slots.release_partition("staging")  # the third, freed later
+    assert set(slots.allocate_indexes("samples", 3)).isdisjoint(first)
+    now[0] = 10.0
+    assert slots.allocate_indexes("samples", 3) == [*first[:2], max(first) + 4]  # the third still held
+    now[0] = 15.0
+    assert slots.allocate_indexes("staging", 1) == first[2:]
+
+
+@pytest.mark.anyio
+async def test_a_late_second_delete_of_a_row_leaves_the_rows_written_after_the_first(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several deleters remove one staged row (the finalizer, the worker once its rollout is
+    finalized, the janitor), each in two steps: look the key up, then clear what it found.
+    When one has looked up and the other deletes first, the rows written next must not take
+    the freed slot: the late clear would delete them (a live rollout's row gone before the
+    finalizer read it). A fresh plane, so no slot freed earlier stands in the way."""
+    with EmbeddedDataPlane.start() as owner:
+        async with (
+            await TransferQueueDataPlane.attach(owner.addresses, timeout_s=20.0) as quick,
+            await TransferQueueDataPlane.attach(owner.addresses, timeout_s=20.0) as late,
+        ):
+            done = build_rollout(rng, unique("done"), [60, 60])
+            keys = [call.staging_key for call in done]
+            await quick.put_calls(done)
+            looked_up = anyio.Event()
+            go_on = anyio.Event()
+            clear = late.client.async_clear_samples
+
+            async def clear_later(meta: Any) -> None:
+                looked_up.set()
+                await go_on.wait()
+                await clear(meta)
+
+            monkeypatch.setattr(late.client, "async_clear_samples", clear_later)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(late.delete_calls, keys)
+                await looked_up.wait()
+                await quick.delete_calls(keys)
+                live = build_rollout(rng, unique("live"), [60, 60, 60, 60])
+                await quick.put_calls(live)
+                go_on.set()
+            assert not set(keys) & set(await quick.list_keys("staging"))
+            got = await quick.get_calls([call.staging_key for call in live])
+            for call in live:
+                assert_same_call(got[call.staging_key], call)
 
 
 @pytest.mark.anyio

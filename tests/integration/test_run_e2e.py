@@ -10,7 +10,8 @@ on its samples (``--train-steps``); the third interrupts a run with SIGINT and c
 nothing it started is left running; the fourth kills a stage process and checks that the
 run reports it as its failure; the fifth trains with TRL's GRPOTrainer (``--trainer trl``),
 on policy; the sixth lets generation run ahead of a deliberately slow trainer, paced; the seventh
-serves a model whose generation config carries sampling defaults. The training runs
+paces TRL the same way; the eighth serves a model whose generation config carries sampling
+defaults. The training runs
 sample with truncation (temperature 0.7, top-p 0.8, top-k 20) and check that both
 trainers replay it and report the mismatch of every step.
 """
@@ -522,6 +523,50 @@ def test_trl_grpo_trainer_trains_on_the_samples(tmp_path: Path, agent: str) -> N
     assert all(span["sampling"] == TRUNCATED for sample in samples for span in sample["spans"]), samples
     versions = Counter(frozenset(sample["weight_versions"]) for sample in samples)
     assert versions == {frozenset({0}): 4, frozenset({1}): 4}
+
+
+@pytest.mark.timeout(400)
+def test_trl_paced_runs_ahead_by_max_staleness_and_corrects_the_stale_tokens(tmp_path: Path) -> None:
+    """``--trainer trl --max-staleness 1``: generation runs ahead of TRL's steps by one
+    version and no further (held back by the same gate as the built-in trainer), TRL trains
+    each step's own groups in the planned order, nothing is dropped, every rollout is
+    accounted for, and TRL's own importance ratio against the captured logprobs is off 1 on
+    the stale tokens (the report's lag-1 bucket) and 1 on the fresh ones."""
+    data_dir = tmp_path / "tt"
+    summary = run_small(
+        data_dir,
+        tmp_path / "run.log",
+        *("--trainer", "trl", "--train-steps", "3", "--max-staleness", "1"),
+        *("--broker-storage", "memory", "--stages", "inline"),
+    )
+    assert summary["status"] == "completed" and summary["rollouts"] == 12, summary
+    assert summary["finalized"] == 12 and summary["missing"] == 0, summary
+    assert summary["accepted"] + sum(summary["rejected"].values()) == 12, summary
+    steps = summary["train_steps"]
+    assert [step["weight_version"] for step in steps] == [0, 1, 2]
+    assert all(step["samples"] + step["rejected_filled"] == 4 for step in steps), steps
+    assert all(step["stale_dropped"] == 0 and step["staleness_max"] <= 1 for step in steps), steps
+    assert max(step["staleness_max"] for step in steps) == 1, steps  # generation ran ahead
+    assert summary["paced_waits"] > 0, summary  # and was held back
+    lags = [check_mismatch(step)["buckets"]["lag"] for step in steps]
+    assert any(lag.get("1", {}).get("tokens", 0) > 0 for lag in lags), lags
+    assert all(lag["0"]["max_abs_dev"] <= 1e-4 for lag in lags if "0" in lag), lags
+    for step, lag in zip(steps, lags, strict=True):
+        trl = step["trl"]
+        assert "sampling/importance_sampling_ratio/max" in trl and "clip_ratio/region_mean" in trl, trl
+        ratio_off = max(
+            abs(trl["sampling/importance_sampling_ratio/max"] - 1),
+            abs(trl["sampling/importance_sampling_ratio/min"] - 1),
+        )
+        if lag.get("1", {}).get("max_abs_dev", 0.0) > 1e-2:  # stale tokens: TRL corrects them
+            assert ratio_off > 1e-3, (trl, lag)
+        else:  # every token sampled by the weights TRL holds
+            assert ratio_off <= 1e-4, (trl, lag)
+    assert summary["dataplane_samples_left"] == 0
+    samples = export(data_dir)
+    for sample in samples:
+        check_sample(sample)
+    assert max(max(sample["weight_versions"]) for sample in samples) >= 1  # refits reached generation
 
 
 @pytest.mark.timeout(400)

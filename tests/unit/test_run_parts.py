@@ -106,7 +106,7 @@ def test_config_refuses_what_cannot_run(bad: dict[str, Any]) -> None:
         ({"trainer_delay_s": 1.0}, "trainer_delay_s"),  # nothing to slow down without training
         ({"max_staleness": 1}, "max_staleness"),  # nothing to pace either
         ({"train_steps": 2, "trainer": "trl", "trainer_delay_s": 1.0}, "trainer_delay_s"),
-        ({"train_steps": 2, "trainer": "trl", "max_staleness": 1}, "max_staleness"),  # not offered yet
+        ({"train_steps": 2, "trainer": "trl", "max_staleness": -1}, "max_staleness"),
     ],
 )
 def test_config_refuses_bad_pacing_naming_the_field(bad: dict[str, Any], named: str) -> None:
