@@ -31,8 +31,6 @@ import asyncio
 import os
 import random
 import signal
-import sys
-import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from bench.child import run_child
 from pipeline.dataplane import DataPlaneConfig, open_data_plane
 from pipeline.dataplane.reattach import ReattachingDataPlane
 from pipeline.kafka.config import KafkaConfig
@@ -255,9 +254,4 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main(parse()))
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)  # TransferQueue's client threads would keep a failed worker alive
+    run_child(main(parse()))

@@ -19,11 +19,10 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.child import run_child
 from pipeline.dataplane import DataPlaneConfig, open_data_plane
 from pipeline.kafka.config import KafkaConfig
 from pipeline.trainer.feed import FeedSettings, TrainerFeed
@@ -78,9 +77,4 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main(parse()))
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)  # TransferQueue's client threads would keep a failed owner alive
+    run_child(main(parse()))

@@ -335,7 +335,7 @@ def test_a_switch_sets_its_field_and_failures_set_the_exit_status(capsys: pytest
     assert toy.main(["--quick"]) == 1 and "'tail': True" in capsys.readouterr().out
 
 
-TOOLS = {"loadgen", "plots", "named_threads"}
+TOOLS = {"loadgen", "sample_owner", "plots", "named_threads"}
 """bench modules that run as programs but measure nothing: processes and charts the benchmarks use."""
 
 
