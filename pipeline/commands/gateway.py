@@ -103,8 +103,8 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         metavar="N",
         help="calls each worker runs at once, shared fairly among the sessions that want them (a "
-        "session over its share waits, never fails): set it to the batch the worker serves well "
-        "(default: no bound)",
+        "session over its share waits, never fails); 0 turns fair shares off (default: learned per "
+        "worker, the batch its engine still serves at speed, never under one call per session)",
     )
     pacing = parser.add_argument_group(
         "pacing (POST /rollouts answers 429 with Retry-After while the trainer is too far behind)"
