@@ -9,15 +9,18 @@ tokens) and ``flooded`` (the same, beside one more rollout whose agent keeps ``-
 requests in flight until the others finish). The flooder is a ``sandbox`` (a process of its
 own at nice 19, as a CPU-limited sandbox would be, resending at once whatever is refused) or
 ``same-process`` (an agent in the well-behaved agents' own process and priority, backing
-off 50 ms on each 429). One gateway per ``--max-in-flight`` and ``--worker-slots`` (0: no
-bound; otherwise fair shares of each worker's slots). Each agent holds only its own
+off 50 ms on each 429). One gateway per ``--max-in-flight`` and ``--worker-slots``
+(``learned``: the gateway's default, fair shares of a capacity learned per worker;
+``off``: no bound; N: fair shares of N slots). Each agent holds only its own
 ``api_key``, as the gateway hands it out.
 
-    tokentrail bench quotas [--quick] [--json] [--agents 3] [--calls 8] [--flood 64] [--worker-slots 0,2]
+    tokentrail bench quotas [--quick] [--json] [--agents 3] [--calls 8] [--flood 64] [--worker-slots learned,off,2]
 
 ``summary.flooded_over_alone`` is, per gateway and flooder, the median over rounds of the
-well-behaved agents' p50 latency flooded over alone (the target: ≤ 1.5). Per trial, CPU
-seconds of the gateway, the worker's API process, its engine core and the flooder.
+well-behaved agents' p50 latency flooded over alone (the target: ≤ 1.5);
+``summary.p50_ms`` their median p50 per gateway, flooder and mode, so the gateways'
+unflooded latency (what fairness costs when nobody floods) reads side by side. Per trial,
+CPU seconds of the gateway, the worker's API process, its engine core and the flooder.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ from pipeline.kafka.embedded.broker import EmbeddedBroker
 TARGET_RATIO = 1.5
 UNLIMITED = 1_000_000
 FLOODERS = ("sandbox", "same-process")
+SLOT_SETTINGS = ("learned", "off")
+"""``--worker-slots`` by name: the gateway's default (no flag) and no bound (0); else a number."""
 BACKOFF_S = 0.05
 """The same-process flooder's pause after a 429, as a client library's retry would."""
 
@@ -69,14 +74,19 @@ class QuotaBenchConfig:
     trials: int = 3
     in_flight: tuple[int, ...] = (8, UNLIMITED)
     """One gateway per ``--max-in-flight`` and ``--worker-slots``; the other quotas are the defaults."""
-    worker_slots: tuple[int, ...] = (0,)
-    """0: no bound on a worker's calls; N: N slots per worker, shared fairly among sessions."""
+    worker_slots: tuple[str, ...] = SLOT_SETTINGS
+    """``learned``: the gateway's default; ``off``: no bound; N: N slots per worker, shared fairly."""
     flooders: tuple[str, ...] = ("sandbox",)
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.flooders if name not in FLOODERS]
         if unknown or not self.flooders:
             raise ValueError(f"flooders: {unknown or 'none'}; choose from {', '.join(FLOODERS)}")
+        bad = [s for s in self.worker_slots if s not in SLOT_SETTINGS and not (s.isdigit() and int(s) > 0)]
+        if bad or not self.worker_slots:
+            raise ValueError(
+                f"worker_slots: {bad or 'none'}; choose {', '.join(SLOT_SETTINGS)} or a number > 0"
+            )
 
 
 QUICK = Quick("4 calls per agent, one round", QuotaBenchConfig(calls=4, trials=1))
@@ -87,7 +97,11 @@ OPTIONS = (
     Option("--flood", "requests the flooding agent keeps in flight (default 64)", int),
     Option("--trials", "rounds (alone, flooded) per gateway (default 3)", int),
     Option("--in-flight", f"one gateway per --max-in-flight, comma separated (default 8,{UNLIMITED})", ints),
-    Option("--worker-slots", "and per --worker-slots, comma separated; 0: no bound (default 0)", ints),
+    Option(
+        "--worker-slots",
+        "and per --worker-slots, comma separated: learned (the default), off, or N (default learned,off)",
+        names,
+    ),
     Option(
         "--flooders",
         f"where the flooder runs: {', '.join(FLOODERS)}, comma separated (default sandbox)",
@@ -224,9 +238,16 @@ def cpu_s(*, gateway: int, worker: int) -> dict[str, float]:
     }
 
 
-def gateway_name(in_flight: int, slots: int) -> str:
+def gateway_name(in_flight: int, slots: str) -> str:
     name = "unlimited" if in_flight >= UNLIMITED else f"max_in_flight={in_flight}"
-    return name if slots == 0 else f"{name}, worker_slots={slots}"
+    return f"{name}, worker_slots={slots}"
+
+
+def slot_flags(slots: str) -> list[str]:
+    """The gateway's ``--worker-slots`` for a setting: none for its default, 0 for off."""
+    if slots == "learned":
+        return []
+    return ["--worker-slots", "0" if slots == "off" else slots]
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -239,9 +260,15 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
                 rounds.setdefault(t["round"], {})[t["mode"]] = t["latency_ms"]["p50"]
         name = f"{gateway}, {flooder_kind} flooder"
         ratios[name] = [round(r["flooded"] / r["alone"], 3) for r in rounds.values()]
+    p50: dict[str, list[float]] = {}
+    for t in trials:
+        p50.setdefault(f"{t['gateway']}, {t['flooder']} flooder, {t['mode']}", []).append(
+            t["latency_ms"]["p50"]
+        )
     return {
         "flooded_over_alone": {name: round(statistics.median(values), 3) for name, values in ratios.items()},
         "ratios": ratios,
+        "p50_ms": {name: round(statistics.median(values), 1) for name, values in p50.items()},
         "target": TARGET_RATIO,
     }
 
@@ -277,8 +304,7 @@ def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
         for in_flight in config.in_flight:
             for slots in config.worker_slots:
                 name = gateway_name(in_flight, slots)
-                bound = ["--worker-slots", str(slots)] if slots else []
-                argv = [*cli, "gateway", "--workers", ready["url"], "--port", "0", "--max-in-flight", str(in_flight), *bound, *common]  # fmt: skip
+                argv = [*cli, "gateway", "--workers", ready["url"], "--port", "0", "--max-in-flight", str(in_flight), *slot_flags(slots), *common]  # fmt: skip
                 process, serving = stack.enter_context(started(argv, root / f"gateway-{len(gateways)}.log"))
                 gateways[name] = serving["url"], process.pid
         asyncio.run(
@@ -333,6 +359,10 @@ def render(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"well-behaved p50, flooded over alone (median of rounds): {ratios} (target ≤ {summary['target']})",
+        "",
+        "| gateway, flooder, mode | well-behaved p50 ms (median of rounds) |",
+        "|---|---:|",
+        *(f"| {name} | {p50} |" for name, p50 in summary["p50_ms"].items()),
     ]
     return "\n".join(lines)
 

@@ -469,6 +469,19 @@ def test_quotas_summary_pairs_each_round_per_gateway_and_flooder() -> None:
         "unlimited, sandbox flooder": [4.0],
     }
     assert summary["flooded_over_alone"]["max_in_flight=8, sandbox flooder"] == 1.25
+    assert summary["p50_ms"]["max_in_flight=8, sandbox flooder, alone"] == 150.0  # median of 100, 200
+    assert summary["p50_ms"]["unlimited, sandbox flooder, flooded"] == 400.0
+
+
+def test_quotas_names_the_gateway_s_slot_settings() -> None:
+    """The default gateway runs without the flag; off is 0; a number is passed on."""
+    assert quotas.slot_flags("learned") == []
+    assert quotas.slot_flags("off") == ["--worker-slots", "0"]
+    assert quotas.slot_flags("4") == ["--worker-slots", "4"]
+    parsed = cli.build_parser().parse_args(["bench", "quotas", "--worker-slots", "learned,off,2"])
+    assert quotas.BENCHMARK.config(parsed).worker_slots == ("learned", "off", "2")
+    with pytest.raises(ValueError, match="worker_slots: \\['0'\\]; choose learned, off or a number > 0"):
+        quotas.QuotaBenchConfig(worker_slots=("0",))
 
 
 def test_quotas_refuses_an_unknown_flooder() -> None:
