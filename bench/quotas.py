@@ -20,7 +20,9 @@ off 50 ms on each 429). One gateway per ``--max-in-flight`` and ``--worker-slots
 well-behaved agents' p50 latency flooded over alone (the target: ≤ 1.5);
 ``summary.p50_ms`` their median p50 per gateway, flooder and mode, so the gateways'
 unflooded latency (what fairness costs when nobody floods) reads side by side. Per trial,
-CPU seconds of the gateway, the worker's API process, its engine core and the flooder.
+the calls that waited for a worker slot and the worker's slots after it (from the
+gateway's metrics), and CPU seconds of the gateway, the worker's API process, its engine
+core and the flooder.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.command import Benchmark, Option, Quick, ints, names
 from bench.common import (
@@ -191,6 +194,7 @@ async def trial(
 ) -> dict[str, Any]:
     """Well-behaved agents alone (``flooder_kind`` None) or beside a flooder of that kind."""
     async with httpx.AsyncClient(base_url=gateway, headers=environment, timeout=60) as http:
+        waits_before, _ = await slot_state(http)
         opened = [
             (await http.post("/rollouts", json={})).raise_for_status().json()
             for _ in range(config.agents + 1)
@@ -221,12 +225,28 @@ async def trial(
                 answers, flooder_cpu_s = local_out.get_nowait()
         for o in opened:
             (await http.post(f"/rollouts/{o['rollout_id']}/seal", json={"reward": 0.0})).raise_for_status()
+        waits_after, worker_slots = await slot_state(http)
     latencies = [seconds for agent in per_agent for seconds in agent]
     return {
         "latency_ms": {k: round(v * 1000, 1) for k, v in percentiles(latencies).items()},
         "flood_answers": {str(status): count for status, count in sorted(answers.items())},
         "flooder_cpu_s": round(flooder_cpu_s, 2),
+        "slot_waits": round(waits_after - waits_before),
+        "worker_slots": worker_slots,
     }
+
+
+async def slot_state(http: httpx.AsyncClient) -> tuple[float, int | None]:
+    """The gateway's calls that waited for a slot so far, and its worker's slots now (None: off)."""
+    text = (await http.get("/metrics")).raise_for_status().text
+    waits, slots = 0.0, None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tokentrail_gateway_slot_waits_total":
+                waits += sample.value
+            elif sample.name == "tokentrail_gateway_worker_slots":
+                slots = int(sample.value)
+    return waits, slots
 
 
 def cpu_s(*, gateway: int, worker: int) -> dict[str, float]:
@@ -343,8 +363,8 @@ def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     lines = [
         "| gateway | flooder | round | mode | well-behaved latency p50 / p99 ms | flood answers by status "
-        "| CPU s: gateway · worker · engine core · flooder |",
-        "|---|---|---:|---|---:|---|---|",
+        "| slot waits | worker slots after | CPU s: gateway · worker · engine core · flooder |",
+        "|---|---|---:|---|---:|---|---:|---:|---|",
     ]
     for t in report["trials"]:
         latency = t["latency_ms"]
@@ -352,7 +372,7 @@ def render(report: dict[str, Any]) -> str:
         cpu = " · ".join(str(t["cpu_s"][role]) for role in ("gateway", "worker", "engine_core", "flooder"))
         lines.append(
             f"| {t['gateway']} | {t['flooder']} | {t['round']} | {t['mode']} | {latency['p50']} / {latency['p99']} "
-            f"| {answers} | {cpu} |"
+            f"| {answers} | {t['slot_waits']} | {'-' if t['worker_slots'] is None else t['worker_slots']} | {cpu} |"
         )
     summary = report["summary"]
     ratios = ", ".join(f"{name} {ratio}" for name, ratio in summary["flooded_over_alone"].items())
