@@ -14,9 +14,9 @@ two apart; its measured step does. So the capacity is learned from the calls ser
   ran with the worker full and kept within ``tolerance`` of the reference adds a slot (the
   engine still batches for free); a slower call halves the capacity, once per round (only
   a call granted after the last cut counts: the calls running then saw the old batch).
-- **Never below one per session**: the caller gives every session that wants the worker
-  one slot whatever the capacity (``FairSlots``), so a capacity of 1 costs polite,
-  sequential sessions nothing; it bounds how far one session may go past the others.
+- **One call per session always runs**: a session holding no slot starts its call
+  whatever the capacity (``FairSlots``), so a capacity of 1 costs polite, sequential
+  sessions nothing; the capacity bounds how far one session goes past one call.
 
 The tolerance of 0.5 is the latency a session beside a flooder may lose (1.5x unloaded);
 where the engine slows past it with one call per session, that floor is all fairness can give.

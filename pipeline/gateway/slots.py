@@ -19,9 +19,10 @@ A call waits (its quota still counts it in flight), it is never refused here: a 
 over its share is slowed, not failed.
 
 The capacity is a number set by hand or, by default, learned from the worker's measured
-speed (``capacity.LearnedCapacity``): then every active session may run at least one call
-whatever the learned number, and each call reports its generated tokens (``SlotUse``)
-for the capacity to learn from.
+speed (``capacity.LearnedCapacity``). A learned one bounds only how far a session goes
+past one call: a session holding no slot starts its call at once, whatever the limit (a
+polite, sequential agent never waits), and each call reports its generated tokens
+(``SlotUse``) for the capacity to learn from.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class FairSlots:
     """One worker's slots; ``hold(session)`` waits for one and frees it after.
 
     ``capacity`` is a fixed number of slots, or a ``LearnedCapacity`` whose limit the calls
-    teach (never fewer slots than active sessions).
+    teach (a session holding none may then always start one).
     """
 
     def __init__(
@@ -98,14 +99,8 @@ class FairSlots:
 
     @property
     def limit(self) -> int:
-        """The capacity now: the fixed one, or the learned one (as described, before the
-        floor of one slot per active session)."""
+        """The capacity now: the fixed one, or the learned one."""
         return self.fixed if self.learned is None else self.learned.limit
-
-    @property
-    def capacity(self) -> int:
-        """Slots the worker may run now: a learned limit gives each active session at least one."""
-        return self.fixed if self.learned is None else max(self.learned.limit, self._active())
 
     @asynccontextmanager
     async def hold(self, session: str) -> AsyncIterator[SlotUse]:
@@ -127,8 +122,10 @@ class FairSlots:
         return len(self.held.keys() | self._waiting.keys() | self._released.keys())
 
     def _may_start(self, session: str) -> bool:
-        capacity = self.capacity
-        return self.busy < capacity and self.held[session] < fair_share(capacity, self._active())
+        held = self.held[session]
+        if held == 0 and self.learned is not None:
+            return True  # one call per session runs whatever the learned limit
+        return self.busy < self.limit and held < fair_share(self.limit, self._active())
 
     async def _acquire(self, session: str) -> None:
         self._released.pop(session, None)
@@ -155,7 +152,7 @@ class FairSlots:
 
     def _grant(self) -> None:
         """Free slots to waiting sessions, fewest held first (the longest waiting on a tie)."""
-        while self._waiting and self.busy < self.capacity:
+        while self._waiting:
             ready = [s for s in self._waiting if self._may_start(s)]
             if not ready:
                 return

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pipeline.gateway.capacity import LearnedCapacity
 from pipeline.gateway.main import GatewayConfig, gateway
 from pipeline.gateway.slots import FairSlots, fair_share
 from pipeline.gateway.upstream import Workers
@@ -152,6 +153,31 @@ def test_at_defaults_a_flood_takes_no_slot_from_a_polite_session() -> None:
     while_polite = [held for name, held in started if name.startswith("p")]
     assert all(held.get("flood", 0) <= held["polite"] for held in while_polite), while_polite
     assert workers.slot_waits() == [("http://w", 7)]  # the flooder's queue waited, no polite call
+
+
+def test_a_session_s_first_call_never_waits_behind_a_learned_limit() -> None:
+    """A learned limit of two, both held by a flooder: a polite session's call starts at
+    once (three running), the flooder's third waits."""
+
+    async def go() -> FairSlots:
+        slots = FairSlots(LearnedCapacity(limit=2))
+        gate = asyncio.Event()
+
+        async def call(session: str) -> None:
+            async with slots.hold(session):
+                await gate.wait()
+
+        flood = [asyncio.create_task(call("flood")) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert slots.held == {"flood": 2}
+        polite = asyncio.create_task(call("polite"))
+        await asyncio.sleep(0)
+        assert slots.held == {"flood": 2, "polite": 1} and slots.waited == 1
+        gate.set()
+        await asyncio.gather(*flood, polite)
+        return slots
+
+    assert asyncio.run(go()).busy == 0
 
 
 def test_worker_slots_zero_turns_fair_shares_off() -> None:
