@@ -294,7 +294,8 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
-    """Start the services and both gateways, then interleave alone and flooded trials."""
+    """Start the services and the gateways, then interleave alone and flooded trials; each
+    round starts at the next gateway, so no gateway always follows the same one's flood."""
     config = config or QuotaBenchConfig()
     cli = [sys.executable, "-m", "pipeline.cli"]
     trials: list[dict[str, Any]] = []
@@ -330,8 +331,10 @@ def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
         asyncio.run(
             trial(next(iter(gateways.values()))[0], environment, model, replace(config, trials=1), None)
         )  # warm up
+        order = list(gateways)
         for number in range(config.trials):
-            for name, (url, pid) in gateways.items():
+            for name in order[number % len(order) :] + order[: number % len(order)]:
+                url, pid = gateways[name]
                 for flooder_kind in config.flooders:
                     for mode in ("alone", "flooded"):
                         cpu = cpu_s(gateway=pid, worker=worker.pid)
