@@ -104,7 +104,8 @@ def add_parser(subparsers: Any) -> None:
         metavar="N",
         help="calls each worker runs at once, shared fairly among the sessions that want them (a "
         "session over its share waits, never fails); 0 turns fair shares off (default: learned per "
-        "worker, the batch its engine still serves at speed, never under one call per session)",
+        "worker from its measured speed, the batch its engine still serves fast; a session's "
+        "first call never waits)",
     )
     pacing = parser.add_argument_group(
         "pacing (POST /rollouts answers 429 with Retry-After while the trainer is too far behind)"
