@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pipeline.gateway.calls import generated_tokens
 from pipeline.gateway.capacity import LearnedCapacity
 from pipeline.gateway.main import GatewayConfig, gateway
 from pipeline.gateway.slots import FairSlots, fair_share
@@ -201,3 +202,17 @@ def test_the_gateway_is_fair_without_a_flag_and_shows_each_worker_s_slots() -> N
     assert gauge not in asyncio.run(metrics(worker_slots=0))
     with pytest.raises(ValueError, match="worker_slots"):
         GatewayConfig(workers=("http://127.0.0.1:9",), worker_slots=-2)
+
+
+@pytest.mark.parametrize(
+    ("reply", "tokens"),
+    [
+        ({"usage": {"prompt_tokens": 9, "completion_tokens": 16}}, 16),  # OpenAI chat, completions
+        ({"usage": {"input_tokens": 9, "output_tokens": 5}}, 5),  # Anthropic, Responses
+        ({"usage": {"completion_tokens": True}}, None),
+        ({"usage": "16"}, None),
+        ({}, None),
+    ],
+)
+def test_a_reply_s_generated_tokens_come_from_its_usage(reply: dict[str, Any], tokens: int | None) -> None:
+    assert generated_tokens(reply) == tokens
