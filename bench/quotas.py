@@ -65,6 +65,8 @@ FLOODERS = ("sandbox", "same-process")
 SLOT_SETTINGS = ("learned", "off")
 """``--worker-slots`` by name: the gateway's default (no flag) and no bound (0); else a number."""
 BACKOFF_S = 0.05
+DROPPED = 0
+"""A flood answer's status when its connection dropped before a reply."""
 """The same-process flooder's pause after a 429, as a client library's retry would."""
 
 
@@ -145,7 +147,7 @@ async def flood(
     backoff_s: float = 0.0,
 ) -> Counter[int]:
     """``config.flood`` requests in flight until ``stop`` is set, each resent at once (after
-    ``backoff_s`` when refused); answers by status. The first answer puts ``"flooding"`` on ``out``."""
+    ``backoff_s`` when refused); answers by status (``DROPPED``: the connection dropped). The first answer puts ``"flooding"`` on ``out``."""
     answers: Counter[int] = Counter()
     headers = {"authorization": f"Bearer {opened['api_key']}"}
     limits = httpx.Limits(max_connections=config.flood + 4)
@@ -157,11 +159,14 @@ async def flood(
             number = 0
             while not stop.is_set():
                 body = chat(model, f"Flood {lane}.{number}.", config.tokens)
-                status = (await http.post("/chat/completions", json=body)).status_code
+                try:
+                    status = (await http.post("/chat/completions", json=body)).status_code
+                except httpx.TransportError:  # a dropped connection is an answer too; the lane goes on
+                    status = DROPPED
                 answers[status] += 1
                 if sum(answers.values()) == 1:
                     out.put_nowait("flooding")
-                if status == 429 and backoff_s:
+                if status in (429, DROPPED) and backoff_s:
                     await asyncio.sleep(backoff_s)
                 number += 1
 
