@@ -9,15 +9,20 @@ tokens) and ``flooded`` (the same, beside one more rollout whose agent keeps ``-
 requests in flight until the others finish). The flooder is a ``sandbox`` (a process of its
 own at nice 19, as a CPU-limited sandbox would be, resending at once whatever is refused) or
 ``same-process`` (an agent in the well-behaved agents' own process and priority, backing
-off 50 ms on each 429). One gateway per ``--max-in-flight`` and ``--worker-slots`` (0: no
-bound; otherwise fair shares of each worker's slots). Each agent holds only its own
+off 50 ms on each 429). One gateway per ``--max-in-flight`` and ``--worker-slots``
+(``learned``: the gateway's default, fair shares of a capacity learned per worker;
+``off``: no bound; N: fair shares of N slots). Each agent holds only its own
 ``api_key``, as the gateway hands it out.
 
-    tokentrail bench quotas [--quick] [--json] [--agents 3] [--calls 8] [--flood 64] [--worker-slots 0,2]
+    tokentrail bench quotas [--quick] [--json] [--agents 3] [--calls 8] [--flood 64] [--worker-slots learned,off,2]
 
 ``summary.flooded_over_alone`` is, per gateway and flooder, the median over rounds of the
-well-behaved agents' p50 latency flooded over alone (the target: ≤ 1.5). Per trial, CPU
-seconds of the gateway, the worker's API process, its engine core and the flooder.
+well-behaved agents' p50 latency flooded over alone (the target: ≤ 1.5);
+``summary.p50_ms`` their median p50 per gateway, flooder and mode, so the gateways'
+unflooded latency (what fairness costs when nobody floods) reads side by side. Per trial,
+the calls that waited for a worker slot and the worker's slots after it (from the
+gateway's metrics), and CPU seconds of the gateway, the worker's API process, its engine
+core and the flooder.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.command import Benchmark, Option, Quick, ints, names
 from bench.common import (
@@ -56,7 +62,11 @@ from pipeline.kafka.embedded.broker import EmbeddedBroker
 TARGET_RATIO = 1.5
 UNLIMITED = 1_000_000
 FLOODERS = ("sandbox", "same-process")
+SLOT_SETTINGS = ("learned", "off")
+"""``--worker-slots`` by name: the gateway's default (no flag) and no bound (0); else a number."""
 BACKOFF_S = 0.05
+DROPPED = 0
+"""A flood answer's status when its connection dropped before a reply."""
 """The same-process flooder's pause after a 429, as a client library's retry would."""
 
 
@@ -69,14 +79,19 @@ class QuotaBenchConfig:
     trials: int = 3
     in_flight: tuple[int, ...] = (8, UNLIMITED)
     """One gateway per ``--max-in-flight`` and ``--worker-slots``; the other quotas are the defaults."""
-    worker_slots: tuple[int, ...] = (0,)
-    """0: no bound on a worker's calls; N: N slots per worker, shared fairly among sessions."""
+    worker_slots: tuple[str, ...] = SLOT_SETTINGS
+    """``learned``: the gateway's default; ``off``: no bound; N: N slots per worker, shared fairly."""
     flooders: tuple[str, ...] = ("sandbox",)
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.flooders if name not in FLOODERS]
         if unknown or not self.flooders:
             raise ValueError(f"flooders: {unknown or 'none'}; choose from {', '.join(FLOODERS)}")
+        bad = [s for s in self.worker_slots if s not in SLOT_SETTINGS and not (s.isdigit() and int(s) > 0)]
+        if bad or not self.worker_slots:
+            raise ValueError(
+                f"worker_slots: {bad or 'none'}; choose {', '.join(SLOT_SETTINGS)} or a number > 0"
+            )
 
 
 QUICK = Quick("4 calls per agent, one round", QuotaBenchConfig(calls=4, trials=1))
@@ -87,7 +102,11 @@ OPTIONS = (
     Option("--flood", "requests the flooding agent keeps in flight (default 64)", int),
     Option("--trials", "rounds (alone, flooded) per gateway (default 3)", int),
     Option("--in-flight", f"one gateway per --max-in-flight, comma separated (default 8,{UNLIMITED})", ints),
-    Option("--worker-slots", "and per --worker-slots, comma separated; 0: no bound (default 0)", ints),
+    Option(
+        "--worker-slots",
+        "and per --worker-slots, comma separated: learned (the default), off, or N (default learned,off)",
+        names,
+    ),
     Option(
         "--flooders",
         f"where the flooder runs: {', '.join(FLOODERS)}, comma separated (default sandbox)",
@@ -128,7 +147,7 @@ async def flood(
     backoff_s: float = 0.0,
 ) -> Counter[int]:
     """``config.flood`` requests in flight until ``stop`` is set, each resent at once (after
-    ``backoff_s`` when refused); answers by status. The first answer puts ``"flooding"`` on ``out``."""
+    ``backoff_s`` when refused); answers by status (``DROPPED``: the connection dropped). The first answer puts ``"flooding"`` on ``out``."""
     answers: Counter[int] = Counter()
     headers = {"authorization": f"Bearer {opened['api_key']}"}
     limits = httpx.Limits(max_connections=config.flood + 4)
@@ -140,11 +159,14 @@ async def flood(
             number = 0
             while not stop.is_set():
                 body = chat(model, f"Flood {lane}.{number}.", config.tokens)
-                status = (await http.post("/chat/completions", json=body)).status_code
+                try:
+                    status = (await http.post("/chat/completions", json=body)).status_code
+                except httpx.TransportError:  # a dropped connection is an answer too; the lane goes on
+                    status = DROPPED
                 answers[status] += 1
                 if sum(answers.values()) == 1:
                     out.put_nowait("flooding")
-                if status == 429 and backoff_s:
+                if status in (429, DROPPED) and backoff_s:
                     await asyncio.sleep(backoff_s)
                 number += 1
 
@@ -177,6 +199,7 @@ async def trial(
 ) -> dict[str, Any]:
     """Well-behaved agents alone (``flooder_kind`` None) or beside a flooder of that kind."""
     async with httpx.AsyncClient(base_url=gateway, headers=environment, timeout=60) as http:
+        waits_before, _ = await slot_state(http)
         opened = [
             (await http.post("/rollouts", json={})).raise_for_status().json()
             for _ in range(config.agents + 1)
@@ -207,12 +230,28 @@ async def trial(
                 answers, flooder_cpu_s = local_out.get_nowait()
         for o in opened:
             (await http.post(f"/rollouts/{o['rollout_id']}/seal", json={"reward": 0.0})).raise_for_status()
+        waits_after, worker_slots = await slot_state(http)
     latencies = [seconds for agent in per_agent for seconds in agent]
     return {
         "latency_ms": {k: round(v * 1000, 1) for k, v in percentiles(latencies).items()},
         "flood_answers": {str(status): count for status, count in sorted(answers.items())},
         "flooder_cpu_s": round(flooder_cpu_s, 2),
+        "slot_waits": round(waits_after - waits_before),
+        "worker_slots": worker_slots,
     }
+
+
+async def slot_state(http: httpx.AsyncClient) -> tuple[float, int | None]:
+    """The gateway's calls that waited for a slot so far, and its worker's slots now (None: off)."""
+    text = (await http.get("/metrics")).raise_for_status().text
+    waits, slots = 0.0, None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tokentrail_gateway_slot_waits_total":
+                waits += sample.value
+            elif sample.name == "tokentrail_gateway_worker_slots":
+                slots = int(sample.value)
+    return waits, slots
 
 
 def cpu_s(*, gateway: int, worker: int) -> dict[str, float]:
@@ -224,9 +263,16 @@ def cpu_s(*, gateway: int, worker: int) -> dict[str, float]:
     }
 
 
-def gateway_name(in_flight: int, slots: int) -> str:
+def gateway_name(in_flight: int, slots: str) -> str:
     name = "unlimited" if in_flight >= UNLIMITED else f"max_in_flight={in_flight}"
-    return name if slots == 0 else f"{name}, worker_slots={slots}"
+    return f"{name}, worker_slots={slots}"
+
+
+def slot_flags(slots: str) -> list[str]:
+    """The gateway's ``--worker-slots`` for a setting: none for its default, 0 for off."""
+    if slots == "learned":
+        return []
+    return ["--worker-slots", "0" if slots == "off" else slots]
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -239,15 +285,22 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
                 rounds.setdefault(t["round"], {})[t["mode"]] = t["latency_ms"]["p50"]
         name = f"{gateway}, {flooder_kind} flooder"
         ratios[name] = [round(r["flooded"] / r["alone"], 3) for r in rounds.values()]
+    p50: dict[str, list[float]] = {}
+    for t in trials:
+        p50.setdefault(f"{t['gateway']}, {t['flooder']} flooder, {t['mode']}", []).append(
+            t["latency_ms"]["p50"]
+        )
     return {
         "flooded_over_alone": {name: round(statistics.median(values), 3) for name, values in ratios.items()},
         "ratios": ratios,
+        "p50_ms": {name: round(statistics.median(values), 1) for name, values in p50.items()},
         "target": TARGET_RATIO,
     }
 
 
 def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
-    """Start the services and both gateways, then interleave alone and flooded trials."""
+    """Start the services and the gateways, then interleave alone and flooded trials; each
+    round starts at the next gateway, so no gateway always follows the same one's flood."""
     config = config or QuotaBenchConfig()
     cli = [sys.executable, "-m", "pipeline.cli"]
     trials: list[dict[str, Any]] = []
@@ -277,15 +330,16 @@ def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
         for in_flight in config.in_flight:
             for slots in config.worker_slots:
                 name = gateway_name(in_flight, slots)
-                bound = ["--worker-slots", str(slots)] if slots else []
-                argv = [*cli, "gateway", "--workers", ready["url"], "--port", "0", "--max-in-flight", str(in_flight), *bound, *common]  # fmt: skip
+                argv = [*cli, "gateway", "--workers", ready["url"], "--port", "0", "--max-in-flight", str(in_flight), *slot_flags(slots), *common]  # fmt: skip
                 process, serving = stack.enter_context(started(argv, root / f"gateway-{len(gateways)}.log"))
                 gateways[name] = serving["url"], process.pid
         asyncio.run(
             trial(next(iter(gateways.values()))[0], environment, model, replace(config, trials=1), None)
         )  # warm up
+        order = list(gateways)
         for number in range(config.trials):
-            for name, (url, pid) in gateways.items():
+            for name in order[number % len(order) :] + order[: number % len(order)]:
+                url, pid = gateways[name]
                 for flooder_kind in config.flooders:
                     for mode in ("alone", "flooded"):
                         cpu = cpu_s(gateway=pid, worker=worker.pid)
@@ -317,8 +371,8 @@ def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     lines = [
         "| gateway | flooder | round | mode | well-behaved latency p50 / p99 ms | flood answers by status "
-        "| CPU s: gateway · worker · engine core · flooder |",
-        "|---|---|---:|---|---:|---|---|",
+        "| slot waits | worker slots after | CPU s: gateway · worker · engine core · flooder |",
+        "|---|---|---:|---|---:|---|---:|---:|---|",
     ]
     for t in report["trials"]:
         latency = t["latency_ms"]
@@ -326,13 +380,17 @@ def render(report: dict[str, Any]) -> str:
         cpu = " · ".join(str(t["cpu_s"][role]) for role in ("gateway", "worker", "engine_core", "flooder"))
         lines.append(
             f"| {t['gateway']} | {t['flooder']} | {t['round']} | {t['mode']} | {latency['p50']} / {latency['p99']} "
-            f"| {answers} | {cpu} |"
+            f"| {answers} | {t['slot_waits']} | {'-' if t['worker_slots'] is None else t['worker_slots']} | {cpu} |"
         )
     summary = report["summary"]
     ratios = ", ".join(f"{name} {ratio}" for name, ratio in summary["flooded_over_alone"].items())
     lines += [
         "",
         f"well-behaved p50, flooded over alone (median of rounds): {ratios} (target ≤ {summary['target']})",
+        "",
+        "| gateway, flooder, mode | well-behaved p50 ms (median of rounds) |",
+        "|---|---:|",
+        *(f"| {name} | {p50} |" for name, p50 in summary["p50_ms"].items()),
     ]
     return "\n".join(lines)
 

@@ -209,7 +209,7 @@ class Forwarder:
         return calls
 
     async def _whole(self, attempt: _Attempt) -> Response:
-        async with self.workers.serving(attempt.url, attempt.session.rollout_id):
+        async with self.workers.serving(attempt.url, attempt.session.rollout_id) as use:
             response = await self.http.post(
                 attempt.target, content=orjson.dumps(attempt.request), headers=_JSON
             )
@@ -223,11 +223,12 @@ class Forwarder:
         except MalformedHistory:  # a reply it cannot normalize: delivered, but nothing continues it
             turns = {}
         attempt.answered(attempt.protocol.coords_in(reply), turns, reply)
+        use.generated(generated_tokens(reply))
         return JSONResponse(strip_token_fields(reply, attempt.hidden))
 
     async def _stream(self, attempt: _Attempt) -> Response:
         slot = AsyncExitStack()  # held from the request until the stream ends
-        await slot.enter_async_context(self.workers.serving(attempt.url, attempt.session.rollout_id))
+        use = await slot.enter_async_context(self.workers.serving(attempt.url, attempt.session.rollout_id))
         try:
             upstream = await self.http.send(
                 self.http.build_request(
@@ -257,12 +258,15 @@ class Forwarder:
             coords: dict[int, CommitCoords] = {}
             attempt.session.in_flight += 1
             try:
+                steps = 0
                 async for event in _sse_events(upstream):
+                    steps += 1
                     reply.feed(event)
                     clean, found = strip_event(attempt.protocol, event, attempt.hidden)
                     coords.update(found)
                     yield clean
                 attempt.answered(coords, reply.turns(), reply.reply())
+                use.generated(steps)  # about one event per engine step: its token count
             finally:
                 attempt.session.in_flight -= 1
                 await close()
@@ -302,6 +306,16 @@ class _Attempt:
         self.session.usage.tokens += sum(c.cum_len for c in coords.values())
         if self.on_reply is not None and reply is not None:
             self.on_reply(reply)
+
+
+def generated_tokens(reply: Mapping[str, Any]) -> int | None:
+    """The tokens a reply says it generated (OpenAI's ``completion_tokens``, Anthropic's and
+    the Responses API's ``output_tokens``); None when it does not say."""
+    usage = reply.get("usage")
+    if not isinstance(usage, Mapping):
+        return None
+    tokens = usage.get("completion_tokens", usage.get("output_tokens"))
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
 
 
 _CLOSING: set[asyncio.Task[None]] = set()

@@ -70,7 +70,8 @@ class GatewayConfig:
     presents the service credential to the workers (DESIGN §15)."""
     quotas: Quotas = field(default_factory=Quotas)
     worker_slots: int | None = None
-    """Calls each worker runs at once, shared fairly among sessions (``slots``); None: no bound."""
+    """Calls each worker runs at once, shared fairly among sessions (``slots``); None: learned
+    from each worker's measured speed (``capacity``); 0: no bound."""
     pacing: Pacing | None = None
     """Hold new rollouts back while the trainer is too far behind (None: never)."""
     insecure_no_auth: bool = False
@@ -81,6 +82,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.replica is not None and not _REPLICA.fullmatch(self.replica):
             raise ValueError(f"replica: {self.replica[:80]!r} does not match {_REPLICA.pattern}")
+        if self.worker_slots is not None and self.worker_slots < 0:
+            raise ValueError(f"worker_slots: must be >= 0 (0: no bound), got {self.worker_slots}")
         for name in ("max_open_s", "checkpoint_every_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

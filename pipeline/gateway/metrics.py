@@ -93,12 +93,21 @@ class GatewayCollector(Collector):
         yield healthy
         waits = CounterMetricFamily(
             "tokentrail_gateway_slot_waits",
-            "calls that waited for a worker slot (--worker-slots): over their session's fair share, or a full worker",
+            "calls that waited for a worker slot: over their session's fair share, or a full worker",
             labels=["worker"],
         )
         for url, waited in self.forwarder.workers.slot_waits():
             waits.add_metric([url], waited)
         yield waits
+        capacity = GaugeMetricFamily(
+            "tokentrail_gateway_worker_slots",
+            "calls a worker runs at once, shared fairly among sessions: set by --worker-slots, or "
+            "learned from its speed (then never fewer than the sessions that want it)",
+            labels=["worker"],
+        )
+        for url, slots in self.forwarder.workers.capacities():
+            capacity.add_metric([url], slots)
+        yield capacity
         refused = CounterMetricFamily(
             "tokentrail_gateway_quota_refusals", "agent calls answered 429, by the limit", labels=["limit"]
         )

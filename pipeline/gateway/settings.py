@@ -72,9 +72,10 @@ class GatewaySettings(BaseModel):
         DEFAULT_QUOTAS.max_request_bytes
     )
     """request body bytes one rollout sends in all"""
-    worker_slots: Annotated[int | None, Flag(metavar="N", group=QUOTAS)] = None
+    worker_slots: Annotated[int | None, Field(ge=0), Flag(metavar="N", group=QUOTAS)] = None
     """calls each worker runs at once, shared fairly among the sessions that want them (a session over
-    its share waits, never fails): set it to the batch the worker serves well (default: no bound)"""
+    its share waits, never fails); 0 turns fair shares off (default: learned per worker from its
+    measured speed, the batch its engine still serves fast; a session's first call never waits)"""
     max_staleness: Annotated[int | None, Flag(metavar="VERSIONS", group=PACING)] = None
     """admit at most this many weight versions ahead of what the workers serve (default: no pacing)"""
     rollouts_per_step: Annotated[int | None, Flag(metavar="N", group=PACING)] = None

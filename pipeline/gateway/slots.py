@@ -17,6 +17,12 @@ and a call runs only in a slot:
 
 A call waits (its quota still counts it in flight), it is never refused here: a session
 over its share is slowed, not failed.
+
+The capacity is a number set by hand or, by default, learned from the worker's measured
+speed (``capacity.LearnedCapacity``). A learned one bounds only how far a session goes
+past one call: a session holding no slot starts its call at once, whatever the limit (a
+polite, sequential agent never waits), and each call reports its generated tokens
+(``SlotUse``) for the capacity to learn from.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from pipeline.gateway.capacity import LearnedCapacity
 
 
 def fair_share(capacity: int, active: int) -> int:
@@ -34,15 +43,48 @@ def fair_share(capacity: int, active: int) -> int:
     return max(1, capacity // max(1, active))
 
 
+@dataclass(slots=True)
+class SlotUse:
+    """One call in its slot: ``generated`` reports its tokens once the reply is in (a learned
+    capacity learns from them; otherwise they are ignored)."""
+
+    number: int = 0
+    """The call's grant number on a learned capacity (0: nothing learns from it)."""
+    batch: int = 0
+    """Calls running on the worker, this one included, when it was granted."""
+    started: float = 0.0
+    ended: float | None = None
+    learner: LearnedCapacity | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    def generated(self, tokens: int | None) -> None:
+        if self.learner is None or tokens is None:
+            return
+        ended = self.clock() if self.ended is None else self.ended
+        self.learner.observe(
+            number=self.number, batch=self.batch, seconds=ended - self.started, tokens=tokens
+        )
+        self.learner = None  # one report per call
+
+
 class FairSlots:
-    """One worker's slots (``capacity``); ``hold(session)`` waits for one and frees it after."""
+    """One worker's slots; ``hold(session)`` waits for one and frees it after.
+
+    ``capacity`` is a fixed number of slots, or a ``LearnedCapacity`` whose limit the calls
+    teach (a session holding none may then always start one).
+    """
 
     def __init__(
-        self, capacity: int, *, idle_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+        self,
+        capacity: int | LearnedCapacity,
+        *,
+        idle_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if capacity < 1:
+        if isinstance(capacity, int) and capacity < 1:
             raise ValueError(f"worker_slots: must be >= 1, got {capacity}")
-        self.capacity = capacity
+        self.learned = capacity if isinstance(capacity, LearnedCapacity) else None
+        self.fixed = capacity if isinstance(capacity, int) else 0
         self.idle_s = idle_s
         self.clock = clock
         self.held: Counter[str] = Counter()
@@ -55,12 +97,21 @@ class FairSlots:
     def busy(self) -> int:
         return sum(self.held.values())
 
+    @property
+    def limit(self) -> int:
+        """The capacity now: the fixed one, or the learned one."""
+        return self.fixed if self.learned is None else self.learned.limit
+
     @asynccontextmanager
-    async def hold(self, session: str) -> AsyncIterator[None]:
+    async def hold(self, session: str) -> AsyncIterator[SlotUse]:
         await self._acquire(session)
+        use = SlotUse(batch=self.busy, started=self.clock(), clock=self.clock)
+        if self.learned is not None:
+            use.number, use.learner = self.learned.granted(), self.learned
         try:
-            yield
+            yield use
         finally:
+            use.ended = self.clock()
             self._release(session)
 
     def _active(self) -> int:
@@ -71,8 +122,10 @@ class FairSlots:
         return len(self.held.keys() | self._waiting.keys() | self._released.keys())
 
     def _may_start(self, session: str) -> bool:
-        share = fair_share(self.capacity, self._active())
-        return self.busy < self.capacity and self.held[session] < share
+        held = self.held[session]
+        if held == 0 and self.learned is not None:
+            return True  # one call per session runs whatever the learned limit
+        return self.busy < self.limit and held < fair_share(self.limit, self._active())
 
     async def _acquire(self, session: str) -> None:
         self._released.pop(session, None)
@@ -99,7 +152,7 @@ class FairSlots:
 
     def _grant(self) -> None:
         """Free slots to waiting sessions, fewest held first (the longest waiting on a tie)."""
-        while self._waiting and self.busy < self.capacity:
+        while self._waiting:
             ready = [s for s in self._waiting if self._may_start(s)]
             if not ready:
                 return
@@ -120,4 +173,4 @@ class FairSlots:
         self._grant()
 
 
-__all__ = ["FairSlots", "fair_share"]
+__all__ = ["FairSlots", "SlotUse", "fair_share"]

@@ -4,9 +4,10 @@ A session's next call goes to the worker that served its last call while that wo
 is healthy (its prefix cache and chain cache hold the conversation). Otherwise the
 healthy worker with the fewest calls in flight takes it. A worker that fails a call
 (connection refused, reset, 5xx before any byte of the reply) is taken out for
-``cooldown_s`` and the call is retried on another worker as a new attempt. With
-``slots``, each worker runs at most that many calls at once, shared fairly among
-sessions (``slots.FairSlots``); a call waits for its slot while it counts in flight.
+``cooldown_s`` and the call is retried on another worker as a new attempt. Each worker's
+calls are shared fairly among sessions (``slots.FairSlots``) in slots whose number
+``slots`` sets (None: learned per worker, ``capacity``; 0: no bound); a call waits for
+its slot while it counts in flight.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-from pipeline.gateway.slots import FairSlots
+from pipeline.gateway.capacity import LearnedCapacity
+from pipeline.gateway.slots import FairSlots, SlotUse
 
 
 class NoWorker(RuntimeError):
@@ -46,10 +48,9 @@ class Workers:
     ) -> None:
         if not urls:
             raise ValueError("urls: at least one worker is required")
-        self._workers = {
-            url.rstrip("/"): _Worker(url.rstrip("/"), None if slots is None else FairSlots(slots))
-            for url in urls
-        }
+        if slots is not None and slots < 0:
+            raise ValueError(f"worker_slots: must be >= 0 (0: no bound), got {slots}")
+        self._workers = {url.rstrip("/"): _Worker(url.rstrip("/"), _slots(slots)) for url in urls}
         self.cooldown_s = cooldown_s
         self.clock = clock
 
@@ -70,15 +71,18 @@ class Workers:
         return min(candidates, key=lambda w: (w.in_flight, w.served)).url
 
     @asynccontextmanager
-    async def serving(self, url: str, session: str) -> AsyncIterator[None]:
+    async def serving(self, url: str, session: str) -> AsyncIterator[SlotUse]:
         """One call of ``session`` on the worker: in its slot (waited for), counted in flight."""
         worker = self._workers[url]
         async with AsyncExitStack() as stack:
-            if worker.slots is not None:
-                await stack.enter_async_context(worker.slots.hold(session))
+            use = (
+                SlotUse()
+                if worker.slots is None
+                else await stack.enter_async_context(worker.slots.hold(session))
+            )
             worker.in_flight += 1
             try:
-                yield
+                yield use
             finally:
                 worker.in_flight -= 1
                 worker.served += 1
@@ -95,6 +99,17 @@ class Workers:
     def slot_waits(self) -> list[tuple[str, int]]:
         """(url, calls that waited for a slot) per worker with slots, for metrics."""
         return [(w.url, w.slots.waited) for w in self._workers.values() if w.slots is not None]
+
+    def capacities(self) -> list[tuple[str, int]]:
+        """(url, slot capacity: fixed or learned) per worker with slots, for metrics."""
+        return [(w.url, w.slots.limit) for w in self._workers.values() if w.slots is not None]
+
+
+def _slots(slots: int | None) -> FairSlots | None:
+    """A worker's fair slots: learned (None), none (0) or that many."""
+    if slots == 0:
+        return None
+    return FairSlots(LearnedCapacity() if slots is None else slots)
 
 
 __all__ = ["NoWorker", "Workers"]

@@ -469,6 +469,41 @@ def test_quotas_summary_pairs_each_round_per_gateway_and_flooder() -> None:
         "unlimited, sandbox flooder": [4.0],
     }
     assert summary["flooded_over_alone"]["max_in_flight=8, sandbox flooder"] == 1.25
+    assert summary["p50_ms"]["max_in_flight=8, sandbox flooder, alone"] == 150.0  # median of 100, 200
+    assert summary["p50_ms"]["unlimited, sandbox flooder, flooded"] == 400.0
+
+
+def test_quotas_report_shows_slot_waits_and_slots_per_trial() -> None:
+    trial = {
+        "gateway": "max_in_flight=8, worker_slots=learned",
+        "flooder": "same-process",
+        "round": 0,
+        "latency_ms": {"p50": 100.0, "p99": 120.0},
+        "flood_answers": {},
+        "slot_waits": 0,
+        "worker_slots": 3,
+        "cpu_s": {"gateway": 0.1, "worker": 0.2, "engine_core": 1.5, "flooder": 0.0},
+    }
+    off = {**trial, "gateway": "max_in_flight=8, worker_slots=off", "worker_slots": None}
+    trials = [{**t, "mode": mode} for t in (trial, off) for mode in ("alone", "flooded")]
+    table = quotas.render({"trials": trials, "summary": quotas.summarize(trials)})
+    assert "| alone | 100.0 / 120.0 | - | 0 | 3 | 0.1 · 0.2 · 1.5 · 0.0 |" in table
+    assert (
+        "| max_in_flight=8, worker_slots=off | same-process | 0 | alone | 100.0 / 120.0 | - | 0 | - |"
+        in table
+    )
+    assert "| max_in_flight=8, worker_slots=learned, same-process flooder, alone | 100.0 |" in table
+
+
+def test_quotas_names_the_gateway_s_slot_settings() -> None:
+    """The default gateway runs without the flag; off is 0; a number is passed on."""
+    assert quotas.slot_flags("learned") == []
+    assert quotas.slot_flags("off") == ["--worker-slots", "0"]
+    assert quotas.slot_flags("4") == ["--worker-slots", "4"]
+    parsed = cli.build_parser().parse_args(["bench", "quotas", "--worker-slots", "learned,off,2"])
+    assert quotas.BENCHMARK.config(parsed).worker_slots == ("learned", "off", "2")
+    with pytest.raises(ValueError, match="worker_slots: \\['0'\\]; choose learned, off or a number > 0"):
+        quotas.QuotaBenchConfig(worker_slots=("0",))
 
 
 def test_quotas_refuses_an_unknown_flooder() -> None:

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from typing import Any
 
+import httpx
 import pytest
 
+from pipeline.gateway.calls import generated_tokens
+from pipeline.gateway.capacity import LearnedCapacity
+from pipeline.gateway.main import GatewayConfig, gateway
 from pipeline.gateway.slots import FairSlots, fair_share
+from pipeline.gateway.upstream import Workers
+from stages.memory import RecordingSink
 
 
 def test_the_share_is_an_equal_split_of_at_least_one() -> None:
@@ -100,3 +108,111 @@ def test_a_cancelled_wait_gives_nothing_away() -> None:
 def test_a_worker_needs_a_slot() -> None:
     with pytest.raises(ValueError, match="worker_slots: must be >= 1"):
         FairSlots(0)
+
+
+def test_at_defaults_a_flood_takes_no_slot_from_a_polite_session() -> None:
+    """The default pool learns its capacity (starting at one slot): a flooder alone runs one
+    call; a polite session arriving beside its queue of eight is granted at once, and the
+    flooder never holds more than the polite session while both are active."""
+
+    async def go() -> tuple[list[tuple[str, dict[str, int]]], Workers]:
+        workers = Workers(["http://w"])  # no slots named: learned
+        url = workers.urls[0]
+        started: list[tuple[str, dict[str, int]]] = []
+        release: dict[str, asyncio.Event] = {}
+        running: Counter[str] = Counter()
+
+        async def call(session: str, name: str) -> None:
+            async with workers.serving(url, session) as use:
+                running[session] += 1
+                started.append((name, dict(running)))
+                release[name] = asyncio.Event()
+                await release[name].wait()
+                running[session] -= 1
+                use.generated(16)
+
+        flood = [asyncio.create_task(call("flood", f"f{i}")) for i in range(8)]
+        await asyncio.sleep(0.01)
+        assert [name for name, _ in started] == ["f0"]
+        polite = []
+        for turn in range(3):
+            polite.append(asyncio.create_task(call("polite", f"p{turn}")))
+            await asyncio.sleep(0.01)
+            assert started[-1][0] == f"p{turn}", started  # granted at once, ahead of f1..f7
+            release[f"p{turn}"].set()
+            await polite[-1]
+            release[next(n for n in release if n.startswith("f") and not release[n].is_set())].set()
+            await asyncio.sleep(0.01)
+        for _ in range(20):
+            for name in release:
+                release[name].set()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*flood)
+        return started, workers
+
+    started, workers = asyncio.run(go())
+    while_polite = [held for name, held in started if name.startswith("p")]
+    assert all(held.get("flood", 0) <= held["polite"] for held in while_polite), while_polite
+    assert workers.slot_waits() == [("http://w", 7)]  # the flooder's queue waited, no polite call
+
+
+def test_a_session_s_first_call_never_waits_behind_a_learned_limit() -> None:
+    """A learned limit of two, both held by a flooder: a polite session's call starts at
+    once (three running), the flooder's third waits."""
+
+    async def go() -> FairSlots:
+        slots = FairSlots(LearnedCapacity(limit=2))
+        gate = asyncio.Event()
+
+        async def call(session: str) -> None:
+            async with slots.hold(session):
+                await gate.wait()
+
+        flood = [asyncio.create_task(call("flood")) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert slots.held == {"flood": 2}
+        polite = asyncio.create_task(call("polite"))
+        await asyncio.sleep(0)
+        assert slots.held == {"flood": 2, "polite": 1} and slots.waited == 1
+        gate.set()
+        await asyncio.gather(*flood, polite)
+        return slots
+
+    assert asyncio.run(go()).busy == 0
+
+
+def test_worker_slots_zero_turns_fair_shares_off() -> None:
+    workers = Workers(["http://w"], slots=0)
+    assert workers.capacities() == [] and workers.slot_waits() == []
+    with pytest.raises(ValueError, match="worker_slots"):
+        Workers(["http://w"], slots=-1)
+
+
+def test_the_gateway_is_fair_without_a_flag_and_shows_each_worker_s_slots() -> None:
+    async def metrics(**config: Any) -> str:
+        built_config = GatewayConfig(workers=("http://127.0.0.1:9",), **config)
+        async with gateway(built_config, RecordingSink()) as built:
+            transport = httpx.ASGITransport(app=built.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+                return (await http.get("/metrics")).text
+
+    gauge = 'tokentrail_gateway_worker_slots{worker="http://127.0.0.1:9"}'
+    assert f"{gauge} 1.0" in asyncio.run(metrics())  # learned, starting at one
+    assert f"{gauge} 4.0" in asyncio.run(metrics(worker_slots=4))
+    assert gauge not in asyncio.run(metrics(worker_slots=0))
+    with pytest.raises(ValueError, match="worker_slots"):
+        GatewayConfig(workers=("http://127.0.0.1:9",), worker_slots=-2)
+
+
+@pytest.mark.parametrize(
+    ("reply", "tokens"),
+    [
+        ({"usage": {"prompt_tokens": 9, "completion_tokens": 16}}, 16),  # OpenAI chat, completions
+        ({"usage": {"input_tokens": 9, "output_tokens": 5}}, 5),  # Anthropic, Responses
+        ({"usage": {"completion_tokens": True}}, None),
+        ({"usage": "16"}, None),
+        ({}, None),
+    ],
+)
+def test_a_reply_s_generated_tokens_come_from_its_usage(reply: dict[str, Any], tokens: int | None) -> None:
+    assert generated_tokens(reply) == tokens
