@@ -7,6 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tokentrail-installed
 EXTRAS := broker,dataplane,vllm,export,trl,bench,frameworks,models,dev
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= 2
 
 export TQ_NUM_THREADS ?= 2
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
@@ -51,8 +52,10 @@ browser:
 	  fi; }
 
 # pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
+# Two xdist workers: most tests wait on brokers, engines and timeouts, not on a core; a
+# module stays on one worker and the tests sharing engines on one (tests/conftest.py).
 test: install browser
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Re-run the fault suite and rewrite the table of faults survived in README.md.
 faults-table: install

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from contractbroker import contract_broker
@@ -39,6 +39,24 @@ if TYPE_CHECKING:  # the engine kit imports vLLM: only the modules that ask for 
 def pytest_configure(config: pytest.Config) -> None:
     """Whatever the tests start dies with the test run, even if it is killed outright."""
     guard_descendants()
+
+
+ENGINE_POOLS = ("tests/families/", "tests/frameworks/")
+"""Where the tests share one pool of vLLM engines (``family_engines``)."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """How ``make test`` splits the suite between xdist workers: a module's tests stay on one
+    worker (its module fixtures start once), and the tests sharing the engine pool run on one
+    worker, so each of its engines starts once, not once per worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModuleAndEnginePool(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "engine-pool" if module.startswith(ENGINE_POOLS) else module
+
+    return ByModuleAndEnginePool(config, log)
 
 
 @pytest.fixture(scope="session")
