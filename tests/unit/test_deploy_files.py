@@ -302,7 +302,9 @@ def test_manifest_wiring() -> None:
             f"{name}: --instance-id must be the pod's name, stable across its restarts (a static member)"
         )
         for variable in re.findall(r"\$\((\w+)\)", line):
-            assert variable in config["data"] or variable in from_pod, f"{name} uses $({variable}), defined nowhere"
+            assert variable in config["data"] or variable in from_pod, (
+                f"{name} uses $({variable}), defined nowhere"
+            )
 
 
 def retention_settings(words: list[str], variables: dict[str, str]) -> list[tuple[str, int]]:
