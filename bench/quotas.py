@@ -56,8 +56,11 @@ from bench.common import (
     versions,
 )
 from pipeline.auth.credentials import Credentials, Role
+from pipeline.gateway.settings import GatewaySettings
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.embedded.broker import EmbeddedBroker
+from pipeline.process.flags import to_argv
+from pipeline.worker.settings import WorkerSettings
 
 TARGET_RATIO = 1.5
 UNLIMITED = 1_000_000
@@ -268,11 +271,11 @@ def gateway_name(in_flight: int, slots: str) -> str:
     return f"{name}, worker_slots={slots}"
 
 
-def slot_flags(slots: str) -> list[str]:
-    """The gateway's ``--worker-slots`` for a setting: none for its default, 0 for off."""
+def worker_slots(slots: str) -> int | None:
+    """The gateway's ``worker_slots`` for a setting: None (learned) for its default, 0 for off."""
     if slots == "learned":
-        return []
-    return ["--worker-slots", "0" if slots == "off" else slots]
+        return None
+    return 0 if slots == "off" else int(slots)
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -320,17 +323,18 @@ def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
         stack.enter_context(
             started([*cli, "dataplane", "--data-dir", scratch, "--json"], root / "dataplane.log")
         )
-        worker_argv = [
-            *cli, "worker", "--model", str(model_dir), "--port", "0",
-            "--dataplane-addresses", str(root / "dataplane.json"), *common,
-        ]  # fmt: skip
+        capture = WorkerSettings(model_dir=model_dir, port=0, dataplane_addresses=root / "dataplane.json")
+        worker_argv = [*cli, "worker", *to_argv(capture), *common]
         worker, ready = stack.enter_context(started(worker_argv, root / "worker.log"))
         model = ready["model"]
         gateways: dict[str, tuple[str, int]] = {}
         for in_flight in config.in_flight:
             for slots in config.worker_slots:
                 name = gateway_name(in_flight, slots)
-                argv = [*cli, "gateway", "--workers", ready["url"], "--port", "0", "--max-in-flight", str(in_flight), *slot_flags(slots), *common]  # fmt: skip
+                fronting = GatewaySettings(
+                    workers=ready["url"], port=0, max_in_flight=in_flight, worker_slots=worker_slots(slots)
+                )
+                argv = [*cli, "gateway", *to_argv(fronting), *common]
                 process, serving = stack.enter_context(started(argv, root / f"gateway-{len(gateways)}.log"))
                 gateways[name] = serving["url"], process.pid
         asyncio.run(

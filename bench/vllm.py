@@ -51,6 +51,8 @@ from bench.common import (
 )
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.embedded.broker import EmbeddedBroker
+from pipeline.process.flags import to_argv
+from pipeline.worker.settings import WorkerSettings
 from stages.client import RolloutClient
 from topics.records import CaptureAdmission
 
@@ -234,11 +236,15 @@ def run(config: VllmBenchConfig | None = None, *, plot: Path | None = None) -> d
         ):
             for path in config.logprob_paths:
                 for ack in config.acks:
-                    argv = [
-                        *cli, "worker", "--model", str(model_dir), "--port", "0", "--ack", ack,
-                        "--logprob-path", path, "--bootstrap", broker.bootstrap,
-                        "--dataplane-addresses", str(root / "dataplane.json"), "--json", "--log-format", "json",
-                    ]  # fmt: skip
+                    settings = WorkerSettings(
+                        model_dir=model_dir,
+                        port=0,
+                        ack=ack,
+                        logprob_path=path,
+                        dataplane_addresses=root / "dataplane.json",
+                    )
+                    argv = [*cli, "worker", *to_argv(settings), "--bootstrap", broker.bootstrap]
+                    argv += ["--json", "--log-format", "json"]
                     with started(argv, root / f"worker-{ack}-{path}.log") as (worker, ready):
                         url, model = ready["url"], ready["model"]
                         processes = Processes(worker=worker.pid, broker=broker.pid, dataplane=plane.pid)

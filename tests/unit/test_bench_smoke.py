@@ -497,9 +497,9 @@ def test_quotas_report_shows_slot_waits_and_slots_per_trial() -> None:
 
 def test_quotas_names_the_gateway_s_slot_settings() -> None:
     """The default gateway runs without the flag; off is 0; a number is passed on."""
-    assert quotas.slot_flags("learned") == []
-    assert quotas.slot_flags("off") == ["--worker-slots", "0"]
-    assert quotas.slot_flags("4") == ["--worker-slots", "4"]
+    assert quotas.worker_slots("learned") is None
+    assert quotas.worker_slots("off") == 0
+    assert quotas.worker_slots("4") == 4
     parsed = cli.build_parser().parse_args(["bench", "quotas", "--worker-slots", "learned,off,2"])
     assert quotas.BENCHMARK.config(parsed).worker_slots == ("learned", "off", "2")
     with pytest.raises(ValueError, match="worker_slots: \\['0'\\]; choose learned, off or a number > 0"):
