@@ -12,12 +12,13 @@ worker ever served until the byte bound (hours of a long run) is reached.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from stages.capture.by_rollout import ByRollout
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,45 +47,31 @@ class ChainCache:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes: must be > 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._links: OrderedDict[str, ChainLink] = OrderedDict()
-        self._by_rollout: dict[str, set[str]] = {}
-        self._bytes = 0
+        self._links: ByRollout[ChainLink] = ByRollout(lambda link: link.rollout_id, lambda link: link.nbytes)
 
     def __len__(self) -> int:
         return len(self._links)
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._links.nbytes
 
     def put(self, link: ChainLink) -> None:
-        self.discard(link.key)
-        self._links[link.key] = link
-        self._by_rollout.setdefault(link.rollout_id, set()).add(link.key)
-        self._bytes += link.nbytes
-        while self._bytes > self.max_bytes and len(self._links) > 1:
-            self.discard(next(iter(self._links)))
+        self._links.put(link.key, link)
+        self._links.drop_oldest(self.max_bytes, keep=1)
 
     def get(self, key: str) -> ChainLink | None:
         link = self._links.get(key)
         if link is not None:
-            self._links.move_to_end(key)
+            self._links.touch(key)
         return link
 
     def discard(self, key: str) -> None:
-        link = self._links.pop(key, None)
-        if link is None:
-            return
-        self._bytes -= link.nbytes
-        keys = self._by_rollout[link.rollout_id]
-        keys.discard(key)
-        if not keys:
-            del self._by_rollout[link.rollout_id]
+        self._links.pop(key)
 
     def forget_rollout(self, rollout_id: str) -> None:
         """Drop every link of a rollout that takes no more calls (it was finalized)."""
-        for key in list(self._by_rollout.get(rollout_id, ())):
-            self.discard(key)
+        self._links.pop_rollout(rollout_id)
 
     def cached_prefix(self, chain: Sequence[str]) -> list[ChainLink]:
         """The longest run of cached links from the root of ``chain``."""

@@ -14,10 +14,10 @@ must delete (deleting a row the finalizer already deleted costs a look-up).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stages.capture.by_rollout import ByRollout
 from stages.recent import DEFAULT_REMEMBER, RecentIds
 from topics.staging import CallRow
 
@@ -52,8 +52,7 @@ class RetainedRows:
             raise ValueError(f"budget_bytes: must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.stats = RetainedStats()
-        self._rows: OrderedDict[str, CallRow] = OrderedDict()
-        self._by_rollout: dict[str, set[str]] = {}
+        self._rows: ByRollout[CallRow] = ByRollout(lambda row: row.rollout_id, row_bytes)
         self._finalized = RecentIds(remember)
 
     def add(self, rows: Sequence[CallRow]) -> list[str]:
@@ -66,41 +65,23 @@ class RetainedRows:
                 late.append(key)
                 self.stats.late += 1
                 continue
-            if key in self._rows:  # written again: the latest version is the one to keep
-                self.stats.held_bytes -= row_bytes(self._rows[key])
-            self._rows[key] = row
-            self._by_rollout.setdefault(row.rollout_id, set()).add(key)
-            self.stats.held_bytes += row_bytes(row)
-        while self._rows and self.stats.held_bytes > self.budget_bytes:
-            self._drop(next(iter(self._rows)))
-            self.stats.over_budget += 1
-        self.stats.held = len(self._rows)
+            self._rows.put(key, row)  # written again: the latest version is the one to keep
+        self.stats.over_budget += self._rows.drop_oldest(self.budget_bytes)
+        self.stats.held, self.stats.held_bytes = len(self._rows), self._rows.nbytes
         return late
 
     def release(self, rollout_id: str) -> list[str]:
         """Let go of a finalized rollout's rows; returns their keys, to delete: a copy
         written after the finalizer's own delete would otherwise stay."""
         self._finalized.add(rollout_id)
-        keys = sorted(self._by_rollout.pop(rollout_id, set()))
-        for key in keys:
-            self._drop(key, rollout_known=False)
-            self.stats.released += 1
-        self.stats.held = len(self._rows)
+        keys = self._rows.pop_rollout(rollout_id)
+        self.stats.released += len(keys)
+        self.stats.held, self.stats.held_bytes = len(self._rows), self._rows.nbytes
         return keys
 
     def held(self) -> list[CallRow]:
         """Every row still held, oldest first."""
-        return list(self._rows.values())
+        return list(self._rows)
 
     def __len__(self) -> int:
         return len(self._rows)
-
-    def _drop(self, key: str, *, rollout_known: bool = True) -> None:
-        row = self._rows.pop(key)
-        self.stats.held_bytes -= row_bytes(row)
-        if rollout_known:
-            keys = self._by_rollout.get(row.rollout_id)
-            if keys is not None:
-                keys.discard(key)
-                if not keys:
-                    del self._by_rollout[row.rollout_id]
