@@ -18,6 +18,12 @@ from pipeline.auth.credentials import Credentials
 
 log = logging.getLogger(__name__)
 
+SERVER_KEEP_ALIVE_S = 75
+"""How long a server keeps an idle connection open. It must outlast every client's own idle
+expiry (httpx, and so the openai SDK, drop theirs after 5 s): were the server the one to close
+first, a request sent on the connection as it closed would fail with a read error, which no
+client retries (uvicorn's own default is that same 5 s)."""
+
 
 class InsecureBind(ValueError):
     """A non-loopback listen address without credentials."""

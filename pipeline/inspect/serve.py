@@ -10,7 +10,7 @@ from pathlib import Path
 import uvicorn
 
 from pipeline.auth.credentials import Credentials, Role
-from pipeline.auth.transport import TlsFiles
+from pipeline.auth.transport import SERVER_KEEP_ALIVE_S, TlsFiles
 from pipeline.inspect.app import create_inspect_app
 from pipeline.inspect.source import RunSource
 from pipeline.kafka.config import KafkaConfig
@@ -39,6 +39,7 @@ def serve_inspector(
             host=host,
             port=port,
             log_level="warning",
+            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
             ssl_certfile=str(tls.certfile) if tls else None,
             ssl_keyfile=str(tls.keyfile) if tls else None,
         )

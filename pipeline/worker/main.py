@@ -30,7 +30,7 @@ from fastapi import FastAPI
 from vllm.utils.mistral import is_mistral_tokenizer
 
 from pipeline.auth.credentials import Credentials
-from pipeline.auth.transport import TlsFiles, check_bind
+from pipeline.auth.transport import SERVER_KEEP_ALIVE_S, TlsFiles, check_bind
 from pipeline.kafka.config import KafkaConfig
 from pipeline.process.signals import STOP_SIGNALS
 from pipeline.worker import DEFAULT_MAX_BODY_BYTES
@@ -221,6 +221,7 @@ class WorkerServer:
             lifespan="on",
             log_config=None,
             timeout_graceful_shutdown=max(1, round(graceful_timeout_s)),
+            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
             ssl_certfile=None if tls is None else str(tls.certfile),
             ssl_keyfile=None if tls is None else str(tls.keyfile),
         )
