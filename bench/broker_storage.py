@@ -23,6 +23,12 @@ fewer batches a fetch returns, and past some length none (DESIGN §3).
 mostly deleted reads like a short one (the listing is what grows; DESIGN §3).
 
     tokentrail bench broker-storage --tail --expired --batches 6000 --json
+
+``--packed`` (with ``--tail``) lets the durable store pack all but the last ``TAIL_BATCHES``
+(a group has committed where the tail starts) before they are read: whether a partition as
+long but packed reads like a short one, with every record kept (DESIGN §3).
+
+    tokentrail bench broker-storage --tail --packed --batches 6000 --json
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -40,8 +47,10 @@ from bench.command import Benchmark, Option, Quick
 from bench.common import machine, process_cpu_s, versions
 from bench.events import rollout_events
 from pipeline.kafka.admin import ensure_topics
+from pipeline.kafka.commits import commit_offsets
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.embedded.broker import EmbeddedBroker, StorageMode
+from pipeline.kafka.embedded.broker import BUCKET_DIR, EmbeddedBroker, StorageMode
+from pipeline.kafka.embedded.objectstore import Upkeep
 from pipeline.kafka.embedded.tansu import TANSU
 from pipeline.kafka.lag import LagReader
 from pipeline.kafka.producer import KafkaEventSink
@@ -55,8 +64,10 @@ TAIL_BATCHES = 300
 TAIL_LIMIT_S = 30.0
 EXPIRED_RETENTION_MS = 10_000
 """``--expired``: long enough for the tail to be read before it expires too."""
-EXPIRY_CHECK_S = 0.5
+STORE_CHECK_S = 0.5
 EXPIRY_LIMIT_S = 120.0
+PACK_GROUP = "bench-tail-reader"
+PACKED_OBJECTS = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +78,17 @@ class BrokerStorageConfig:
     """Read the last ``TAIL_BATCHES`` of one partition, as a live consumer, instead of all from the start."""
     expired: bool = False
     """With ``tail``: the batches before the tail are past retention, deleted (durable storage) before it is read."""
+    packed: bool = False
+    """With ``tail``: the batches before the tail are packed (durable storage) before it is read."""
+
+    def __post_init__(self) -> None:
+        if self.expired and self.packed:
+            raise ValueError("--expired and --packed: choose one")
+
+    def upkeep(self) -> Upkeep | None:
+        if self.expired:
+            return Upkeep(retention_check_s=STORE_CHECK_S)
+        return Upkeep(pack_every_s=STORE_CHECK_S, pack_after_s=0.0) if self.packed else None
 
 
 QUICK = Quick("100 batches", BrokerStorageConfig(batches=100))
@@ -78,6 +100,11 @@ OPTIONS = (
     Option(
         "--expired",
         f"with --tail: the durable store deletes all but the last {TAIL_BATCHES} by retention before they are read",
+        switch=True,
+    ),
+    Option(
+        "--packed",
+        f"with --tail: the durable store packs all but the last {TAIL_BATCHES} before they are read",
         switch=True,
     ),
 )
@@ -115,12 +142,14 @@ async def _measure(bootstrap: str, batches: int, store_pid: int | None) -> dict[
     return numbers
 
 
-async def _measure_tail(
-    bootstrap: str, batches: int, store_pid: int | None, expired: bool = False
-) -> dict[str, float]:
+async def _measure_tail(broker: EmbeddedBroker, batches: int, store: BrokerStorageConfig) -> dict[str, float]:
+    expired = store.expired
+    store_pid = broker.bucket_pid
     retention = TopicRetention(**dict.fromkeys(ROLES, EXPIRED_RETENTION_MS)) if expired else TopicRetention()
     config = KafkaConfig(
-        bootstrap_servers=bootstrap, names=TopicNames(prefix="bench-tail", partitions=1), retention=retention
+        bootstrap_servers=broker.bootstrap,
+        names=TopicNames(prefix="bench-tail", partitions=1),
+        retention=retention,
     )
     await ensure_topics(config)
     tp = TopicPartition(config.names.admission, 0)
@@ -129,6 +158,8 @@ async def _measure_tail(
     numbers: dict[str, float] = {}
     if expired and store_pid is not None:
         numbers["log_start"] = await _expired_up_to(config, tp, start - 1)
+    if store.packed and broker.data_dir is not None:
+        numbers["objects_before_tail"] = await _packed_before(config, tp, start, broker.data_dir)
     await _publish_one_per_batch(config, batches - start)
     store_cpu_before = process_cpu_s(store_pid) if store_pid is not None else None
     async with assigned_reader(config, {tp: start}, fetch_max_wait_ms=TANSU.fetch_wait_ms) as consumer:
@@ -151,8 +182,29 @@ async def _expired_up_to(config: KafkaConfig, tp: TopicPartition, log_start: int
         while (marks := (await lag.watermarks([tp]))[tp]).log_start < log_start:
             if time.monotonic() - began > EXPIRY_LIMIT_S:
                 raise RuntimeError(f"the store did not delete {tp.topic}[0] up to {log_start}: {marks}")
-            await asyncio.sleep(EXPIRY_CHECK_S)
+            await asyncio.sleep(STORE_CHECK_S)
     return marks.log_start
+
+
+async def _packed_before(config: KafkaConfig, tp: TopicPartition, start: int, data_dir: Path) -> int:
+    """Commit a group at ``start`` and wait until the store has packed the batches before
+    it into at most ``PACKED_OBJECTS``; how many objects they are then."""
+    await commit_offsets(config, PACK_GROUP, {tp: start})
+    records = data_dir / BUCKET_DIR
+    began = time.monotonic()
+    while True:
+        bases = [
+            int(path.name.removesuffix(".batch"))
+            for path in records.glob(
+                f"*/clusters/*/topics/{tp.topic}/partitions/{tp.partition:010d}/records/*.batch"
+            )
+        ]
+        before = sum(base < start for base in bases)
+        if before <= PACKED_OBJECTS:
+            return before
+        if time.monotonic() - began > EXPIRY_LIMIT_S:
+            raise RuntimeError(f"the store did not pack {tp.topic}[0] before {start}: {before} objects left")
+        await asyncio.sleep(STORE_CHECK_S)
 
 
 def run(config: BrokerStorageConfig = BrokerStorageConfig()) -> dict[str, Any]:
@@ -164,11 +216,11 @@ def run(config: BrokerStorageConfig = BrokerStorageConfig()) -> dict[str, Any]:
             EmbeddedBroker(
                 storage=mode,
                 data_dir=data_dir if mode == "durable" else None,
-                retention_check_s=EXPIRY_CHECK_S if config.expired else None,
+                upkeep=config.upkeep(),
             ) as broker,
         ):
             if config.tail:
-                measured = _measure_tail(broker.bootstrap, config.batches, broker.bucket_pid, config.expired)
+                measured = _measure_tail(broker, config.batches, config)
             else:
                 measured = _measure(broker.bootstrap, config.batches, broker.bucket_pid)
             results[storage] = asyncio.run(measured)
@@ -179,6 +231,7 @@ def run(config: BrokerStorageConfig = BrokerStorageConfig()) -> dict[str, Any]:
         "batches": config.batches,
         "tail": config.tail,
         "expired": config.expired,
+        "packed": config.packed,
         "results": results,
         "read_ratio_memory_to_durable": ratio,
     }
@@ -196,6 +249,8 @@ def render(report: dict[str, Any]) -> str:
             else ""
         )
         start = f", log start {numbers['log_start']:.0f}" if "log_start" in numbers else ""
+        if "objects_before_tail" in numbers:
+            start += f", {numbers['objects_before_tail']:.0f} object(s) before it"
         lines.append(
             f"{storage:8s} {produced}read {numbers['read_per_s']:8.0f} records/s ({numbers['read']:.0f} read{start}){store}"
         )

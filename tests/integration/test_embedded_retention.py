@@ -23,6 +23,7 @@ from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import CollectingHandler, ConsumerLoop, ConsumerTuning
 from pipeline.kafka.embedded.broker import BUCKET_DIR, BrokerError, EmbeddedBroker
+from pipeline.kafka.embedded.objectstore import Upkeep
 from pipeline.kafka.lag import LagReader, Watermarks
 from pipeline.kafka.producer import KafkaEventSink
 from pipeline.kafka.retention import ROLES, TopicRetention
@@ -40,7 +41,7 @@ OLD, FRESH, COMMITTED = 6, 2, 2
 @pytest.fixture(scope="module")
 def durable_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
     data_dir = tmp_path_factory.mktemp("retention")
-    with EmbeddedBroker(storage="durable", data_dir=data_dir, retention_check_s=0.2) as broker:
+    with EmbeddedBroker(storage="durable", data_dir=data_dir, upkeep=Upkeep(retention_check_s=0.2)) as broker:
         yield broker
 
 
@@ -197,4 +198,4 @@ async def test_a_data_directorys_log_stays_bounded_over_rounds(
 
 def test_the_check_interval_is_refused_unless_above_zero(tmp_path: Path) -> None:
     with pytest.raises(BrokerError, match="retention_check_s: 0 is not a number of seconds above 0"):
-        EmbeddedBroker(storage="durable", data_dir=tmp_path, retention_check_s=0)
+        EmbeddedBroker(storage="durable", data_dir=tmp_path, upkeep=Upkeep(retention_check_s=0))

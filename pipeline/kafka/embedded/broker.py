@@ -52,6 +52,7 @@ from types import TracebackType
 from typing import IO, Literal, Self
 
 from pipeline.kafka.config import KafkaConfig
+from pipeline.kafka.embedded.objectstore import Upkeep
 from pipeline.kafka.embedded.probe import ProbeError, identify
 from pipeline.kafka.embedded.tansu import EMBEDDED_CLUSTER_PREFIX, TANSU
 from pipeline.kafka.embedded.unwritten import GivenBack, give_back_unwritten
@@ -231,7 +232,7 @@ class EmbeddedBroker:
         cluster_id: str | None = None,
         startup_timeout: float = 30.0,
         stop_timeout: float = 10.0,
-        retention_check_s: float | None = None,
+        upkeep: Upkeep | None = None,
     ) -> None:
         if storage not in STORAGE_MODES:
             raise BrokerError(f"storage: {storage!r} is not one of {', '.join(STORAGE_MODES)}")
@@ -241,8 +242,10 @@ class EmbeddedBroker:
             raise BrokerError(
                 f"cluster_id: must start with {EMBEDDED_CLUSTER_PREFIX!r} (clients tell the broker by it)"
             )
-        if retention_check_s is not None and not retention_check_s > 0:
-            raise BrokerError(f"retention_check_s: {retention_check_s} is not a number of seconds above 0")
+        if upkeep is not None:
+            for name in ("retention_check_s", "pack_every_s"):
+                if not getattr(upkeep, name) > 0:
+                    raise BrokerError(f"{name}: {getattr(upkeep, name)} is not a number of seconds above 0")
         if port is not None and not 0 < port < 65536:
             raise BrokerError(f"port: {port} is not a TCP port (port 0 is not allowed: tansu advertises it)")
         self.storage: StorageMode = storage
@@ -253,8 +256,9 @@ class EmbeddedBroker:
         self._requested_cluster_id = cluster_id
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
-        self.retention_check_s = retention_check_s
-        """How often the durable store deletes what retention has passed (None: its default)."""
+        self.upkeep = upkeep
+        """When the durable store deletes what retention has passed and packs old batches
+        (None: its defaults)."""
         self._port: int | None = None
         self._cluster_id: str | None = None
         self._tansu: _Child | None = None
@@ -506,8 +510,12 @@ class EmbeddedBroker:
             "--port",
             str(port),
         ]
-        if self.retention_check_s is not None:
-            argv += ["--retention-check-s", str(self.retention_check_s)]
+        if self.upkeep is not None:
+            argv += [
+                f"--retention-check-s={self.upkeep.retention_check_s}",
+                f"--pack-every-s={self.upkeep.pack_every_s}",
+                f"--pack-after-s={self.upkeep.pack_after_s}",
+            ]
         child = _Child(
             "localbucket",
             argv,

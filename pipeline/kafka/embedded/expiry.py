@@ -24,12 +24,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
+from pipeline.kafka.embedded.listing import Listing
 from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX, WATERMARK, read_watermark, write_watermark
 
 RETENTION_CHECK_S = 60.0
@@ -39,16 +38,6 @@ KAFKA_DEFAULT_RETENTION_MS = 7 * 86_400_000
 META = "meta.json"
 
 log = logging.getLogger(__name__)
-
-
-class Listing(Protocol):
-    """What expiry needs of the store's folder index (``objectstore.FolderIndex``)."""
-
-    def writing(self, path: Path, *, forget: bool) -> AbstractContextManager[None]: ...
-
-    def written(self, bucket_dir: Path, path: Path) -> None: ...
-
-    def removed(self, bucket_dir: Path, paths: Collection[Path], remove: Callable[[], None]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +58,6 @@ def positive_seconds(text: str) -> float:
     if not value > 0:
         raise ValueError(f"retention check interval: {text} is not a number of seconds above 0")
     return value
-
-
-def expire_every(
-    root: Path, index: Listing, lock: threading.Lock, every_s: float, stopped: threading.Event
-) -> None:
-    """Delete what retention has passed in every bucket under ``root`` each ``every_s``
-    until ``stopped``; a failed pass is logged and the next one tried."""
-    while not stopped.wait(every_s):
-        for bucket_dir in sorted(path for path in root.iterdir() if path.is_dir()):
-            try:
-                expire(bucket_dir, index, lock)
-            except (OSError, ValueError):
-                log.exception("retention: deleting expired batches in %s failed", bucket_dir)
 
 
 def expire(bucket_dir: Path, index: Listing, lock: threading.Lock, now: float | None = None) -> list[Expired]:

@@ -18,8 +18,9 @@ the store; its handler gets three changes here, the first two measured (bench/RE
   watermark the store moves itself (``pipeline.kafka.embedded.expiry``) is read again,
   never written back over.
 
-It also deletes what the topics' retention says (``pipeline.kafka.embedded.expiry``),
-every ``--retention-check-s``, through the same index.
+It also deletes what the topics' retention says (``pipeline.kafka.embedded.expiry``,
+every ``--retention-check-s``) and packs old batches into few (``pipeline.kafka.embedded.packing``,
+every ``--pack-every-s``), through the same index.
 
 ``EmbeddedBroker`` runs it as ``python -m pipeline.kafka.embedded.objectstore ROOT --host HOST
 --port PORT``. The handler overrides localbucket's own methods, so the project pins its
@@ -35,9 +36,11 @@ import bisect
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -47,7 +50,10 @@ from xml.sax.saxutils import escape
 
 import localbucket
 
-from pipeline.kafka.embedded.expiry import RETENTION_CHECK_S, expire_every, positive_seconds
+from pipeline.kafka.embedded.expiry import RETENTION_CHECK_S, expire, positive_seconds
+from pipeline.kafka.embedded.packing import PACK_AFTER_S, PACK_EVERY_S, pack
+
+log = logging.getLogger(__name__)
 
 
 class Entry(NamedTuple):
@@ -124,6 +130,28 @@ class FolderIndex:
                     cached = self._entries.get(folder)
                     if cached is not None:
                         self._entries[folder] = [entry for entry in cached if entry.key not in gone]
+        finally:
+            self._mark(folders, -1, False)
+
+    def rewritten(
+        self, bucket_dir: Path, kept: Path, gone: Collection[Path], rewrite: Callable[[], None]
+    ) -> None:
+        """Call ``rewrite`` (which deletes ``gone`` and rewrites ``kept`` on disk); every
+        cached folder above them then changes in one step, so a listing answered meanwhile
+        shows the objects as they were, one answered after as they are."""
+        keys_gone = {path.relative_to(bucket_dir).as_posix() for path in gone}
+        key_kept = kept.relative_to(bucket_dir).as_posix()
+        folders = sorted({folder for path in (kept, *gone) for folder in path.parents})
+        self._mark(folders, 1, False)
+        try:
+            rewrite()
+            with self._lock:
+                entry = read_entry(bucket_dir, kept)
+                for folder in folders:
+                    cached = self._entries.get(folder)
+                    if cached is not None:
+                        left = [cached_entry for cached_entry in cached if cached_entry.key not in keys_gone]
+                        self._entries[folder] = replaced(left, key_kept, entry)
         finally:
             self._mark(folders, -1, False)
 
@@ -325,22 +353,49 @@ def _element(tag: str, text: str) -> str:
     return f"<{tag}>{escape(text)}</{tag}>"
 
 
-def serve(root: Path, host: str, port: int, retention_check_s: float = RETENTION_CHECK_S) -> None:
-    """Serve ``root``'s folders as buckets until interrupted, deleting what retention
-    says every ``retention_check_s``; only warnings are logged."""
+@dataclass(frozen=True, slots=True)
+class Upkeep:
+    """The store's own work on its objects: retention (``expiry``) and packing."""
+
+    retention_check_s: float = RETENTION_CHECK_S
+    pack_every_s: float = PACK_EVERY_S
+    pack_after_s: float = PACK_AFTER_S
+
+
+def keep_up(root: Path, upkeep: Upkeep, stopped: threading.Event) -> None:
+    """Delete what retention has passed and pack what has become packable, each at its own
+    interval, one at a time (both rewrite a partition's oldest batches), until ``stopped``;
+    a pass that fails is logged and the next one tried."""
+    due = {"retention": time.monotonic() + upkeep.retention_check_s, "packing": time.monotonic()}
+    every = {"retention": upkeep.retention_check_s, "packing": upkeep.pack_every_s}
+    while not stopped.wait(max(0.0, min(due.values()) - time.monotonic())):
+        for work, at in due.items():
+            if at > time.monotonic():
+                continue
+            due[work] = time.monotonic() + every[work]
+            for bucket_dir in sorted(path for path in root.iterdir() if path.is_dir()):
+                try:
+                    if work == "retention":
+                        expire(bucket_dir, INDEX, CONDITIONAL_WRITES)
+                    else:
+                        pack(bucket_dir, INDEX, upkeep.pack_after_s)
+                except (OSError, ValueError):
+                    log.exception("%s in %s failed", work, bucket_dir)
+
+
+def serve(root: Path, host: str, port: int, upkeep: Upkeep | None = None) -> None:
+    """Serve ``root``'s folders as buckets until interrupted, keeping them up (``keep_up``);
+    only warnings are logged."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s [%(levelname)s]: %(message)s")
     root = root.resolve()
     root.mkdir(parents=True, exist_ok=True)
     FastS3Handler.data_root = root
     server = ThreadingHTTPServer((host, port), FastS3Handler)
     stopped = threading.Event()
-    expiring = threading.Thread(
-        target=expire_every,
-        args=(root, INDEX, CONDITIONAL_WRITES, retention_check_s, stopped),
-        name="expiry",
-        daemon=True,
+    keeping = threading.Thread(
+        target=keep_up, args=(root, upkeep or Upkeep(), stopped), name="upkeep", daemon=True
     )
-    expiring.start()
+    keeping.start()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -363,8 +418,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=RETENTION_CHECK_S,
         help="how often records past their topic's retention are deleted (default: %(default)s)",
     )
+    parser.add_argument(
+        "--pack-every-s",
+        type=positive_seconds,
+        default=PACK_EVERY_S,
+        help="how often old batches are packed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pack-after-s",
+        type=float,
+        default=PACK_AFTER_S,
+        help="how old a batch is before it is packed (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
-    serve(args.root, args.host, args.port, args.retention_check_s)
+    serve(
+        args.root, args.host, args.port, Upkeep(args.retention_check_s, args.pack_every_s, args.pack_after_s)
+    )
 
 
 if __name__ == "__main__":

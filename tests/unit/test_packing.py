@@ -1,0 +1,87 @@
+"""Packing's rule and its record batches (``pipeline.kafka.embedded.packing``); the broker
+reading packs back is ``tests/integration/test_embedded_packing.py``."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
+
+from pipeline.kafka.embedded.packing import NotPackable, StoredBatch, packed_batch, plan_packs
+
+OLD, NOW = 100.0, 1000.0
+
+
+def stored(base: int, size: int = 10, written_at: float = OLD) -> StoredBatch:
+    return StoredBatch(base, size, written_at, Path(f"{base:020d}.batch"))
+
+
+def bases(runs: list[list[StoredBatch]]) -> list[list[int]]:
+    return [[batch.base for batch in run] for run in runs]
+
+
+def test_every_old_batch_but_the_newest_goes_into_one_pack() -> None:
+    assert bases(plan_packs([stored(0), stored(1), stored(2), stored(3)], NOW)) == [[0, 1, 2]]
+
+
+def test_a_young_or_large_batch_splits_the_runs_and_a_run_of_one_stays() -> None:
+    batches = [
+        stored(0),
+        stored(1),
+        stored(2, written_at=NOW),
+        stored(3),
+        stored(4),
+        stored(5, size=60),
+        stored(6),
+    ]
+    assert bases(plan_packs(batches, NOW, pack_bytes=100)) == [[0, 1], [3, 4]]
+    assert plan_packs([stored(0), stored(1, written_at=NOW), stored(2)], NOW) == []
+
+
+def test_a_run_closes_before_it_passes_the_pack_size() -> None:
+    batches = [stored(offset, size=30) for offset in range(8)]
+    assert bases(plan_packs(batches, NOW, pack_bytes=100)) == [[0, 1, 2], [3, 4, 5]]  # 6: alone; 7: newest
+
+
+def batch(base: int, count: int, *, timestamp: int = 1_700_000_000_000) -> bytes:
+    """``count`` records as a producer sends them (offsets from 0), stored at ``base``."""
+    builder = DefaultRecordBatchBuilder(2, 0, 0, -1, -1, -1, 1 << 20)
+    for delta in range(count):
+        offset = base + delta
+        builder.append(
+            delta,
+            timestamp + offset,
+            f"k{offset}".encode(),
+            f"v{offset}".encode(),
+            [("n", str(offset).encode())],
+        )
+    built = builder.build()
+    built[:8] = struct.pack(">q", base)
+    return bytes(built)
+
+
+def test_a_pack_holds_every_record_at_its_offset_with_its_time_key_value_and_headers() -> None:
+    pack = DefaultRecordBatch(packed_batch([(5, batch(5, 1)), (6, batch(6, 3)), (9, batch(9, 2))]))
+    assert pack.validate_crc() and pack.base_offset == 5 and pack.next_offset == 11
+    records = [(r.offset, r.timestamp, r.key, r.value, list(r.headers)) for r in pack]
+    assert records == [
+        (
+            offset,
+            1_700_000_000_000 + offset,
+            f"k{offset}".encode(),
+            f"v{offset}".encode(),
+            [("n", str(offset).encode())],
+        )
+        for offset in range(5, 11)
+    ]
+
+
+def test_batches_that_do_not_follow_each_other_or_fail_their_checksum_are_not_packed() -> None:
+    with pytest.raises(NotPackable, match="does not follow"):
+        packed_batch([(0, batch(0, 2)), (3, batch(3, 1))])
+    damaged = bytearray(batch(1, 1))
+    damaged[-1] ^= 0xFF
+    with pytest.raises(NotPackable, match="checksum"):
+        packed_batch([(0, batch(0, 1)), (1, bytes(damaged))])
