@@ -36,6 +36,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import windows
 from bench.cluster import Cluster, events_on, group_lags, running
 from bench.command import Benchmark, Option, Quick
 from pipeline.kafka.config import KafkaConfig
@@ -164,7 +165,7 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
     )
     samples: list[dict[str, Any]] = []
     with running(cluster):
-        began = time.monotonic()
+        began, began_at = time.monotonic(), time.time()
         while time.monotonic() - began < config.minutes * 60:
             cluster.supervise(config.sample_every_s)
             pids = {name: proc.pid for name, proc in cluster.procs.items()} | {"broker": cluster.broker.pid}
@@ -197,8 +198,9 @@ def _run(config: SoakConfig, root: Path) -> dict[str, Any]:
         if after_drain.get("owner"):
             after_drain["owner"] = _owner_settled(cluster)
         log_tails = _log_tails(root / "logs") if drain_error else {}
+        by_window = windows.seal_to_finalized(cluster.kafka, began_at)
     report = _report(config, samples, restarts, after_drain)
-    return {**report, "drain_error": drain_error, "log_tails": log_tails}
+    return {**report, "seal_to_finalized": by_window, "drain_error": drain_error, "log_tails": log_tails}
 
 
 def _lags(config: KafkaConfig, *, owner: bool) -> dict[str, int]:
@@ -341,6 +343,7 @@ def render(report: dict[str, Any]) -> str:
                 f"open rollouts by third {p['open_rollouts_by_third']}"
                 + (f"; unread by third {p['unread_by_third']}" if p["unread_by_third"] is not None else "")
             )
+    lines += windows.render(report["seal_to_finalized"])
     for stage, lag in report["lag"].items():
         lines.append(
             f"lag {stage}: mean by third {lag['mean_by_third']}, max {lag['max']}, after drain {lag['after_drain']}"
