@@ -36,7 +36,7 @@ async def _windows(config: KafkaConfig, began_at: float, window_s: float) -> lis
     waits: dict[int, list[float]] = {}
     for rollout, sealed_ms in sealed.items():
         if rollout in finalized:
-            window = int((sealed_ms / 1000 - began_at) // window_s)
+            window = max(0, int((sealed_ms / 1000 - began_at) // window_s))  # the warm-up's in the first
             waits.setdefault(window, []).append((finalized[rollout] - sealed_ms) / 1000)
     return [
         {

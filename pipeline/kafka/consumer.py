@@ -469,8 +469,8 @@ class ConsumerLoop:
                 if self._enforced != waited_for:
                     log.warning(
                         "log-time order not kept: %s returned nothing for %.0f s though behind its end"
-                        " (on the embedded broker, a partition too long to read within the fetch wait: raise"
-                        " --fetch-wait-ms, DESIGN §3)",
+                        " (on the embedded broker's memory storage, a partition too long to read within the"
+                        " fetch wait: raise --fetch-wait-ms, DESIGN §3)",
                         ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(self._enforced)),
                         self._max_idle_s,
                     )

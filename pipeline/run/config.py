@@ -139,8 +139,8 @@ class RunConfig(StageBounds):
     """seconds before an unsealed rollout is closed"""
     fetch_wait_ms: Annotated[int | None, Flag(group=LEDGER)] = DEFAULT_TUNING.fetch_wait_ms
     """how long the broker may hold the stages' fetches (ConsumerTuning.fetch_wait_ms); on the
-    embedded broker a longer wait lets them read longer partitions (DESIGN §3); default: the
-    broker kind's"""
+    embedded broker's memory storage a longer wait lets them read longer partitions (DESIGN §3);
+    default: the broker kind's"""
     broker_storage: Annotated[StorageMode, Flag(group=SERVICES)] = "durable"
     """embedded broker storage: durable in DATA_DIR, or memory"""
     dataplane_mode: Annotated[RunDataPlaneMode, Flag(group=SERVICES)] = "embedded"
