@@ -1,6 +1,7 @@
 """The durable store's indexed listing answers exactly what localbucket's full walk does,
-and sees every write the server acknowledged; a stale conditional write is refused; and
-what retention has passed is deleted from the log's start."""
+and sees every write the server acknowledged; a stale conditional write is refused; what
+retention has passed is deleted from the log's start; old batches are packed; and what
+the store deletes leaves nothing behind in memory."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import localbucket
 import pytest
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from pipeline.kafka.embedded.expiry import Expired, expire
 from pipeline.kafka.embedded.objectstore import FastS3Handler, FolderIndex
+from pipeline.kafka.embedded.packing import Packed, pack
 
 KEYS = [
     "clusters/c1/meta.json",
@@ -305,3 +308,42 @@ def test_a_retention_that_does_not_read_is_refused_naming_the_topic(bucket: Path
     kept_for(bucket, {"retention.ms": "soon"})
     with pytest.raises(ValueError, match=r"topic t\.a: retention\.ms 'soon' is not an integer"):
         expire(bucket, FolderIndex(), threading.Lock())
+
+
+def producer_batch(count: int) -> bytes:
+    """``count`` records as a producer sends a batch (offsets from 0)."""
+    builder = DefaultRecordBatchBuilder(2, 0, 0, -1, -1, -1, 1 << 20)
+    for delta in range(count):
+        builder.append(delta, 1_700_000_000_000, None, b"v", [])
+    return bytes(builder.build())
+
+
+def test_packing_rewrites_old_batches_as_one_and_forgets_the_rest(bucket: Path) -> None:
+    """The index shows the pack in place of its batches, and localbucket's ETag memory
+    holds no entry for a deleted batch."""
+    now, index = time.time(), FolderIndex()
+    paths = aged(bucket, [60, 50, 40, 1], now)
+    for path in paths:
+        path.write_bytes(producer_batch(1))
+        os.utime(path, (now - 60, now - 60))
+    os.utime(paths[-1], (now, now))
+    etags = [localbucket.object_etag(path) for path in paths]  # as a listing leaves them cached
+    assert len(held(bucket, index)) == 4
+    assert pack(bucket, index, after_s=10, now=now) == [Packed("t.a", 0, batches=3, packs=1)]
+    assert held(bucket, index) == [f"{offset:020d}.batch" for offset in (0, 3)]
+    assert sorted(path.name for path in (bucket / PARTITION / "records").glob("*.batch")) == held(
+        bucket, index
+    )
+    assert all(str(path) not in localbucket._etag_cache for path in paths[1:3])
+    assert localbucket.object_etag(paths[0]) != etags[0]  # the pack is a new object
+    assert pack(bucket, index, after_s=10, now=now) == []  # one pack and the newest: nothing to do
+
+
+def test_expiry_forgets_the_etags_of_what_it_deleted(bucket: Path) -> None:
+    now, index = time.time(), FolderIndex()
+    kept_for(bucket, {"retention.ms": "1000"})
+    paths = aged(bucket, [60, 50, 1], now)
+    for path in paths:
+        localbucket.object_etag(path)
+    expire(bucket, index, threading.Lock(), now)
+    assert [str(path) in localbucket._etag_cache for path in paths] == [False, False, True]

@@ -125,6 +125,7 @@ class FolderIndex:
         self._mark(folders, 1, False)
         try:
             remove()
+            forget_etags(paths)
             with self._lock:
                 for folder in folders:
                     cached = self._entries.get(folder)
@@ -145,6 +146,7 @@ class FolderIndex:
         self._mark(folders, 1, False)
         try:
             rewrite()
+            forget_etags(gone)
             with self._lock:
                 entry = read_entry(bucket_dir, kept)
                 for folder in folders:
@@ -162,6 +164,15 @@ class FolderIndex:
                 self._writing[folder] += step
                 if forget:
                     self._entries.pop(folder, None)
+
+
+def forget_etags(paths: Collection[Path]) -> None:
+    """localbucket remembers every object's ETag by path and forgets none (it deletes
+    nothing on its own): the objects this store deletes are forgotten with them, or its
+    memory grows by an entry for every batch ever produced."""
+    with localbucket._etag_lock:
+        for path in paths:
+            localbucket._etag_cache.pop(str(path), None)
 
 
 INDEX = FolderIndex()
