@@ -51,6 +51,7 @@ from stages.capture.vllm.mistral import MistralChatRenderer
 from stages.capture.vllm.worker import VllmWorker
 from stages.capture.writer import StagingWriter
 from stages.ports import DataPlane, EventSink
+from stages.recent import DEFAULT_REMEMBER
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class WorkerConfig:
     writer_max_queue: int = 4096
     retain_bytes: int = DEFAULT_BUDGET_BYTES
     """Staged rows kept until finalized, to stage again into a restarted data plane."""
+    remember: int = DEFAULT_REMEMBER
+    """Finalized rollouts recognised after their rows went, so a late row is deleted."""
     graceful_timeout_s: float = 60.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     chat_template: str | None = None
@@ -311,7 +314,7 @@ async def run_worker(
     owned = engine is None
     active = VllmEngine.start(config.engine_settings()) if engine is None else engine
     try:
-        retained = RetainedRows(config.retain_bytes) if kafka is not None else None
+        retained = RetainedRows(config.retain_bytes, remember=config.remember) if kafka is not None else None
         worker = build_worker(config, active, data_plane, sink, retained=retained)
         server = WorkerServer(
             build_app(worker, config),

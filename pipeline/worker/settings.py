@@ -19,6 +19,7 @@ from pipeline.worker import DEFAULT_MAX_BODY_BYTES, MaxBodyBytes
 from pipeline.worker.reasoning import AUTO, NO_PARSER, reasoning_parser_for
 from pipeline.worker.tokenizer_mode import TOKENIZER_MODES, resolve_tokenizer_mode
 from stages.capture.retain import DEFAULT_BUDGET_BYTES
+from stages.recent import DEFAULT_REMEMBER
 
 if TYPE_CHECKING:
     from pipeline.auth.credentials import Credentials
@@ -69,6 +70,9 @@ class WorkerSettings(BaseModel):
             f"restarted (default: {DEFAULT_BUDGET_BYTES}, 256 MiB); rows beyond it are lost with the data plane"
         ),
     )
+    remember: Annotated[int, Field(ge=0), Flag(metavar="N")] = DEFAULT_REMEMBER
+    """finalized rollouts recognised after their rows were let go, so a row of theirs staged
+    late is deleted at once"""
     chat_template: Annotated[str | None, Flag(metavar="FILE", parse=read_template)] = None
     """chat template overriding the tokenizer's, for serving and the exact-prefix splice"""
     template_family: Annotated[str | None, Flag(metavar="NAME")] = None
@@ -124,6 +128,7 @@ class WorkerSettings(BaseModel):
             prefix_wait_s=self.prefix_wait_s,
             max_body_bytes=self.max_body_bytes,
             retain_bytes=self.retain_bytes,
+            remember=self.remember,
             chat_template=self.chat_template,
             template_family=self.template_family,
             tokenizer_mode=self.tokenizer_mode,

@@ -42,6 +42,7 @@ ROUND_TRIPS: list[tuple[list[str], BaseModel]] = [
             prefix_wait_s=0.25,
             max_body_bytes=4096,
             retain_bytes=0,
+            remember=12,
             template_family="chatml",
             tokenizer_mode="mistral",
             tool_call_parser="none",
@@ -229,3 +230,10 @@ def test_the_gateway_settings_give_its_config() -> None:
         4,
     )
     assert GatewaySettings(workers="http://a:1").gateway_config(KafkaConfig(), Credentials()).pacing is None
+
+
+def test_the_worker_settings_give_its_bounds(model_dir: Path) -> None:
+    from pipeline.auth.credentials import Credentials
+
+    config = WorkerSettings(model_dir=model_dir, retain_bytes=5, remember=12).worker_config(Credentials())
+    assert (config.retain_bytes, config.remember) == (5, 12)
