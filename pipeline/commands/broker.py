@@ -16,6 +16,7 @@ from aiokafka.errors import KafkaError
 from pipeline.kafka.config import ConfigError, add_topic_layout_arguments, topic_names_from_args
 from pipeline.kafka.embedded.broker import BrokerError, StoreLockedError
 from pipeline.kafka.embedded.foreground import ForegroundBroker, TopicsToCreate, serve_in_foreground
+from pipeline.kafka.embedded.objectstore import Upkeep
 from pipeline.kafka.embedded.settings import BrokerSettings
 from pipeline.kafka.retention import add_retention_argument, retention_from_args
 from pipeline.process.flags import FlagError, add_flags, from_flags
@@ -33,8 +34,8 @@ examples:
   tokentrail broker --storage durable --data-dir ./tt-broker --port 9092
 
 --create-topics sets each topic's retention (--retention, DESIGN §7.6) and refuses one
-shorter than the ledger's --max-open plus an hour. tansu records retention but never
-deletes a record: a durable store keeps the whole log.
+shorter than the ledger's --max-open plus an hour. A durable store deletes what that
+retention has passed every --retention-check-s, and packs old batches into few.
 """
 
 
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         port=broker.port,
         topics=TopicsToCreate(names, broker.topic_retention) if broker.create_topics else None,
         as_json=args.json,
+        upkeep=Upkeep(retention_check_s=broker.retention_check_s),
     )
     guard_descendants(
         Path(broker.data_dir) if broker.data_dir else None, role="broker"

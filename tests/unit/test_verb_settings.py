@@ -92,7 +92,14 @@ ROUND_TRIPS: list[tuple[list[str], BaseModel]] = [
     ),
     (
         ["broker"],
-        BrokerSettings(host="0.0.0.0", port=9092, storage="durable", data_dir="store", create_topics=True),
+        BrokerSettings(
+            host="0.0.0.0",
+            port=9092,
+            storage="durable",
+            data_dir="store",
+            create_topics=True,
+            retention_check_s=30,
+        ),
     ),
     (["lag", *KAFKA], LagSettings(group=["ledger", "finalizer"], topic=["tt.admission"])),
     (

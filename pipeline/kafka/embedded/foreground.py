@@ -6,16 +6,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 from dataclasses import dataclass
 
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.embedded.broker import EmbeddedBroker, StorageMode
+from pipeline.kafka.embedded.objectstore import Upkeep
 from pipeline.kafka.retention import TopicRetention
 from pipeline.process.signals import stop_event_on_signals, wait_until
 from topics.names import TopicNames
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +35,8 @@ class ForegroundBroker:
     topics: TopicsToCreate | None
     """None: create no topics."""
     as_json: bool
+    upkeep: Upkeep | None = None
+    """When the durable store deletes by retention and packs (None: its defaults)."""
 
 
 def serve_in_foreground(settings: ForegroundBroker) -> None:
@@ -45,7 +45,11 @@ def serve_in_foreground(settings: ForegroundBroker) -> None:
     ``ConfigError``, ``KafkaError`` or ``OSError`` when its topics cannot be created."""
     with stop_event_on_signals() as stop:
         broker = EmbeddedBroker(
-            storage=settings.storage, data_dir=settings.data_dir, host=settings.host, port=settings.port
+            storage=settings.storage,
+            data_dir=settings.data_dir,
+            host=settings.host,
+            port=settings.port,
+            upkeep=settings.upkeep,
         )
         broker.start()
         try:
@@ -56,11 +60,6 @@ def serve_in_foreground(settings: ForegroundBroker) -> None:
                     broker.kafka_config(settings.topics.names), retention=settings.topics.retention
                 )
                 created = asyncio.run(ensure_topics(config))
-            if settings.storage == "durable":
-                log.warning(
-                    "tansu records each topic's retention but never deletes a record: "
-                    "this store keeps the whole log"
-                )
             announce(broker, settings, created)
             wait_until(stop)
         finally:

@@ -12,6 +12,7 @@ from typing import Annotated, Self
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
 
 from pipeline.kafka.embedded.broker import StorageMode
+from pipeline.kafka.embedded.expiry import RETENTION_CHECK_S
 from pipeline.kafka.retention import DEFAULT_RETENTION, TopicRetention
 from pipeline.process.flags import NOT_A_FLAG, Flag
 from stages.ledger.stage import LedgerConfig
@@ -39,6 +40,8 @@ class BrokerSettings(BaseModel):
             f"records for less than that plus 1h (default: {LedgerConfig().max_open_s}, tokentrail stage's)"
         ),
     )
+    retention_check_s: Annotated[float, Field(gt=0)] = RETENTION_CHECK_S
+    """with durable storage: seconds between deletions of what the topics' retention has passed"""
     retention: Annotated[InstanceOf[TopicRetention] | None, NOT_A_FLAG] = None
     """``--retention``, when given (else the defaults): the retention of the topics it creates."""
 
