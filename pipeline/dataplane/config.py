@@ -59,8 +59,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-RESTAGE_GRACE_S = 10.0
-"""How long the finalizer waits for rows missing from a data plane that has just started."""
+RESTAGE_GRACE_S = 30.0
+"""How long the finalizer waits for rows missing from a data plane that has just started:
+as long as it waits for the owner itself (``OWNER_WAIT_S``), since the workers put their
+rows back only once they have found the new owner; at 10 s a loaded 2-core host reported
+rows still on their way as lost."""
 SLOT_REUSE_AFTER_S = 120.0
 """How long an embedded data plane holds a deleted row's slot before a new row may take it;
 every client's deadline (``timeout_s``) must stay below it (``pipeline.dataplane.embedded``)."""
