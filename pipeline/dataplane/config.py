@@ -62,8 +62,8 @@ def is_loopback(host: str) -> bool:
 RESTAGE_GRACE_S = 30.0
 """How long the finalizer waits for rows missing from a data plane that has just started:
 as long as it waits for the owner itself (``OWNER_WAIT_S``), since the workers put their
-rows back only once they have found the new owner; at 10 s a loaded 2-core host reported
-rows still on their way as lost."""
+rows back only once they have found the new owner; at 10 s the fault suite, run beside
+other tests on a 2-core host, once counted rows of an owner kill lost that it finds alone."""
 SLOT_REUSE_AFTER_S = 120.0
 """How long an embedded data plane holds a deleted row's slot before a new row may take it;
 every client's deadline (``timeout_s``) must stay below it (``pipeline.dataplane.embedded``)."""
