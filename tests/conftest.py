@@ -48,8 +48,13 @@ ENGINE_POOLS = ("tests/families/", "tests/frameworks/")
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """How ``make test`` splits the suite between xdist workers: a module's tests stay on one
     worker (its module fixtures start once), and the tests sharing the engine pool run on one
-    worker, so each of its engines starts once, not once per worker."""
+    worker, so each of its engines starts once, not once per worker. Work goes out in the
+    order collected, not xdist's most-tests-first: that order sent the modules of one long
+    test (a run killed and restarted, the walkthrough, the soak) last, where one worker
+    waited minutes for the other; collected, the many short unit modules come last instead."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class ByModuleAndEnginePool(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
