@@ -25,6 +25,8 @@ no store and this cluster runs no archive: both are reported as absent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -93,7 +95,14 @@ OPTIONS = (
 
 
 def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+    """Bytes of the files under ``path``; one deleted while it is walked (the broker's store
+    packs and expires batches as it runs) counts as gone."""
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(directory, name)).st_size
+    return total
 
 
 def _process_stats(pids: dict[str, int]) -> tuple[dict[str, float], dict[str, float]]:
