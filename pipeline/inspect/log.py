@@ -21,6 +21,7 @@ from aiokafka.errors import KafkaError
 
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.embedded.broker import BUCKET_DIR, CLUSTER_ID_FILE, BrokerError, EmbeddedBroker
+from pipeline.kafka.embedded.snapshot import copy_store
 from pipeline.kafka.lag import LagReader, lag_by_group
 from pipeline.replay.rebuild import read_log, rebuild
 from pipeline.replay.store import LedgerStore
@@ -58,7 +59,7 @@ def read_run_log(data_dir: Path, scratch: Path) -> LogContents | LogUnavailable:
         )
     copy = scratch / "log"
     try:
-        shutil.copytree(store, copy / BUCKET_DIR)
+        copy_store(store, copy / BUCKET_DIR)  # the run may still be writing it
         shutil.copy2(cluster_id, copy / CLUSTER_ID_FILE)
         with EmbeddedBroker(storage="durable", data_dir=copy) as broker:
             return asyncio.run(_read(broker.kafka_config(), scratch / "ledger.sqlite"))
