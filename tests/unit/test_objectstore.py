@@ -17,7 +17,7 @@ from pathlib import Path
 
 import localbucket
 import pytest
-from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from batchkit import record_batch
 
 from pipeline.kafka.embedded.expiry import Expired, expire
 from pipeline.kafka.embedded.objectstore import FastS3Handler, FolderIndex
@@ -310,21 +310,13 @@ def test_a_retention_that_does_not_read_is_refused_naming_the_topic(bucket: Path
         expire(bucket, FolderIndex(), threading.Lock())
 
 
-def producer_batch(count: int) -> bytes:
-    """``count`` records as a producer sends a batch (offsets from 0)."""
-    builder = DefaultRecordBatchBuilder(2, 0, 0, -1, -1, -1, 1 << 20)
-    for delta in range(count):
-        builder.append(delta, 1_700_000_000_000, None, b"v", [])
-    return bytes(builder.build())
-
-
 def test_packing_rewrites_old_batches_as_one_and_forgets_the_rest(bucket: Path) -> None:
     """The index shows the pack in place of its batches, and localbucket's ETag memory
     holds no entry for a deleted batch."""
     now, index = time.time(), FolderIndex()
     paths = aged(bucket, [60, 50, 40, 1], now)
     for path in paths:
-        path.write_bytes(producer_batch(1))
+        path.write_bytes(record_batch(int(path.stem), 1))
         os.utime(path, (now - 60, now - 60))
     os.utime(paths[-1], (now, now))
     etags = [localbucket.object_etag(path) for path in paths]  # as a listing leaves them cached

@@ -3,11 +3,11 @@ reading packs back is ``tests/integration/test_embedded_packing.py``."""
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 import pytest
-from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
+from aiokafka.record.default_records import DefaultRecordBatch
+from batchkit import TIMESTAMP_MS, record_batch
 
 from pipeline.kafka.embedded.packing import NotPackable, StoredBatch, packed_batch, plan_packs
 
@@ -45,31 +45,16 @@ def test_a_run_closes_before_it_passes_the_pack_size() -> None:
     assert bases(plan_packs(batches, NOW, pack_bytes=100)) == [[0, 1, 2], [3, 4, 5]]  # 6: alone; 7: newest
 
 
-def batch(base: int, count: int, *, timestamp: int = 1_700_000_000_000) -> bytes:
-    """``count`` records as a producer sends them (offsets from 0), stored at ``base``."""
-    builder = DefaultRecordBatchBuilder(2, 0, 0, -1, -1, -1, 1 << 20)
-    for delta in range(count):
-        offset = base + delta
-        builder.append(
-            delta,
-            timestamp + offset,
-            f"k{offset}".encode(),
-            f"v{offset}".encode(),
-            [("n", str(offset).encode())],
-        )
-    built = builder.build()
-    built[:8] = struct.pack(">q", base)
-    return bytes(built)
-
-
 def test_a_pack_holds_every_record_at_its_offset_with_its_time_key_value_and_headers() -> None:
-    pack = DefaultRecordBatch(packed_batch([(5, batch(5, 1)), (6, batch(6, 3)), (9, batch(9, 2))]))
+    pack = DefaultRecordBatch(
+        packed_batch([(5, record_batch(5, 1)), (6, record_batch(6, 3)), (9, record_batch(9, 2))])
+    )
     assert pack.validate_crc() and pack.base_offset == 5 and pack.next_offset == 11
     records = [(r.offset, r.timestamp, r.key, r.value, list(r.headers)) for r in pack]
     assert records == [
         (
             offset,
-            1_700_000_000_000 + offset,
+            TIMESTAMP_MS + offset,
             f"k{offset}".encode(),
             f"v{offset}".encode(),
             [("n", str(offset).encode())],
@@ -80,8 +65,8 @@ def test_a_pack_holds_every_record_at_its_offset_with_its_time_key_value_and_hea
 
 def test_batches_that_do_not_follow_each_other_or_fail_their_checksum_are_not_packed() -> None:
     with pytest.raises(NotPackable, match="does not follow"):
-        packed_batch([(0, batch(0, 2)), (3, batch(3, 1))])
-    damaged = bytearray(batch(1, 1))
+        packed_batch([(0, record_batch(0, 2)), (3, record_batch(3, 1))])
+    damaged = bytearray(record_batch(1, 1))
     damaged[-1] ^= 0xFF
     with pytest.raises(NotPackable, match="checksum"):
-        packed_batch([(0, batch(0, 1)), (1, bytes(damaged))])
+        packed_batch([(0, record_batch(0, 1)), (1, bytes(damaged))])

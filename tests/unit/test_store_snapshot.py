@@ -3,25 +3,15 @@ batches copied whole, one torn by the store's upkeep copied again."""
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 import pytest
-from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from batchkit import record_batch
 
 from pipeline.kafka.embedded import snapshot
 from pipeline.kafka.embedded.snapshot import TornCopy, copy_store, whole
 
 RECORDS = "tansu/clusters/c/topics/t/partitions/0000000000/records"
-
-
-def batch(base: int, count: int) -> bytes:
-    builder = DefaultRecordBatchBuilder(2, 0, 0, -1, -1, -1, 1 << 20)
-    for delta in range(count):
-        builder.append(delta, 1_700_000_000_000, None, b"v", [])
-    built = builder.build()
-    built[:8] = struct.pack(">q", base)
-    return bytes(built)
 
 
 def partition(root: Path, batches: dict[int, int]) -> Path:
@@ -30,7 +20,7 @@ def partition(root: Path, batches: dict[int, int]) -> Path:
     records.mkdir(parents=True)
     (records.parent / "watermark.json").write_text("{}")
     for base, count in batches.items():
-        (records / f"{base:020d}.batch").write_bytes(batch(base, count))
+        (records / f"{base:020d}.batch").write_bytes(record_batch(base, count))
     return records
 
 
