@@ -108,6 +108,22 @@ def call_id(key: bytes | None, value: bytes | None, headers: list[tuple[str, byt
     return payload.call_id
 
 
+async def first_fetch(
+    config: KafkaConfig, tp: TopicPartition, *, group: str | None, seek: int | None = None
+) -> list[int]:
+    """The offsets one fetch of a plain aiokafka consumer returns: in ``group`` from its
+    commit, or at ``seek``."""
+    consumer = AIOKafkaConsumer(**config.client_kwargs(), group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        if seek is not None:
+            consumer.seek(tp, seek)
+        return [record.offset for record in (await consumer.getmany(tp, timeout_ms=5000))[tp]]
+    finally:
+        await consumer.stop()
+
+
 async def test_old_batches_become_one_pack_holding_every_record(
     config: KafkaConfig, packing_broker: EmbeddedBroker
 ) -> None:
@@ -118,15 +134,8 @@ async def test_old_batches_become_one_pack_holding_every_record(
     written = [(offset, f"c{offset:05d}") for offset in range(WRITTEN)]
     assert await read_from(config, tp, None) == written
     assert await read_from(config, tp, COMMITTED) == written[COMMITTED:]  # from inside the pack
-    plain = AIOKafkaConsumer(**config.client_kwargs(), enable_auto_commit=False)
-    await plain.start()  # a client that is not the project's own reads it the same
-    try:
-        plain.assign([tp])
-        plain.seek(tp, COMMITTED)
-        records = (await plain.getmany(tp, timeout_ms=5000))[tp]
-        assert [record.offset for record in records] == list(range(COMMITTED, WRITTEN))
-    finally:
-        await plain.stop()
+    # aiokafka's own consumer, outside the project's reader, reads it the same
+    assert await first_fetch(config, tp, group=None, seek=COMMITTED) == list(range(COMMITTED, WRITTEN))
 
 
 async def test_a_group_resumes_at_its_commit_inside_a_pack(
@@ -137,11 +146,4 @@ async def test_a_group_resumes_at_its_commit_inside_a_pack(
     await publish_one_per_batch(config, 1, WRITTEN)
     await commit_offsets(config, "readers", {tp: COMMITTED})
     await packed(packing_broker, tp, WRITTEN - 1)
-    group = AIOKafkaConsumer(**config.client_kwargs(), group_id="readers", enable_auto_commit=False)
-    await group.start()
-    try:
-        group.assign([tp])
-        resumed = (await group.getmany(tp, timeout_ms=5000))[tp]
-        assert [record.offset for record in resumed] == list(range(COMMITTED, WRITTEN))
-    finally:
-        await group.stop()
+    assert await first_fetch(config, tp, group="readers") == list(range(COMMITTED, WRITTEN))
