@@ -25,8 +25,8 @@ mostly deleted reads like a short one (the listing is what grows; DESIGN §3).
     tokentrail bench broker-storage --tail --expired --batches 6000 --json
 
 ``--packed`` (with ``--tail``) lets the durable store pack all but the last ``TAIL_BATCHES``
-(a group has committed where the tail starts) before they are read: whether a partition as
-long but packed reads like a short one, with every record kept (DESIGN §3).
+before they are read: whether a partition as long but packed reads like a short one, with
+every record kept (DESIGN §3).
 
     tokentrail bench broker-storage --tail --packed --batches 6000 --json
 """
@@ -47,7 +47,6 @@ from bench.command import Benchmark, Option, Quick
 from bench.common import machine, process_cpu_s, versions
 from bench.events import rollout_events
 from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.commits import commit_offsets
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.embedded.broker import BUCKET_DIR, EmbeddedBroker, StorageMode
 from pipeline.kafka.embedded.objectstore import Upkeep
@@ -66,7 +65,6 @@ EXPIRED_RETENTION_MS = 10_000
 """``--expired``: long enough for the tail to be read before it expires too."""
 STORE_CHECK_S = 0.5
 EXPIRY_LIMIT_S = 120.0
-PACK_GROUP = "bench-tail-reader"
 PACKED_OBJECTS = 10
 
 
@@ -159,7 +157,7 @@ async def _measure_tail(broker: EmbeddedBroker, batches: int, store: BrokerStora
     if expired and store_pid is not None:
         numbers["log_start"] = await _expired_up_to(config, tp, start - 1)
     if store.packed and broker.data_dir is not None:
-        numbers["objects_before_tail"] = await _packed_before(config, tp, start, broker.data_dir)
+        numbers["objects_before_tail"] = await _packed_before(tp, start, broker.data_dir)
     await _publish_one_per_batch(config, batches - start)
     store_cpu_before = process_cpu_s(store_pid) if store_pid is not None else None
     async with assigned_reader(config, {tp: start}, fetch_max_wait_ms=TANSU.fetch_wait_ms) as consumer:
@@ -186,10 +184,9 @@ async def _expired_up_to(config: KafkaConfig, tp: TopicPartition, log_start: int
     return marks.log_start
 
 
-async def _packed_before(config: KafkaConfig, tp: TopicPartition, start: int, data_dir: Path) -> int:
-    """Commit a group at ``start`` and wait until the store has packed the batches before
-    it into at most ``PACKED_OBJECTS``; how many objects they are then."""
-    await commit_offsets(config, PACK_GROUP, {tp: start})
+async def _packed_before(tp: TopicPartition, start: int, data_dir: Path) -> int:
+    """Wait until the store has packed the batches before ``start`` into at most
+    ``PACKED_OBJECTS``; how many objects they are then."""
     records = data_dir / BUCKET_DIR
     began = time.monotonic()
     while True:
