@@ -9,7 +9,7 @@ import pytest
 from aiokafka.record.default_records import DefaultRecordBatch
 from batchkit import TIMESTAMP_MS, record_batch
 
-from pipeline.kafka.embedded.packing import NotPackable, StoredBatch, packed_batch, plan_packs
+from pipeline.kafka.embedded.packing import NotPackable, StoredBatch, drop_replaced, packed_batch, plan_packs
 
 OLD, NOW = 100.0, 1000.0
 
@@ -70,3 +70,15 @@ def test_batches_that_do_not_follow_each_other_or_fail_their_checksum_are_not_pa
     damaged[-1] ^= 0xFF
     with pytest.raises(NotPackable, match="checksum"):
         packed_batch([(0, record_batch(0, 1)), (1, bytes(damaged))])
+
+
+def test_batches_a_pack_already_holds_are_dropped_before_the_store_serves(tmp_path: Path) -> None:
+    """A store killed after writing a pack and before deleting what it replaced: the copies go."""
+    records = tmp_path / "tansu/clusters/c/topics/t/partitions/0000000000/records"
+    records.mkdir(parents=True)
+    pack = packed_batch([(0, record_batch(0, 1)), (1, record_batch(1, 2)), (3, record_batch(3, 1))])
+    for base, data in {0: pack, 1: record_batch(1, 2), 3: record_batch(3, 1), 4: record_batch(4, 1)}.items():
+        (records / f"{base:020d}.batch").write_bytes(data)
+    assert drop_replaced(tmp_path) == 2
+    assert sorted(path.name for path in records.iterdir()) == [f"{0:020d}.batch", f"{4:020d}.batch"]
+    assert drop_replaced(tmp_path) == 0

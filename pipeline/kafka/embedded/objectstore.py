@@ -51,7 +51,7 @@ from xml.sax.saxutils import escape
 import localbucket
 
 from pipeline.kafka.embedded.expiry import RETENTION_CHECK_S, expire, positive_seconds
-from pipeline.kafka.embedded.packing import PACK_AFTER_S, PACK_EVERY_S, pack
+from pipeline.kafka.embedded.packing import PACK_AFTER_S, PACK_EVERY_S, drop_replaced, pack
 
 log = logging.getLogger(__name__)
 
@@ -400,6 +400,8 @@ def serve(root: Path, host: str, port: int, upkeep: Upkeep | None = None) -> Non
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s [%(levelname)s]: %(message)s")
     root = root.resolve()
     root.mkdir(parents=True, exist_ok=True)
+    if dropped := drop_replaced(root):
+        log.warning("deleted %d batch(es) a pack already held (a store killed while packing)", dropped)
     FastS3Handler.data_root = root
     server = ThreadingHTTPServer((host, port), FastS3Handler)
     stopped = threading.Event()

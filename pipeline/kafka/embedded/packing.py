@@ -17,7 +17,9 @@ at its commit or one outside any group, reads on as before
 once ``PACK_AFTER_S`` old, so a reader that follows the end of the log never asks for one
 being rewritten (a fetch that lists a batch and then finds it gone fails and is tried
 again). The newest batch is never packed (its end is where the next produce starts), nor
-one already half a pack (so a full pack is written once).
+one already half a pack (so a full pack is written once). A pack is written before the
+batches it replaces go, so a store killed in between leaves copies, never a gap; the store
+drops them when it starts again (``drop_replaced``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import localbucket
 from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
 from pipeline.kafka.embedded.listing import Listing
-from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX
+from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX, LAST_OFFSET_DELTA
 
 PACK_BYTES = 4 * 1024 * 1024
 """The most a pack holds: a reader from the log start gets one per fetch."""
@@ -159,6 +161,24 @@ def pack(
     return packed
 
 
+def drop_replaced(root: Path) -> int:
+    """Delete the batches a pack before them already holds, which a store killed between
+    writing a pack and deleting what it replaced leaves behind (a reader would get their
+    records twice); before the store serves. Returns how many went."""
+    dropped = 0
+    for records in root.glob("*/clusters/*/topics/*/partitions/*/records"):
+        end: int | None = None
+        for batch in _stored(records):
+            if end is not None and batch.base < end:
+                batch.path.unlink(missing_ok=True)
+                dropped += 1
+                continue
+            with batch.path.open("rb") as stored:
+                header = stored.read(LAST_OFFSET_DELTA.stop)
+            end = batch.base + int.from_bytes(header[LAST_OFFSET_DELTA], "big", signed=True) + 1
+    return dropped
+
+
 def _children(path: Path) -> list[Path]:
     try:
         return sorted(path.iterdir())
@@ -198,9 +218,9 @@ def _pack_run(bucket_dir: Path, run: Sequence[StoredBatch], index: Listing) -> b
         os.utime(temporary, (newest, newest))  # retention counts from its newest record
 
         def rewrite() -> None:
+            os.replace(temporary, kept)  # first: a kill from here on leaves copies, never a gap
             for batch in run[1:]:
                 batch.path.unlink(missing_ok=True)
-            os.replace(temporary, kept)
 
         index.rewritten(bucket_dir, kept, [batch.path for batch in run[1:]], rewrite)
     finally:
