@@ -37,7 +37,7 @@ import localbucket
 from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
 from pipeline.kafka.embedded.listing import Listing
-from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX, LAST_OFFSET_DELTA
+from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX, batch_end
 
 PACK_BYTES = 4 * 1024 * 1024
 """The most a pack holds: a reader from the log start gets one per fetch."""
@@ -173,9 +173,7 @@ def drop_replaced(root: Path) -> int:
                 batch.path.unlink(missing_ok=True)
                 dropped += 1
                 continue
-            with batch.path.open("rb") as stored:
-                header = stored.read(LAST_OFFSET_DELTA.stop)
-            end = batch.base + int.from_bytes(header[LAST_OFFSET_DELTA], "big", signed=True) + 1
+            end = batch_end(batch.path, batch.base)
     return dropped
 
 

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX, LAST_OFFSET_DELTA
+from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX, batch_end
 
 COPY_ATTEMPTS = 5
 """Copies of one partition before giving up: packing touches a partition every few seconds
@@ -49,11 +49,10 @@ def whole(records: Path) -> bool:
         base = int(name.removesuffix(BATCH_SUFFIX))
         if end is not None and base != end:
             return False
-        with (records / name).open("rb") as batch:
-            header = batch.read(LAST_OFFSET_DELTA.stop)
-        if len(header) < LAST_OFFSET_DELTA.stop:
+        try:
+            end = batch_end(records / name, base)
+        except ValueError:  # shorter than a header: torn
             return False
-        end = base + int.from_bytes(header[LAST_OFFSET_DELTA], "big", signed=True) + 1
     return True
 
 

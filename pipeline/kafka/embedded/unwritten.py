@@ -81,6 +81,12 @@ def written_end(records_dir: Path) -> int:
     if not batches:
         return 0
     base, path = max(batches)
+    return batch_end(path, base)
+
+
+def batch_end(path: Path, base: int) -> int:
+    """The offset after the last one the batch object at ``path`` (first offset ``base``)
+    covers, read from its header."""
     with path.open("rb") as batch:
         header = batch.read(LAST_OFFSET_DELTA.stop)
     if len(header) < LAST_OFFSET_DELTA.stop:
