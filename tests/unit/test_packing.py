@@ -9,7 +9,8 @@ import pytest
 from aiokafka.record.default_records import DefaultRecordBatch
 from batchkit import TIMESTAMP_MS, record_batch
 
-from pipeline.kafka.embedded.packing import NotPackable, StoredBatch, drop_replaced, packed_batch, plan_packs
+from pipeline.kafka.embedded.packing import NotPackable, drop_replaced, packed_batch, plan_packs
+from pipeline.kafka.embedded.unwritten import StoredBatch
 
 OLD, NOW = 100.0, 1000.0
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.kafka.embedded.listing import Listing
-from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX, WATERMARK, read_watermark, write_watermark
+from pipeline.kafka.embedded.unwritten import WATERMARK, read_watermark, stored_batches, write_watermark
 
 RETENTION_CHECK_S = 60.0
 """How often the store deletes what retention has passed (Kafka checks every 5 minutes)."""
@@ -114,19 +113,15 @@ def _expire_partition(
 ) -> tuple[int, int] | None:
     """Delete the partition's oldest batches past ``retention_ms``, never its newest;
     returns its new log start and how many went, or None when none did."""
-    batches = _batches(partition_dir / "records")
+    batches = stored_batches(partition_dir / "records")
     doomed: list[Path] = []
-    for path in batches[:-1]:
-        try:
-            appended = path.stat().st_mtime
-        except FileNotFoundError:
-            continue
-        if (now - appended) * 1000 <= retention_ms:
+    for batch in batches[:-1]:
+        if (now - batch.written_at) * 1000 <= retention_ms:
             break
-        doomed.append(path)
+        doomed.append(batch.path)
     if not doomed:
         return None
-    log_start = int(batches[len(doomed)].name.removesuffix(BATCH_SUFFIX))
+    log_start = batches[len(doomed)].base
     _raise_log_start(bucket_dir, partition_dir / WATERMARK, log_start, index, lock)
 
     def remove() -> None:
@@ -135,17 +130,6 @@ def _expire_partition(
 
     index.removed(bucket_dir, doomed, remove)
     return log_start, len(doomed)
-
-
-def _batches(records_dir: Path) -> list[Path]:
-    """The partition's batch objects in offset order (their names are zero-padded offsets),
-    read from the folder, so the index caches no folder that nobody lists."""
-    try:
-        with os.scandir(records_dir) as entries:
-            names = sorted(entry.name for entry in entries if entry.name.endswith(BATCH_SUFFIX))
-    except FileNotFoundError:
-        return []
-    return [records_dir / name for name in names]
 
 
 def _raise_log_start(

@@ -37,7 +37,7 @@ import localbucket
 from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
 from pipeline.kafka.embedded.listing import Listing
-from pipeline.kafka.embedded.unwritten import BATCH_SUFFIX, batch_end
+from pipeline.kafka.embedded.unwritten import StoredBatch, batch_end, stored_batches
 
 PACK_BYTES = 4 * 1024 * 1024
 """The most a pack holds: a reader from the log start gets one per fetch."""
@@ -49,18 +49,6 @@ BASE_OFFSET = slice(0, 8)
 """Where a record batch keeps its first offset; the checksum does not cover it."""
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class StoredBatch:
-    """One batch object of a partition."""
-
-    base: int
-    """Its first offset (its name)."""
-    size: int
-    written_at: float
-    """Seconds since the epoch (the object's time)."""
-    path: Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +141,7 @@ def pack(
     for cluster_dir in sorted((bucket_dir / "clusters").glob("*")):
         for topic_dir in sorted((cluster_dir / "topics").glob("*")):
             for partition_dir in sorted((topic_dir / "partitions").glob("*")):
-                runs = plan_packs(_stored(partition_dir / "records"), written_before)
+                runs = plan_packs(stored_batches(partition_dir / "records"), written_before)
                 done = [run for run in runs if _pack_run(bucket_dir, run, index)]
                 if done:
                     batches = sum(len(run) for run in done)
@@ -168,35 +156,13 @@ def drop_replaced(root: Path) -> int:
     dropped = 0
     for records in root.glob("*/clusters/*/topics/*/partitions/*/records"):
         end: int | None = None
-        for batch in _stored(records):
+        for batch in stored_batches(records):
             if end is not None and batch.base < end:
                 batch.path.unlink(missing_ok=True)
                 dropped += 1
                 continue
             end = batch_end(batch.path, batch.base)
     return dropped
-
-
-def _children(path: Path) -> list[Path]:
-    try:
-        return sorted(path.iterdir())
-    except FileNotFoundError:
-        return []
-
-
-def _stored(records_dir: Path) -> list[StoredBatch]:
-    batches: list[StoredBatch] = []
-    for path in _children(records_dir):
-        if not path.name.endswith(BATCH_SUFFIX):
-            continue
-        try:
-            stat = path.stat()
-        except FileNotFoundError:
-            continue
-        batches.append(
-            StoredBatch(int(path.name.removesuffix(BATCH_SUFFIX)), stat.st_size, stat.st_mtime, path)
-        )
-    return batches
 
 
 def _pack_run(bucket_dir: Path, run: Sequence[StoredBatch], index: Listing) -> bool:

@@ -72,16 +72,42 @@ def give_back_unwritten(cluster_dir: Path) -> list[GivenBack]:
     return given_back
 
 
+@dataclass(frozen=True, slots=True)
+class StoredBatch:
+    """One batch object of a partition."""
+
+    base: int
+    """Its first offset (its name)."""
+    size: int
+    written_at: float
+    """Seconds since the epoch (the object's time)."""
+    path: Path
+
+
+def stored_batches(records_dir: Path) -> list[StoredBatch]:
+    """A partition's batch objects in offset order (their names are zero-padded offsets),
+    read from the folder; one deleted while it is read is left out."""
+    batches: list[StoredBatch] = []
+    try:
+        with os.scandir(records_dir) as entries:
+            names = sorted(entry.name for entry in entries if entry.name.endswith(BATCH_SUFFIX))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        path = records_dir / name
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        batches.append(StoredBatch(int(name.removesuffix(BATCH_SUFFIX)), stat.st_size, stat.st_mtime, path))
+    return batches
+
+
 def written_end(records_dir: Path) -> int:
     """The offset after the last batch in ``records_dir`` (0 if it holds none). A batch
     object is named by its first offset; a write is atomic (a rename), so a batch is whole."""
-    batches = [
-        (int(path.name.removesuffix(BATCH_SUFFIX)), path) for path in records_dir.glob(f"*{BATCH_SUFFIX}")
-    ]
-    if not batches:
-        return 0
-    base, path = max(batches)
-    return batch_end(path, base)
+    batches = stored_batches(records_dir)
+    return batch_end(batches[-1].path, batches[-1].base) if batches else 0
 
 
 def batch_end(path: Path, base: int) -> int:
