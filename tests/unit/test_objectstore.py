@@ -339,3 +339,49 @@ def test_expiry_forgets_the_etags_of_what_it_deleted(bucket: Path) -> None:
         localbucket.object_etag(path)
     expire(bucket, index, threading.Lock(), now)
     assert [str(path) in localbucket._etag_cache for path in paths] == [False, False, True]
+
+
+BAD_KEYS = [
+    f"{RECORDS}..",
+    f"{RECORDS}.",
+    f"{RECORDS}../../escape",
+    f"{RECORDS}",
+    "clusters/c1/./meta.json",
+]
+
+
+def test_keys_in_a_known_folder_are_answered_as_localbucket_s(bucket: Path) -> None:
+    """Once a folder's path is known the store stops resolving it: a bad key in it, or a
+    bucket gone, is still refused as localbucket refuses it, and a good one lands where
+    localbucket puts it (the same request, twice, after the folder became known)."""
+    requests = [
+        ("PUT", f"{RECORDS}00000000000000000009.batch", b"nine"),
+        ("GET", f"{RECORDS}00000000000000000009.batch", b""),
+        *[(method, key, b"x") for key in BAD_KEYS for method in ("PUT", "GET")],
+        ("GET", f"{RECORDS}00000000000000000001.batch", b""),
+    ]
+    answers = []
+    for handler_class in (localbucket.S3Handler, FastS3Handler, FastS3Handler):
+        handler_class.data_root = bucket.parent
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=5)
+        replies = []
+        try:
+            for method, key, body in requests:
+                connection.request(method, f"/{bucket.name}/{key}", body=body or None)
+                reply = connection.getresponse()
+                replies.append((method, key, reply.status, reply.read() if reply.status == 200 else b""))
+            connection.request("GET", f"/gone/{RECORDS}00000000000000000001.batch")
+            reply = connection.getresponse()
+            reply.read()
+            replies.append(("GET", "gone bucket", reply.status, b""))
+        finally:
+            connection.close()
+            server.shutdown()
+            server.server_close()
+        answers.append(replies)
+        (bucket / f"{RECORDS}00000000000000000009.batch").unlink()
+    assert [status for _, _, status, _ in answers[0]].count(200) == 3  # the two good reads and the write
+    assert answers[1] == answers[0] and answers[2] == answers[0]
+    assert not (bucket.parent / "escape").exists()

@@ -2,11 +2,13 @@
 
 tansu's durable engine keeps every record batch, watermark and committed offset as an
 object, so a broker's speed is its store's. localbucket (buckets as plain folders) is
-the store; its handler gets three changes here, the first two measured (bench/RESULTS.md):
+the store; its handler gets four changes here, the first three measured (bench/RESULTS.md):
 
-* replies go out without Nagle's delay: headers and body are two writes, and the second
-  waited for the client's delayed acknowledgement, about 40 ms per request, which
-  capped a consumer reading single-record batches at ~30 a second;
+* replies go out at once and whole: without Nagle's delay (headers and body were two
+  writes, and the second waited for the client's delayed acknowledgement, about 40 ms
+  per request, which capped a consumer reading single-record batches at ~30 a second),
+  and buffered until the request is done, so a short reply is one write;
+* a key's folder is resolved (for links) once, not on every request;
 * a listing reads only the folder its prefix names, not the whole bucket, and from an
   index the server keeps (``FolderIndex``): the broker lists one partition's records on
   every fetch, and a walk, a stat and an XML element of every object made each fetch
@@ -177,6 +179,9 @@ def forget_etags(paths: Collection[Path]) -> None:
 
 INDEX = FolderIndex()
 WRITING_METHODS = frozenset({"PUT", "POST", "DELETE"})
+RESOLVED_FOLDERS: dict[tuple[Path, str], Path] = {}
+"""A folder of a bucket (``a/b`` of key ``a/b/c``) as its real path; about one per
+partition of the broker's."""
 CONDITIONAL_WRITES = threading.Lock()
 """Held from reading an object's version to replacing it: by a write with ``If-Match``
 and by the store's own read-modify-writes, so neither passes the other."""
@@ -186,7 +191,32 @@ class FastS3Handler(localbucket.S3Handler):  # type: ignore[misc]  # the library
     """localbucket's handler with prompt replies and indexed, pre-rendered listings."""
 
     disable_nagle_algorithm = True
+    wbufsize = -1
+    """A reply is buffered and sent when its request is done (``http.server`` flushes
+    then), so its headers and a short body leave in one write, not two."""
     _listed: dict[str, Entry]
+
+    def handle_expect_100(self) -> bool:
+        """A client waiting for ``100 Continue`` before its body must get it now, not
+        with the buffered reply."""
+        proceed: bool = super().handle_expect_100()
+        self.wfile.flush()
+        return proceed
+
+    def _object_path(self, bucket: str, key: str) -> Path:
+        """localbucket's path of a key, its folder resolved once: resolving (for links a
+        store of plain folders never holds) on every request was a tenth of the store's
+        CPU. A key is checked in full the first time its folder is seen."""
+        folder, _, name = key.rpartition("/")
+        seen = (self.data_root / bucket, folder)
+        resolved = RESOLVED_FOLDERS.get(seen)
+        if resolved is None or name in ("", ".", ".."):
+            path: Path = super()._object_path(bucket, key)
+            if path.name == name:
+                RESOLVED_FOLDERS[seen] = path.parent
+            return path
+        self._bucket_dir(bucket)  # a bucket deleted since: NoSuchBucket, as localbucket says
+        return resolved / name
 
     def _dispatch(self, action: Callable[[str, str], None]) -> None:
         if self.command not in WRITING_METHODS:
