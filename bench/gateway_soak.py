@@ -3,12 +3,15 @@
 ``bench.soak`` has no gateway (its driver calls the capture core), so what the gateway keeps
 per rollout, session or api key is measured here: the cluster of ``bench.fronted`` (one
 ``tokentrail worker`` on the vLLM CPU engine with the tiny model, an embedded broker, a
-``tokentrail dataplane``) with one ``tokentrail gateway`` at its defaults in front. ``--agents``
+``tokentrail dataplane``) with one ``tokentrail gateway`` in front. ``--agents``
 agents each loop: open a rollout through the gateway, make ``--calls`` short chat completions
 through the official ``openai`` SDK (each continuing the conversation, so the gateway links
 child calls), seal. Every ``--sample-every`` seconds the gateway's, the worker's (its API
 process; the engine core apart) and the data plane's resident memory, and the gateway's open
-sessions. The report is ``bench.soak``'s memory slope per 10,000 finished rollouts (least
+sessions. The gateway's one bound per finished rollout, the sealed sessions it remembers, is
+set small (``--remember-sealed``), so it is full within the first minute and any growth after
+that is a leak, not a structure still filling (at its default of 10,000, a run of a few
+rollouts a second fills it for most of an hour). The report is ``bench.soak``'s memory slope per 10,000 finished rollouts (least
 squares) over the samples past the first third, and over each half of the run apart: a
 process is flat when its second half's slope is near 0 and below its first's.
 
@@ -52,12 +55,14 @@ class GatewaySoakConfig:
     """Chat completions per rollout."""
     tokens: int = 4
     """Generated tokens per call: short, so the run measures the gateway, not the engine."""
+    remember_sealed: int = 300
+    """The gateway's ``--remember-sealed``."""
 
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.sample_every_s <= 0:
             raise ValueError("--minutes and --sample-every: must be > 0")
-        if min(self.agents, self.calls, self.tokens) < 1:
-            raise ValueError("--agents, --calls and --tokens: must be >= 1")
+        if min(self.agents, self.calls, self.tokens, self.remember_sealed) < 1:
+            raise ValueError("--agents, --calls, --tokens and --remember-sealed: must be >= 1")
 
 
 QUICK = Quick("a 1-minute soak, sampled every 3 s", GatewaySoakConfig(minutes=1.0, sample_every_s=3.0))
@@ -67,13 +72,14 @@ OPTIONS = (
     Option("--agents", "agents playing rollouts at once (default 8)", int),
     Option("--calls", "chat completions per rollout (default 2)", int),
     Option("--tokens", "generated tokens per call (default 4)", int),
+    Option("--remember-sealed", "the gateway's sealed sessions kept (default 300)", int),
 )
 
 
 def run(config: GatewaySoakConfig) -> dict[str, Any]:
     guard_descendants()  # the cluster's processes die with this one, also on SIGTERM or SIGKILL
     with tempfile.TemporaryDirectory(prefix="gateway-soak-") as scratch, fronted(Path(scratch)) as cluster:
-        gateway, url = cluster.gateway()
+        gateway, url = cluster.gateway(remember_sealed=config.remember_sealed)
         pids = {"gateway": gateway.pid, "worker": cluster.worker.pid, "dataplane": cluster.dataplane.pid}
         tally: Counter[str] = Counter()
         errors: list[str] = []
