@@ -31,12 +31,10 @@ import asyncio
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event as EventType
@@ -51,16 +49,10 @@ from bench.common import (
     machine,
     percentiles,
     process_cpu_s,
-    started,
     tree_cpu_s,
     versions,
 )
-from pipeline.auth.credentials import Credentials, Role
-from pipeline.gateway.settings import GatewaySettings
-from pipeline.kafka.admin import ensure_topics
-from pipeline.kafka.embedded.broker import EmbeddedBroker
-from pipeline.process.flags import to_argv
-from pipeline.worker.settings import WorkerSettings
+from bench.fronted import fronted, open_rollout, seal
 
 TARGET_RATIO = 1.5
 UNLIMITED = 1_000_000
@@ -203,10 +195,7 @@ async def trial(
     """Well-behaved agents alone (``flooder_kind`` None) or beside a flooder of that kind."""
     async with httpx.AsyncClient(base_url=gateway, headers=environment, timeout=60) as http:
         waits_before, _ = await slot_state(http)
-        opened = [
-            (await http.post("/rollouts", json={})).raise_for_status().json()
-            for _ in range(config.agents + 1)
-        ]
+        opened = [await open_rollout(http) for _ in range(config.agents + 1)]
         agents = opened[:-1]
         spawn = multiprocessing.get_context("spawn")
         stop, out = spawn.Event(), spawn.Queue()
@@ -232,7 +221,7 @@ async def trial(
                 await task
                 answers, flooder_cpu_s = local_out.get_nowait()
         for o in opened:
-            (await http.post(f"/rollouts/{o['rollout_id']}/seal", json={"reward": 0.0})).raise_for_status()
+            await seal(http, o)
         waits_after, worker_slots = await slot_state(http)
     latencies = [seconds for agent in per_agent for seconds in agent]
     return {
@@ -305,38 +294,18 @@ def run(config: QuotaBenchConfig | None = None) -> dict[str, Any]:
     """Start the services and the gateways, then interleave alone and flooded trials; each
     round starts at the next gateway, so no gateway always follows the same one's flood."""
     config = config or QuotaBenchConfig()
-    cli = [sys.executable, "-m", "pipeline.cli"]
     trials: list[dict[str, Any]] = []
     load_before = machine()
     with (
         tempfile.TemporaryDirectory(prefix="bench-quotas-") as scratch,
-        EmbeddedBroker() as broker,
-        ExitStack() as stack,
+        fronted(Path(scratch)) as cluster,
     ):
-        root = Path(scratch)
-        asyncio.run(ensure_topics(broker.kafka_config()))
-        secrets_dir = root / "credentials"
-        environment = Credentials.mint(secrets_dir).authorization(Role.ENVIRONMENT)
-        model_dir = root / "model"
-        subprocess.run([*cli, "make-tiny-model", str(model_dir)], check=True, stdout=subprocess.DEVNULL)
-        common = ["--bootstrap", broker.bootstrap, "--credentials-dir", str(secrets_dir), "--json"]
-        stack.enter_context(
-            started([*cli, "dataplane", "--data-dir", scratch, "--json"], root / "dataplane.log")
-        )
-        capture = WorkerSettings(model_dir=model_dir, port=0, dataplane_addresses=root / "dataplane.json")
-        worker_argv = [*cli, "worker", *to_argv(capture), *common]
-        worker, ready = stack.enter_context(started(worker_argv, root / "worker.log"))
-        model = ready["model"]
+        environment, model, worker = cluster.environment, cluster.model, cluster.worker
         gateways: dict[str, tuple[str, int]] = {}
         for in_flight in config.in_flight:
             for slots in config.worker_slots:
-                name = gateway_name(in_flight, slots)
-                fronting = GatewaySettings(
-                    workers=ready["url"], port=0, max_in_flight=in_flight, worker_slots=worker_slots(slots)
-                )
-                argv = [*cli, "gateway", *to_argv(fronting), *common]
-                process, serving = stack.enter_context(started(argv, root / f"gateway-{len(gateways)}.log"))
-                gateways[name] = serving["url"], process.pid
+                process, url = cluster.gateway(max_in_flight=in_flight, worker_slots=worker_slots(slots))
+                gateways[gateway_name(in_flight, slots)] = url, process.pid
         asyncio.run(
             trial(next(iter(gateways.values()))[0], environment, model, replace(config, trials=1), None)
         )  # warm up

@@ -248,18 +248,13 @@ def _report(
 ) -> dict[str, Any]:
     last = samples[-1]
     steady = [s for s in samples[len(samples) // 3 :] if s["finished"] >= MAX_BOUND_FILL_ROLLOUTS]
-    halves = samples[: len(samples) // 2], samples[len(samples) // 2 :]
     processes = {}
     for name in last["rss_mib"]:
         first = steady[0] if steady else samples[0]
         rollouts = last["finished"] - first["finished"]
         processes[name] = {
             **_heap_report(samples, steady, name),
-            "rss_mib_first": samples[0]["rss_mib"][name],
-            "rss_mib_steady_from": first["rss_mib"][name],
-            "rss_mib_last": last["rss_mib"][name],
-            "slope_mib_per_10k_rollouts": _rss_slope(steady, name),
-            "slope_by_half_mib_per_10k_rollouts": [_rss_slope(half, name) for half in halves],
+            **rss_report(samples, steady, name),
             "cpu_ms_per_rollout": round(1000 * (last["cpu_s"][name] - first["cpu_s"][name]) / rollouts, 2)
             if rollouts > 0
             else None,
@@ -292,6 +287,19 @@ def _report(
         "restarts": restarts,
         "samples": samples,
         "machine": {"cpus": psutil.cpu_count()},
+    }
+
+
+def rss_report(samples: list[dict[str, Any]], steady: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """A process's resident MiB first, from the first of ``steady`` on, and last, and its slope
+    per 10,000 finished rollouts over ``steady`` and over each half of ``samples``."""
+    halves = samples[: len(samples) // 2], samples[len(samples) // 2 :]
+    return {
+        "rss_mib_first": samples[0]["rss_mib"][name],
+        "rss_mib_steady_from": (steady[0] if steady else samples[0])["rss_mib"][name],
+        "rss_mib_last": samples[-1]["rss_mib"][name],
+        "slope_mib_per_10k_rollouts": _rss_slope(steady, name),
+        "slope_by_half_mib_per_10k_rollouts": [_rss_slope(half, name) for half in halves],
     }
 
 
@@ -341,7 +349,7 @@ def render(report: dict[str, Any]) -> str:
         first_half, second_half = p["slope_by_half_mib_per_10k_rollouts"]
         lines.append(
             f"{name:<10} {p['rss_mib_first']:>10.1f} {p['rss_mib_steady_from']:>8.1f} {p['rss_mib_last']:>8.1f} "
-            f"{_signed(p['slope_mib_per_10k_rollouts']):>9} {_signed(first_half):>9} {_signed(second_half):>9} "
+            f"{signed(p['slope_mib_per_10k_rollouts']):>9} {signed(first_half):>9} {signed(second_half):>9} "
             f"{p['cpu_ms_per_rollout']!s:>9}"
         )
     for name, p in report["processes"].items():
@@ -369,7 +377,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _signed(value: float | None) -> str:
+def signed(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.3f}"
 
 

@@ -50,6 +50,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     session_ttl_s: float = 600.0
+    remember_sealed: int = 10_000
+    """Sealed sessions kept (the latest), to show and for 409s."""
     sample_policy: SamplePolicy = "terminal"
     """For seals that do not name one (DESIGN §4.4)."""
     sweep_every_s: float = 5.0
@@ -106,7 +108,12 @@ async def gateway(
     ``client`` publishes admissions and seals (default: a plain one on ``sink``).
     """
     client = client if client is not None else RolloutClient(sink)
-    sessions = Sessions(client, ttl_s=config.session_ttl_s, sample_policy=config.sample_policy)
+    sessions = Sessions(
+        client,
+        ttl_s=config.session_ttl_s,
+        sample_policy=config.sample_policy,
+        remember_sealed=config.remember_sealed,
+    )
     timeout = httpx.Timeout(config.call_timeout_s, connect=5.0)
     credentials = config.credentials
     async with httpx.AsyncClient(

@@ -73,6 +73,14 @@ class Session:
         self.calls.append(call)
         self.by_id[call.call_id] = call
 
+    def close(self, seal: RolloutSeal) -> None:
+        """Sealed: it keeps what it still answers for, its seal (a later call or seal is a 409)
+        and its calls (to show). The Responses conversations it remembered and its calls by id
+        are for calls to come, and there are none: a gateway keeps thousands of sealed sessions."""
+        self.seal = seal
+        self.responses = ResponseLog()
+        self.by_id = {}
+
     def describe(self) -> dict[str, object]:
         """What ``GET /rollouts/{id}`` shows: the calls and their parent links."""
         return {
@@ -248,7 +256,7 @@ class Sessions:
             sealed_by=sealed_by,
             call_rewards=call_rewards,
         )
-        session.seal = seal
+        session.close(seal)
         self._sealed[rollout_id] = self._open.pop(rollout_id)
         self._trim_sealed()
         return seal

@@ -46,6 +46,9 @@ class GatewaySettings(BaseModel):
     """listen port; 0 picks a free one"""
     session_ttl_s: Annotated[float, Field(gt=0), Flag("--session-ttl", metavar="S")] = 600.0
     """a session idle this long is sealed failed 'abandoned'"""
+    remember_sealed: Annotated[int, Field(gt=0), Flag(metavar="N")] = 10_000
+    """sealed sessions kept, the latest, to show and to answer a later call or seal with 409: the
+    gateway's memory beyond its open sessions is at most this many"""
     sample_policy: SamplePolicy = "terminal"
     """which chains of a rollout become samples when its seal does not say: the terminal chain,
     every root-to-leaf chain (leaves), or each root's longest chain (chains, for agents that
@@ -118,6 +121,7 @@ class GatewaySettings(BaseModel):
             host=self.host,
             port=self.port,
             session_ttl_s=self.session_ttl_s,
+            remember_sealed=self.remember_sealed,
             replica=self.replica,
             max_open_s=self.max_open_s,
             checkpoint_every_s=self.checkpoint_every_s,

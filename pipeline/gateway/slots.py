@@ -115,11 +115,21 @@ class FairSlots:
             self._release(session)
 
     def _active(self) -> int:
-        now = self.clock()
-        for session, at in list(self._released.items()):
-            if now - at > self.idle_s:
-                del self._released[session]
+        self._forget_idle()
         return len(self.held.keys() | self._waiting.keys() | self._released.keys())
+
+    def _forget_idle(self) -> None:
+        """Drop the sessions that released their last slot over ``idle_s`` ago. Run on every
+        release too, not only when a share is computed: on a learned capacity a session's
+        first call starts without one, so sequential agents never compute it, and every
+        session the gateway served would stay here. ``_released`` is in release order
+        (a session is popped when it acquires again), so the idle ones are at its front."""
+        now = self.clock()
+        while self._released:
+            session, at = next(iter(self._released.items()))
+            if now - at <= self.idle_s:
+                return
+            del self._released[session]
 
     def _may_start(self, session: str) -> bool:
         held = self.held[session]
@@ -147,6 +157,7 @@ class FairSlots:
         self.held[session] -= 1
         if self.held[session] <= 0:
             del self.held[session]
+            self._forget_idle()
             self._released[session] = self.clock()
         self._grant()
 

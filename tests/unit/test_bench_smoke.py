@@ -663,6 +663,25 @@ def test_soak_smallest_configuration() -> None:
     assert report["restarts"] == {} and "ledger" in soak.render(report)
 
 
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.broker
+@pytest.mark.dataplane
+def test_gateway_soak_smallest_configuration() -> None:
+    from bench import gateway_soak
+
+    config = gateway_soak.GatewaySoakConfig(minutes=0.25, sample_every_s=3.0, agents=2)
+    report = gateway_soak.run(config)
+    assert report["benchmark"] == "gateway-soak" and report["rollouts"] > 0 and report["failed"] == 0
+    assert set(report["processes"]) == {"gateway", "worker", "engine_core", "dataplane"}
+    gateway = report["processes"]["gateway"]
+    assert {"slope_mib_per_10k_rollouts", "slope_by_half_mib_per_10k_rollouts", "rss_mib_last"} <= set(
+        gateway
+    )
+    assert len(gateway["slope_by_half_mib_per_10k_rollouts"]) == 2
+    assert "gateway" in gateway_soak.render(report)
+
+
 def test_soak_slope_is_least_squares_per_finished_rollout() -> None:
     from bench import soak
 

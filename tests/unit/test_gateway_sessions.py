@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from pipeline.api.errors import InvalidRequest
 from pipeline.api.protocols import CHAT, COMPLETIONS
 from pipeline.api.protocols.turns import Turn
 from pipeline.gateway.history import extended, history_of
@@ -103,6 +104,28 @@ def test_sessions_seal_once_and_abandon_idle_ones() -> None:
         ("r1", "completed", None),
         ("r3", "failed", ABANDONED),
     ]
+
+
+def test_a_sealed_session_keeps_its_seal_and_calls_not_its_conversations() -> None:
+    """A gateway keeps its latest sealed sessions (``remember_sealed``): each keeps what it
+    still shows and refuses with, not the Responses conversations it would continue."""
+    sessions = Sessions(RolloutClient(RecordingSink()), ttl_s=10, remember_sealed=2)
+    session = sessions.open("r1")
+    session.add(answered("c1", chat("hi"), "hello"))
+    session.responses.remember({"input": "hi"}, {"id": "resp-1", "output": [{"type": "message"}]})
+    asyncio.run(sessions.seal("r1", reward=1.0))
+    with pytest.raises(InvalidRequest):
+        session.responses.expand({"previous_response_id": "resp-1"})
+    assert not session.by_id and [c["call_id"] for c in asyncio.run(sessions.describe("r1"))["calls"]] == [
+        "c1"
+    ]
+    for rollout_id in ("r2", "r3"):  # past ``remember_sealed``: the oldest is forgotten
+        sessions.open(rollout_id)
+        asyncio.run(sessions.seal(rollout_id, reward=0.0))
+    for rollout_id, status in (("r1", 404), ("r2", 409)):
+        with pytest.raises(SessionError) as caught:
+            sessions.get(rollout_id)
+        assert caught.value.status == status
 
 
 def test_a_seal_names_its_sample_policy_or_takes_the_gateways() -> None:

@@ -181,6 +181,23 @@ def test_a_session_s_first_call_never_waits_behind_a_learned_limit() -> None:
     assert asyncio.run(go()).busy == 0
 
 
+def test_finished_sessions_are_forgotten_once_idle() -> None:
+    """Sequential agents on a learned capacity (the default): each session's first call starts
+    without a share being computed, and a finished session is forgotten after ``idle_s`` all
+    the same, so a long-lived gateway keeps nothing per rollout it served."""
+
+    async def go() -> FairSlots:
+        clock = Clock()
+        slots = FairSlots(LearnedCapacity(), idle_s=1.0, clock=clock)
+        for number in range(1_000):
+            async with slots.hold(f"rollout-{number}"):
+                clock.now += 0.5
+        return slots
+
+    slots = asyncio.run(go())
+    assert len(slots._released) <= 3 and not slots.held  # those released within the last idle_s
+
+
 def test_worker_slots_zero_turns_fair_shares_off() -> None:
     workers = Workers(["http://w"], slots=0)
     assert workers.capacities() == [] and workers.slot_waits() == []

@@ -60,6 +60,7 @@ ROUND_TRIPS: list[tuple[list[str], BaseModel]] = [
             workers="http://a:8000,http://b:8000",
             port=0,
             session_ttl_s=5.5,
+            remember_sealed=300,
             sample_policy="chains",
             replica="gateway-1",
             max_open_s=120.0,
