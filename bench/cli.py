@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "splice": "the worker's splice CPU per call beside vLLM's own render, at 10, 100 and 1,000 turns",
     "soak": "stage memory slope per 10,000 rollouts, consumer lag and disk per call over a long steady run",
     "gateway-soak": "the real gateway's and worker's memory slope per 10,000 rollouts of SDK agents over a long run",
+    "log-trip": "a record's trip into the log under soak load, beside the ledger's log-time merge margin",
     "learning": "mean reward per training step with each trainer on the dense digits reward: does the loop learn",
     "digest": "hashing MB/s of token bytes and staging rows built per second, list vs numpy input",
     "capture-hook": "the capture core's completion hook per call at 1K..32K tokens, hashing apart",
@@ -64,6 +65,7 @@ examples:
   tokentrail bench splice --quick --json
   tokentrail bench soak --minutes 30
   tokentrail bench gateway-soak --minutes 15 --json
+  tokentrail bench log-trip --minutes 5 --storage durable --json
   tokentrail bench learning --json --plot bench/learning_curve.png
   tokentrail bench digest --json
   tokentrail bench capture-hook --quick

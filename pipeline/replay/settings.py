@@ -13,6 +13,7 @@ from typing import Annotated, Self
 from aiokafka import TopicPartition
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from pipeline.dataplane.config import DEFAULT_DATA_DIR
 from pipeline.process.flags import NOT_A_FLAG, Flag
 from pipeline.replay.continued import DEFAULT_MARGIN_S
 
@@ -89,5 +90,5 @@ class ShowSettings(BaseModel):
 
     rollout_id: Annotated[str, Flag(positional=True)]
     """the rollout to show"""
-    db: Path = Path(".tokentrail/ledger.sqlite")
+    db: Path = DEFAULT_DATA_DIR / "ledger.sqlite"
     """ledger SQLite file"""

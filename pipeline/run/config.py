@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
 
-from pipeline.dataplane.config import AddressesFlag
+from pipeline.dataplane.config import DEFAULT_DATA_DIR, AddressesFlag
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.kafka.embedded.broker import StorageMode
@@ -31,7 +31,6 @@ from stages.trainer.settings import TrainerDtype
 from stages.trainer.staleness import StaleMeasure
 
 RunDataPlaneMode = Literal["embedded", "ray"]
-DEFAULT_DATA_DIR = Path(".tokentrail")
 TINY_MODEL_DIR_NAME = "tiny-model"
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from pipeline.dataplane.config import DEFAULT_DATA_DIR
 from pipeline.process.flags import Flag
 from pipeline.samples.export import ExportFormat
 
@@ -20,7 +21,7 @@ class ExportSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    data_dir: Path = Path(".tokentrail")
+    data_dir: Path = DEFAULT_DATA_DIR
     """data directory"""
     format: ExportFormat = "jsonl"
     """output format"""

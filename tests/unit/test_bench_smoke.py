@@ -664,6 +664,23 @@ def test_soak_smallest_configuration() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.dataplane
+def test_log_trip_smallest_configuration() -> None:
+    from bench import log_trip
+    from pipeline.run.services import MEMORY_LOG_MARGIN_MS
+
+    report = log_trip.run(log_trip.LogTripConfig(minutes=0.15, storage="memory", concurrency=2))
+    trip = report["trip_ms"]
+    assert report["benchmark"] == "log-trip" and report["records"] > 0
+    assert 0 < trip["p50"] <= trip["p99"] <= trip["p99.9"] <= trip["max"]
+    assert sum(minute["records"] for minute in report["by_minute"]) == report["records"]
+    assert report["margin_ms"] == MEMORY_LOG_MARGIN_MS
+    assert report["within_margin"] == (trip["max"] < MEMORY_LOG_MARGIN_MS)
+    assert "merge margin" in log_trip.render(report)
+
+
+@pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.broker
 @pytest.mark.dataplane
