@@ -11,9 +11,10 @@ process; the engine core apart) and the data plane's resident memory, and the ga
 sessions. The gateway's one bound per finished rollout, the sealed sessions it remembers, is
 set small (``--remember-sealed``), so it is full within the first minute and any growth after
 that is a leak, not a structure still filling (at its default of 10,000, a run of a few
-rollouts a second fills it for most of an hour). The report is ``bench.soak``'s memory slope per 10,000 finished rollouts (least
-squares) over the samples past the first third, and over each half of the run apart: a
-process is flat when its second half's slope is near 0 and below its first's.
+rollouts a second fills it for most of an hour). The report is ``bench.soak``'s memory
+slope per 10,000 finished rollouts (least squares) over the samples past the first third,
+and over each half of the run apart: a process is flat when its second half's slope is
+near 0 and below its first's.
 
     tokentrail bench gateway-soak [--quick] [--json] [--minutes 30] [--agents 8]
 """
