@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.command import Benchmark, Option, Quick
 from bench.common import machine
 from bench.fronted import fronted, open_rollout, seal
-from bench.soak import rss_report, signed
+from bench.soak import RSS_COLUMNS, rss_report, rss_row
 from pipeline.process.guard import guard_descendants
 
 ERRORS_KEPT = 5
@@ -206,14 +206,9 @@ def render(report: dict[str, Any]) -> str:
         f"{report['rollouts']} rollouts ({report['failed']} failed), {report['rollouts_per_s']}/s; "
         f"open sessions max {report['open_sessions_max']}; slopes (MiB per 10k rollouts) over the "
         f"samples from {report['steady_from_rollouts']} rollouts on, and over each half of the run",
-        f"{'process':<12} {'RSS first':>10} {'steady':>8} {'last':>8} {'MiB/10k':>9} {'1st half':>9} {'2nd half':>9}",
+        RSS_COLUMNS,
     ]
-    for name, p in report["processes"].items():
-        first_half, second_half = p["slope_by_half_mib_per_10k_rollouts"]
-        lines.append(
-            f"{name:<12} {p['rss_mib_first']:>10.1f} {p['rss_mib_steady_from']:>8.1f} {p['rss_mib_last']:>8.1f} "
-            f"{signed(p['slope_mib_per_10k_rollouts']):>9} {signed(first_half):>9} {signed(second_half):>9}"
-        )
+    lines += [rss_row(name, process) for name, process in report["processes"].items()]
     lines += [f"error: {error}" for error in report["errors"]]
     return "\n".join(lines)
 

@@ -303,6 +303,20 @@ def rss_report(samples: list[dict[str, Any]], steady: list[dict[str, Any]], name
     }
 
 
+RSS_COLUMNS = f"{'process':<12} {'RSS first':>10} {'steady':>8} {'last':>8} {'MiB/10k':>9} {'1st half':>9} {'2nd half':>9}"
+"""The header of the rendered ``rss_report`` columns."""
+
+
+def rss_row(name: str, process: dict[str, Any]) -> str:
+    """One process's ``rss_report`` as a line under ``RSS_COLUMNS``."""
+    first_half, second_half = process["slope_by_half_mib_per_10k_rollouts"]
+    return (
+        f"{name:<12} {process['rss_mib_first']:>10.1f} {process['rss_mib_steady_from']:>8.1f} "
+        f"{process['rss_mib_last']:>8.1f} {_signed(process['slope_mib_per_10k_rollouts']):>9} "
+        f"{_signed(first_half):>9} {_signed(second_half):>9}"
+    )
+
+
 def _rss_slope(samples: list[dict[str, Any]], name: str) -> float | None:
     """A process's resident MiB per 10,000 finished rollouts over ``samples``, least squares."""
     fitted = slope([s["finished"] for s in samples], [s["rss_mib"][name] for s in samples])
@@ -342,16 +356,10 @@ def render(report: dict[str, Any]) -> str:
         f"{report['rollouts']} rollouts, {report['calls']} calls, {report['rollouts_per_s']}/s; "
         f"slopes (MiB per 10k rollouts) over the samples from {report['steady_from_rollouts']} rollouts on, "
         "and over each half of the run",
-        f"{'process':<10} {'RSS first':>10} {'steady':>8} {'last':>8} {'MiB/10k':>9} {'1st half':>9} "
-        f"{'2nd half':>9} {'CPU ms/r':>9}",
+        f"{RSS_COLUMNS} {'CPU ms/r':>9}",
     ]
     for name, p in report["processes"].items():
-        first_half, second_half = p["slope_by_half_mib_per_10k_rollouts"]
-        lines.append(
-            f"{name:<10} {p['rss_mib_first']:>10.1f} {p['rss_mib_steady_from']:>8.1f} {p['rss_mib_last']:>8.1f} "
-            f"{signed(p['slope_mib_per_10k_rollouts']):>9} {signed(first_half):>9} {signed(second_half):>9} "
-            f"{p['cpu_ms_per_rollout']!s:>9}"
-        )
+        lines.append(f"{rss_row(name, p)} {p['cpu_ms_per_rollout']!s:>9}")
     for name, p in report["processes"].items():
         if "blocks_first" in p:
             lines.append(
@@ -377,7 +385,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def signed(value: float | None) -> str:
+def _signed(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.3f}"
 
 
