@@ -20,11 +20,11 @@ from typing import Annotated, Literal, cast, get_args
 
 from pydantic import Field
 
+from pipeline.process.datadir import DEFAULT_DATA_DIR
 from pipeline.process.flags import Flag
 
 DataPlaneMode = Literal["embedded", "attach", "ray"]
 
-DEFAULT_DATA_DIR = Path(".tokentrail")
 ADDRESSES_FILE_NAME = "dataplane.json"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 10.0

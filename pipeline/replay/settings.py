@@ -13,7 +13,7 @@ from typing import Annotated, Self
 from aiokafka import TopicPartition
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.dataplane.config import DEFAULT_DATA_DIR
+from pipeline.process.datadir import DEFAULT_DATA_DIR
 from pipeline.process.flags import NOT_A_FLAG, Flag
 from pipeline.replay.continued import DEFAULT_MARGIN_S
 

@@ -16,10 +16,11 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, model_validator
 
-from pipeline.dataplane.config import DEFAULT_DATA_DIR, AddressesFlag
+from pipeline.dataplane.config import AddressesFlag
 from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.consumer import DEFAULT_TUNING
 from pipeline.kafka.embedded.broker import StorageMode
+from pipeline.process.datadir import DEFAULT_DATA_DIR
 from pipeline.process.flags import NOT_A_FLAG, Flag
 from pipeline.stagehost.settings import StageBounds
 from pipeline.worker.reasoning import AUTO

@@ -11,7 +11,7 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from pipeline.dataplane.config import DEFAULT_DATA_DIR
+from pipeline.process.datadir import DEFAULT_DATA_DIR
 from pipeline.process.flags import Flag
 from pipeline.samples.export import ExportFormat
 

@@ -13,8 +13,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.dataplane.config import DEFAULT_DATA_DIR, AddressesFlag
+from pipeline.dataplane.config import AddressesFlag
 from pipeline.kafka.consumer import DEFAULT_TUNING, ConsumerTuning
+from pipeline.process.datadir import DEFAULT_DATA_DIR
 from pipeline.process.flags import Flag
 from pipeline.stagehost.lag import DEFAULT_INTERVAL_S
 from stages.finalize.janitor import JanitorConfig
