@@ -33,7 +33,6 @@ from pipeline.kafka.config import KafkaConfig
 from pipeline.kafka.embedded.tansu import TANSU
 from pipeline.kafka.reader import assigned_reader, topic_ends
 from pipeline.process.guard import guard_descendants
-from pipeline.run.services import run_groups
 
 POINTS = (50, 99, 99.9, 100)
 
@@ -71,7 +70,7 @@ def run(config: LogTripConfig) -> dict[str, Any]:
         )
         with running(cluster):
             trips = asyncio.run(_follow(cluster.kafka, config.minutes * 60))
-            margin_ms = run_groups(cluster.broker, None).idle_margin_ms
+            margin_ms = cluster.broker.merge_margin_ms
     whole = _quantiles([trip for _, trip in trips])
     by_minute: dict[int, list[float]] = {}
     for at_s, trip in trips:

@@ -74,7 +74,7 @@ def bench_groups() -> Any:
     second, and each expiry is a rebalance in the middle of the measurement. The broker
     is the embedded memory one, so the merge margin is the run's on it."""
     from pipeline.kafka.consumer import ConsumerTuning
-    from pipeline.run.services import MEMORY_LOG_MARGIN_MS
+    from pipeline.kafka.embedded.broker import MEMORY_LOG_MARGIN_MS
 
     return ConsumerTuning(
         session_timeout_ms=6_000, heartbeat_interval_ms=1_000, idle_margin_ms=MEMORY_LOG_MARGIN_MS

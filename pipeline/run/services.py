@@ -42,18 +42,12 @@ log = logging.getLogger(__name__)
 # session of 3 s tolerates short event-loop stalls, and tansu's join pause (half of it)
 # stays short. Stage processes get the same timings.
 RUN_GROUPS = ConsumerTuning(session_timeout_ms=3_000, heartbeat_interval_ms=500)
-MEMORY_LOG_MARGIN_MS = 100
-"""The log-time merge's margin on the embedded memory broker: there a record reaches the
-log within 76 ms of its timestamp (publish-to-acknowledgement p99.9 70 ms, max 76, over a
-64-rollout main job); durable storage takes up to about 330 ms, so it keeps the default."""
 
 
 def run_groups(broker: EmbeddedBroker | None, fetch_wait_ms: int | None) -> ConsumerTuning:
     """The run's group timings: the merge margin is as short as the log allows (DESIGN §7.2)."""
     tuning = replace(RUN_GROUPS, fetch_wait_ms=fetch_wait_ms)
-    if broker is not None and broker.storage == "memory":
-        return replace(tuning, idle_margin_ms=MEMORY_LOG_MARGIN_MS)
-    return tuning
+    return tuning if broker is None else replace(tuning, idle_margin_ms=broker.merge_margin_ms)
 
 
 STAGE_STOP_TIMEOUT_S = 30.0

@@ -668,7 +668,7 @@ def test_soak_smallest_configuration() -> None:
 @pytest.mark.dataplane
 def test_log_trip_smallest_configuration() -> None:
     from bench import log_trip
-    from pipeline.run.services import MEMORY_LOG_MARGIN_MS
+    from pipeline.kafka.embedded.broker import MEMORY_LOG_MARGIN_MS
 
     report = log_trip.run(log_trip.LogTripConfig(minutes=0.15, storage="memory", concurrency=2))
     trip = report["trip_ms"]

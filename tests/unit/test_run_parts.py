@@ -21,13 +21,13 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.kafka.config import KafkaConfig
-from pipeline.kafka.embedded.broker import EmbeddedBroker
+from pipeline.kafka.embedded.broker import MEMORY_LOG_MARGIN_MS, EmbeddedBroker
 from pipeline.run.archiver import SampleArchiver
 from pipeline.run.config import RunConfig, new_run_id, plan_jobs
 from pipeline.run.driver import SealTrackingClient, play_jobs
 from pipeline.run.finalized_watch import FinalizedWatcher
 from pipeline.run.journal import INTERRUPTED, RunJournal, close_dead_runs, dead_runs
-from pipeline.run.services import MEMORY_LOG_MARGIN_MS, RUN_GROUPS, run_groups
+from pipeline.run.services import RUN_GROUPS, run_groups
 from pipeline.samples.archive import SampleArchive, read_archive, sample_record
 from pipeline.samples.export import export_row, write_jsonl, write_parquet
 from stages.client import RolloutClient
