@@ -43,6 +43,8 @@ class LearningConfig:
     group_size: int = 4
     max_tokens: int = 16
     learning_rate: float = 0.03
+    temperature: float = 1.0
+    """The calls' sampling temperature (each trainer scores the distribution that sampled)."""
     seed: int = 0
     window: int = 3
     """Steps averaged at each end for the rise."""
@@ -57,6 +59,7 @@ OPTIONS = (
     Option("--trainers", "trainers, comma separated (default builtin,trl)", names),
     Option("--steps", "training steps per trainer (default 12)", int),
     Option("--learning-rate", "the trainers' learning rate (default 0.03)", float),
+    Option("--temperature", "the calls' sampling temperature (default 1.0)", float),
     Option("--seed", "the run's seed (default 0)", int),
     Option(
         "--shift-behaviour-temperature",
@@ -87,7 +90,8 @@ def curve(trainer: str, config: LearningConfig, shift: float | None = None) -> d
             *("run", "--json", "--reward", "digits", "--trainer", trainer),
             *("--train-steps", str(config.steps), "--rollouts", str(config.rollouts)),
             *("--group-size", str(config.group_size), "--max-tokens", str(config.max_tokens)),
-            *("--learning-rate", str(config.learning_rate), "--seed", str(config.seed)),
+            *("--learning-rate", str(config.learning_rate), "--temperature", str(config.temperature)),
+            *("--seed", str(config.seed)),
             *("--data-dir", str(Path(scratch) / "tt")),
             *(() if shift is None else ("--shift-behaviour-temperature", str(shift))),
         ]
